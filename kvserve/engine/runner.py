@@ -1,0 +1,108 @@
+"""Turns a scheduled batch into one flat forward pass over the paged pool."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.sampler import SampleResult, Sampler
+from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import PagedKVPool
+from kvserve.model.attention import AttentionMetadata, PrefillSpan, context_mask
+from kvserve.model.transformer import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: PagedKVPool, kv: KVCacheManager, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.pool = pool
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        config = model.config
+        self.windows: tuple[int | None, ...] = tuple(sorted({config.layer_window(i) for i in range(config.num_layers)}, key=lambda w: w or 0))
+
+    def _slots(self, table: list[int], length: int) -> torch.Tensor:
+        blocks = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(length)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
+        """Run the batch and sample: one result for every sequence whose prompt is fully computed."""
+        samplers, logits = self.forward(batch)
+        if not samplers:
+            return []
+        return list(zip(samplers, self.sampler.sample(logits, samplers)))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the batch; returns the sequences that sample this step and their logits [S, V]."""
+        decodes = [(s, n) for s, n in batch.entries if n == 1]
+        prefills = [(s, n) for s, n in batch.entries if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        samplers: list[Sequence] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+
+        if decodes:
+            lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
+            max_len = int(lengths.max())
+            max_blocks = -(-max_len // self.block_size)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for row, (seq, _) in enumerate(decodes):
+                pos = seq.num_computed_tokens
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                table = self.kv.block_table(seq.request_id)[:max_blocks]
+                tables[row, : len(table)] = torch.tensor(table)
+            cols = torch.arange(max_len)
+            decode_slots = tables[:, cols // self.block_size] * self.block_size + cols % self.block_size
+            slot_mapping.append(decode_slots[torch.arange(len(decodes)), lengths - 1])
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_slots = decode_slots.to(self.device)
+            query_pos = lengths - 1
+            for window in self.windows:
+                mask = context_mask(query_pos, lengths, max_len, window)
+                meta.decode_masks[window] = mask.view(len(decodes), 1, 1, max_len).to(self.device)
+            for row, (seq, _) in enumerate(decodes):
+                if seq.num_computed_tokens + 1 == seq.num_tokens:
+                    sample_rows.append(row)
+                    samplers.append(seq)
+
+        for seq, n in prefills:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            context = self._slots(self.kv.block_table(seq.request_id), end)
+            slot_mapping.append(context[start:end])
+            query_pos = torch.arange(start, end)
+            masks = {w: context_mask(query_pos, torch.tensor(end), end, w).to(self.device) for w in self.windows}
+            meta.prefills.append(PrefillSpan(row, row + n, context.to(self.device), masks))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+                samplers.append(seq)
+
+        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.pool, meta)
+        if not samplers:
+            return [], torch.empty(0)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return samplers, self.model.compute_logits(hidden[rows])
+
+
+class SimulatedRunner:
+    """Stands in for the model in trace replay: every sequence that would sample gets token 0."""
+
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
+        return [
+            (seq, SampleResult(0, None))
+            for seq, n in batch.entries
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]

@@ -1,0 +1,36 @@
+"""Engine flags shared by every CLI command, spelled as vLLM spells them."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import EngineConfig
+from kvserve.kv.spec import KV_DTYPES
+from kvserve.model.registry import DEFAULT_MODEL, PACKAGED_MODELS
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    aliases = ", ".join(PACKAGED_MODELS)
+    group.add_argument("--model", default=DEFAULT_MODEL, help=f"alias ({aliases}), a .gguf file, or an HF directory (default: %(default)s)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations; auto times fp32 against bf16 matmuls on this machine and takes the faster")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES],
+                       help="KV cache element type; auto follows --dtype")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB preallocated for the paged KV pool (default: %(default)s)")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks; overrides --kv-cache-memory")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running in one step (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one step: decode tokens plus prefill chunks (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output; default: the model's context, capped by the KV capacity")
+    group.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default: %(default)s)")
+    group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    names = EngineConfig.field_names()
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    values.update(extra)
+    return EngineConfig(**values)

@@ -1,0 +1,53 @@
+"""The paged KV pool: the one place that stores and loads K/V.
+
+Every layer's keys and values live in one preallocated tensor of ``num_blocks * block_size``
+slots. A token's slot is ``block_id * block_size + offset``. Quantized dtypes and tier transfers
+plug in here: nothing else touches the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.spec import KVCacheSpec
+
+
+class PagedKVPool:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        # zeros, not empty: padded gathers read arbitrary slots, and 0 * NaN would poison attention
+        self.kv = torch.zeros(
+            spec.num_layers,
+            2,
+            num_blocks * spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=spec.torch_dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def store(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write new tokens' K/V ([T, kv_heads, head_dim]) into their slots."""
+        self.kv[layer, 0].index_copy_(0, slot_mapping, key.to(self.kv.dtype))
+        self.kv[layer, 1].index_copy_(0, slot_mapping, value.to(self.kv.dtype))
+
+    def load(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K/V for a tensor of slot ids of any shape: returns [*slots.shape, kv_heads, head_dim]."""
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, self.spec.num_kv_heads, self.spec.head_dim)
+        return self.kv[layer, 0][flat].view(shape), self.kv[layer, 1][flat].view(shape)
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A block's K/V for every layer: [layers, 2, block_size, kv_heads, head_dim] (a copy)."""
+        start = block_id * self.block_size
+        return self.kv[:, :, start : start + self.block_size].clone()
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        start = block_id * self.block_size
+        self.kv[:, :, start : start + self.block_size].copy_(data)

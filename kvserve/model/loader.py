@@ -1,0 +1,247 @@
+"""Load weights from an HF directory (safetensors) or a GGUF file into CausalLM.
+
+GGUF tensors are dequantized with the `gguf` package's codecs once and cached on disk as
+safetensors under the file's hash, so the second start only maps the cached file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from kvserve.cache_dir import cache_root, file_digest
+from kvserve.model.config import ModelConfig, RopeConfig
+from kvserve.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_to_hf_name(name: str, architecture: str) -> str:
+    stem, _, kind = name.rpartition(".")
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    table = _GGUF_GEMMA_LAYER_NAMES if architecture == "gemma3" else _GGUF_LAYER_NAMES
+    if not match or match.group(2) not in table:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{match.group(1)}.{table[match.group(2)]}.{kind}"
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows for llama-architecture GGUF files."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+# --------------------------------------------------------------------------- GGUF
+def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    meta = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
+            continue  # vocabularies and merges: the tokenizer reads those itself
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed for the model
+            continue
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    return meta, shapes
+
+
+def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        name = gguf_to_hf_name(tensor.name, config.architecture)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            weight = _unpermute_rope(weight, heads)
+        if config.is_gemma and name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stores Gemma's (1 + w); keep HF's w
+        state[name] = weight
+    return state
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    return cache_root() / "gguf" / file_digest(path)
+
+
+def load_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Path, dict]:
+    """Returns the config, the cached safetensors path of dequantized weights, and the metadata."""
+    cache = gguf_cache_dir(path)
+    weights = cache / "model.safetensors"
+    meta_file = cache / "metadata.json"
+    if weights.exists() and meta_file.exists():
+        cached = json.loads(meta_file.read_text())
+        return _config_from_cached(cached["config"]), weights, cached["metadata"]
+    meta, shapes = read_gguf_metadata(path)
+    config = ModelConfig.from_gguf_metadata(meta, shapes)
+    state = _dequantize_gguf(path, config)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = weights.with_suffix(".partial")
+    save_file(state, str(tmp))
+    tmp.replace(weights)
+    scalar_meta = {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}
+    meta_file.write_text(json.dumps({"config": asdict(config), "metadata": scalar_meta}))
+    return config, weights, scalar_meta
+
+
+def _config_from_cached(raw: dict) -> ModelConfig:
+    raw = dict(raw)
+    raw["rope"] = RopeConfig(**raw["rope"])
+    raw["local_rope"] = RopeConfig(**raw["local_rope"]) if raw.get("local_rope") else None
+    raw["layer_types"] = tuple(raw["layer_types"])
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    return ModelConfig(**raw)
+
+
+# --------------------------------------------------------------------------- HF directories
+def _safetensor_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {directory} has no .safetensors files")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    for file in files:
+        handle = safe_open(str(file), framework="pt")  # stays open while its getters live
+        for name in handle.keys():
+            yield name, (lambda handle=handle, name=name: handle.get_tensor(name))
+
+
+# --------------------------------------------------------------------------- assembly
+def _internal_state(config: ModelConfig, get: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Map HF-named tensors onto CausalLM's fused parameters."""
+
+    def need(name: str) -> torch.Tensor:
+        tensor = get(name)
+        if tensor is None:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return tensor
+
+    def norm(name: str) -> torch.Tensor:
+        weight = need(name).float()
+        return weight + 1.0 if config.is_gemma else weight
+
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": need("model.embed_tokens.weight"), "norm.weight": norm("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = need("lm_head.weight")
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([need(attn + f"{p}_proj.weight") for p in "qkv"])
+        if config.attention_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([need(attn + f"{p}_proj.bias") for p in "qkv"])
+        out[dst + "self_attn.o_proj.weight"] = need(attn + "o_proj.weight")
+        if config.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = norm(attn + "q_norm.weight")
+            out[dst + "self_attn.k_norm.weight"] = norm(attn + "k_norm.weight")
+        mlp = src + "mlp."
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([need(mlp + "gate_proj.weight"), need(mlp + "up_proj.weight")])
+        out[dst + "mlp.down_proj.weight"] = need(mlp + "down_proj.weight")
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if config.is_gemma:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for n in norms:
+            out[dst + f"{n}.weight"] = norm(src + f"{n}.weight")
+    return out
+
+
+def _normalize_hf_name(name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    if name.startswith("language_model.lm_head"):
+        return name[len("language_model.") :]
+    return name
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    weight_files: tuple[Path, ...]
+    metadata: dict  # GGUF scalar metadata; {} for HF directories
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint's config and locate its weights (dequantizing a GGUF once, then cached)."""
+    if path.is_file():
+        config, weight_file, metadata = load_gguf_checkpoint(path)
+        return Checkpoint(path, config, (weight_file,), metadata)
+    return Checkpoint(path, ModelConfig.from_hf_file(path), tuple(_safetensor_files(path)), {})
+
+
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """Instantiate CausalLM and fill it with the checkpoint's weights (norms stay in float32)."""
+    config = checkpoint.config
+    getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
+    state = _internal_state(config, lambda name: getters[name]() if name in getters else None)
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions)
+    model = model.to_empty(device=device)
+    # rotary tables are buffers computed at construction; rebuild them for real on the device
+    for rotary in model.rotaries:
+        fresh = type(rotary)(_rope_of(model, rotary), config.head_dim, max_positions)
+        rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
+    params = dict(model.named_parameters())
+    missing = set(params) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            want = torch.float32 if name.endswith("norm.weight") else dtype
+            target.data = tensor.to(device=device, dtype=want)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def _rope_of(model: CausalLM, rotary) -> RopeConfig:
+    for i, layer in enumerate(model.layers):
+        if layer.self_attn.rotary is rotary:
+            return model.config.layer_rope(i)
+    raise AssertionError("rotary table not used by any layer")

@@ -1,0 +1,135 @@
+"""Capacity arithmetic for `kvserve plan`, built on kv/spec.py (the engine's own byte math)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec, blocks_for_tokens
+from kvserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name.replace('num_', '').replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    @staticmethod
+    def from_model(config: ModelConfig) -> "KVShape":
+        windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else ())
+
+    def spec(self, kv_dtype: str, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size, self.layer_windows)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_lens: tuple[int, ...]
+    block_size: int = 16
+    shared_prefix_len: int = 0
+    shared_prefix_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens:
+            raise ValueError("seq-lens is empty: give at least one sequence length")
+        if any(n <= 0 for n in self.seq_lens):
+            raise ValueError(f"seq-lens must be positive, got {list(self.seq_lens)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block-size must be positive, got {self.block_size}")
+        if self.shared_prefix_len < 0 or self.shared_prefix_seqs < 0:
+            raise ValueError("shared-prefix-len and shared-prefix-seqs must be >= 0")
+        if self.shared_prefix_seqs > len(self.seq_lens):
+            raise ValueError(f"shared-prefix-seqs ({self.shared_prefix_seqs}) exceeds the {len(self.seq_lens)} sequences")
+        if self.shared_prefix_len > min(self.seq_lens):
+            raise ValueError(f"shared-prefix-len ({self.shared_prefix_len}) exceeds the shortest sequence ({min(self.seq_lens)})")
+
+
+@dataclass(frozen=True)
+class Budget:
+    memory_gib: float
+    weights_gib: float
+    headroom_gib: float
+
+    def __post_init__(self) -> None:
+        if self.memory_gib <= 0:
+            raise ValueError(f"memory-gib must be positive, got {self.memory_gib}")
+        if self.weights_gib < 0 or self.headroom_gib < 0:
+            raise ValueError("weights-gib and headroom-gib must be >= 0")
+        if self.kv_bytes <= 0:
+            raise ValueError(
+                f"memory-gib {self.memory_gib} leaves nothing for the KV cache after {self.weights_gib:.3f} GiB of weights "
+                f"and {self.headroom_gib} GiB of headroom"
+            )
+
+    @property
+    def kv_bytes(self) -> int:
+        return int((self.memory_gib - self.weights_gib - self.headroom_gib) * GIB)
+
+
+def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | None) -> dict:
+    spec = shape.spec(kv_dtype, workload.block_size)
+    logical = sum(spec.logical_bytes(n) for n in workload.seq_lens)
+    physical = sum(spec.physical_bytes(n) for n in workload.seq_lens)
+    # only whole blocks of a shared prefix can be shared; every sharer after the first saves them
+    shared_tokens = (workload.shared_prefix_len // workload.block_size) * workload.block_size
+    saved = max(workload.shared_prefix_seqs - 1, 0) * spec.physical_bytes(shared_tokens) if shared_tokens else 0
+    result = {
+        "kv_dtype": spec.kv_dtype,
+        "bytes_per_token": spec.bytes_per_token,
+        "bytes_per_block": spec.bytes_per_block,
+        "logical_bytes": logical,
+        "physical_bytes": physical,
+        "shared_bytes": physical - saved,
+        "num_seqs": len(workload.seq_lens),
+        "num_tokens": sum(workload.seq_lens),
+    }
+    if budget is not None:
+        num_blocks = budget.kv_bytes // spec.bytes_per_block
+        mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
+        max_seqs = int(budget.kv_bytes // mean_physical)
+        longest = max(workload.seq_lens)
+        result.update(
+            kv_budget_bytes=budget.kv_bytes,
+            num_blocks=int(num_blocks),
+            token_capacity=int(num_blocks * workload.block_size),
+            max_concurrent_seqs=max_seqs,
+            fits=physical - saved <= budget.kv_bytes,
+            recommended={
+                "max_num_seqs": max(1, max_seqs),
+                "max_num_batched_tokens": int(min(num_blocks * workload.block_size, max(2048, blocks_for_tokens(longest, workload.block_size) * workload.block_size if longest <= 8192 else 8192))),
+                "kv_cache_memory": round(budget.kv_bytes / GIB, 3),
+                "max_model_len": int(min(longest, num_blocks * workload.block_size)),
+            },
+        )
+    return result
+
+
+def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | None) -> dict:
+    """The chosen dtype's plan at the top level, and every dtype side by side under by_dtype."""
+    main = plan_dtype(shape, kv_dtype, workload, budget)
+    main["shape"] = {
+        "layers": shape.num_layers,
+        "kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "sliding_layers": sum(1 for w in shape.layer_windows if w is not None),
+        "block_size": workload.block_size,
+    }
+    main["by_dtype"] = {name: plan_dtype(shape, name, workload, budget) for name in KV_DTYPES}
+    return main
+
+
+def model_weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 4 * h
+    params = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers * per_layer + h
+    return int(params * bytes_per_param)

@@ -1,0 +1,394 @@
+"""The OpenAI-compatible HTTP API (FastAPI)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.sequence import TokenLogprobs
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        if err.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {err.get('msg')}", None
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{field}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, served_model_name: str, chat_template: str | None, max_waiting_requests: int) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.chat_template = chat_template
+        self.metrics = ServerMetrics(served_model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting_requests)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine.config.model):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        room = self.engine.max_model_len - prompt_len
+        if requested is None:
+            return max(1, room)
+        if requested <= 0:
+            raise APIError(400, f"max_tokens must be a positive integer, got {requested}", "max_tokens")
+        if requested > room:
+            raise APIError(
+                400,
+                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds max_model_len={self.engine.max_model_len}",
+                "max_tokens",
+            )
+        return requested
+
+    def _tokenize_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        out = []
+        for p in prompts:
+            ids = self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if (isinstance(p, str) and not p) or not ids:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            self._validate_prompt(ids, "prompt")
+            out.append(ids)
+        return out
+
+    def _validate_prompt(self, ids: list[int], param: str) -> None:
+        try:
+            self.engine.validate_prompt_tokens(ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from exc
+
+    def _params(self, body, max_tokens: int, logprobs: int | None, offset: int) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs, offset)
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(" ", 1)[0] if message else None
+            raise APIError(400, message, param) from exc
+
+    def _usage(self, prompt_lens: list[int], outs: list[RequestOutput]) -> dict:
+        prompt_tokens = sum(prompt_lens)
+        completion = sum(len(o.token_ids) for o in outs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset_text: int = 0) -> dict:
+        tokens = [self._token_text(lp.token_id) for lp in lps]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+            "text_offset": [],
+        }
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
+        content = []
+        for lp in lps:
+            token = self._token_text(lp.token_id)
+            content.append({
+                "token": token,
+                "logprob": lp.logprob,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {"token": self._token_text(t), "logprob": v, "bytes": list(self._token_text(t).encode())} for t, v in lp.top.items()
+                ],
+            })
+        return {"content": content}
+
+    # ------------------------------------------------------------------ endpoints
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        prompts = self._tokenize_prompts(body.prompt)
+        jobs = []  # (choice index, prompt ids, params)
+        for p_idx, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(ids))
+            for i in range(body.n):
+                jobs.append((p_idx * body.n + i, ids, self._params(body, max_tokens, body.logprobs, i)))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def choice(index: int, out: RequestOutput, text: str, lps) -> dict:
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": self._completion_logprobs(lps) if body.logprobs is not None else None,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+
+        def envelope(choices: list[dict]) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name, "choices": choices}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._stream(jobs, body.cache_salt, request, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]),
+                                envelope, include_usage)
+        outs = await self._collect(jobs, body.cache_salt, request)
+        choices = [choice(idx, out, out.text, out.logprobs or []) for (idx, _, _), out in zip(jobs, outs)]
+        return {**envelope(choices), "usage": self._usage([len(ids) for _, ids, _ in jobs], outs)}
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template = body.chat_template or self.chat_template
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(messages, chat_template=template)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
+            raise APIError(400, f"chat template failed: {exc}", "messages") from exc
+        self._validate_prompt(ids, "messages")
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self._max_tokens(requested, len(ids))
+        top = body.top_logprobs if body.logprobs else None
+        if body.logprobs and top is None:
+            top = 0
+        jobs = [(i, ids, self._params(body, max_tokens, top, i)) for i in range(body.n)]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def envelope(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
+            return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+
+        def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
+            return envelope([{
+                "index": index,
+                "delta": {"role": "assistant", "content": delta},
+                "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }])
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._stream(jobs, body.cache_salt, request, chunk, envelope, include_usage)
+        outs = await self._collect(jobs, body.cache_salt, request)
+        choices = [
+            {
+                "index": idx,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
+                "finish_reason": out.finish_reason,
+            }
+            for (idx, _, _), out in zip(jobs, outs)
+        ]
+        return {**envelope(choices, "chat.completion"), "usage": self._usage([len(ids) for _, ids, _ in jobs], outs)}
+
+    async def _collect(self, jobs, cache_salt: str | None, request: Request) -> list[RequestOutput]:
+        async def one(ids, params) -> RequestOutput:
+            last = None
+            async for out in self.async_engine.generate(ids, params, cache_salt):
+                last = out
+            return last
+
+        tasks = [asyncio.ensure_future(one(ids, params)) for _, ids, params in jobs]
+        try:
+            pending = set(tasks)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=0.5)
+                if pending and await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # the generator's finally aborts the request in the engine
+
+    def _stream(self, jobs, cache_salt, request: Request, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
+        # fail fast (before the 200 is sent) when the server is already overloaded
+        if self.async_engine.num_waiting() + len(jobs) > self.async_engine.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.async_engine.num_waiting()} requests are already waiting")
+
+        async def events() -> AsyncIterator[str]:
+            merged: asyncio.Queue = asyncio.Queue()
+            sent_text = {idx: "" for idx, _, _ in jobs}
+            sent_lps = {idx: 0 for idx, _, _ in jobs}
+            finals: dict[int, RequestOutput] = {}
+
+            async def pump(idx, ids, params):
+                try:
+                    async for out in self.async_engine.generate(ids, params, cache_salt, stream=True):
+                        await merged.put((idx, out))
+                except Exception as exc:  # noqa: BLE001 - surfaced as an SSE error event
+                    await merged.put((idx, exc))
+
+            tasks = [asyncio.ensure_future(pump(idx, ids, params)) for idx, ids, params in jobs]
+            try:
+                while len(finals) < len(jobs):
+                    idx, item = await merged.get()
+                    if isinstance(item, Exception):
+                        yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
+                        return
+                    text = item.text
+                    # hold back a trailing partial UTF-8 character until it completes
+                    if not item.finished and text.endswith("\ufffd"):
+                        continue
+                    delta = text[len(sent_text[idx]):] if text.startswith(sent_text[idx]) else text
+                    lps = (item.logprobs or [])[sent_lps[idx]:]
+                    sent_text[idx] = text
+                    sent_lps[idx] += len(lps)
+                    if item.finished:
+                        finals[idx] = item
+                    if delta or item.finished or lps:
+                        yield f"data: {json.dumps(make_chunk(idx, item, delta, lps))}\n\n"
+                if include_usage:
+                    outs = [finals[idx] for idx, _, _ in jobs]
+                    usage = self._usage([len(ids) for _, ids, _ in jobs], outs)
+                    yield f"data: {json.dumps({**envelope([]), 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(server: OpenAIServer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        server.async_engine.start()
+        try:
+            yield
+        finally:
+            server.async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), None, "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, exc: EngineOverloadedError):
+        return error_response(503, f"server overloaded: {exc}; retry later", None, "server_overloaded")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError):
+        return error_response(500, str(exc), None, "server_error")
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError):
+        return error_response(400, str(exc), None)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvserve",
+            "max_model_len": server.engine.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not server.async_engine.is_alive:
+            return error_response(503, "engine loop is not running", None, "server_error")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.engine_args import engine_config_from_args
+
+    config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
+    engine = LLMEngine(config)
+    server = OpenAIServer(engine, args.served_model_name or config.model, _read_template(args.chat_template), args.max_waiting_requests)
+    app = create_app(server)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    uv_server = uvicorn.Server(uv_config)
+
+    async def serve() -> None:
+        await uv_server.startup()
+        if uv_server.should_exit:
+            return
+        port = uv_server.servers[0].sockets[0].getsockname()[1]
+        # a machine-readable line: tests and scripts wait for it
+        print(f"kvserve: serving {server.model_name} on http://{args.host}:{port} "
+              f"(dtype {config.dtype}, {engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
+        await uv_server.main_loop()
+        await uv_server.shutdown()
+
+    asyncio.run(serve())
+    return 0

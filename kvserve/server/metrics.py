@@ -1,0 +1,84 @@
+"""Prometheus metrics with vLLM's names under the `kvserve:` prefix.
+
+Only request ids ever reach logs; no prompt text, token ids or salts are exported.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)")
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool")
+        self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free")
+        self.kv_cache_bytes_per_token = gauge("kv_cache_bytes_per_token", "KV bytes one token occupies across all layers")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.request_success = counter("request_success", "Requests that finished (stop or length)")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self._last_totals: dict[str, int] = {}
+
+    def update_from_stats(self, stats: dict) -> None:
+        """Refresh gauges and move counters by what the engine counted since the last call."""
+        self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_blocks_total.set(stats["num_blocks"])
+        self.kv_cache_blocks_free.set(stats["num_free_blocks"])
+        self.kv_cache_bytes_per_token.set(stats["bytes_per_token"])
+        for key, counter in (
+            ("num_preemptions", self.num_preemptions),
+            ("prompt_tokens_total", self.prompt_tokens),
+            ("generation_tokens_total", self.generation_tokens),
+            ("prefix_cache_queries_total", self.prefix_cache_queries),
+            ("prefix_cache_hits_total", self.prefix_cache_hits),
+        ):
+            delta = stats[key] - self._last_totals.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last_totals[key] = stats[key]
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        arrival = m["arrival_time"]
+        if "first_scheduled_time" in m:
+            self.queue_time.observe(m["first_scheduled_time"] - arrival)
+        if "first_token_time" in m:
+            self.ttft.observe(m["first_token_time"] - arrival)
+            if len(out.token_ids) > 1 and "last_token_time" in m:
+                self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (len(out.token_ids) - 1))
+        if "finished_time" in m:
+            self.e2e.observe(m["finished_time"] - arrival)
+        if out.finish_reason in ("stop", "length"):
+            self.request_success.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

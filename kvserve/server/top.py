@@ -1,0 +1,101 @@
+"""`kvserve top URL`: a live view of a server's KV metrics, with advice."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Metric samples by name (labels dropped; histograms keep their _sum/_count samples)."""
+    response = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0)
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name.startswith("kvserve:") and "le" not in sample.labels:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def advice(m: dict[str, float]) -> list[str]:
+    usage = m.get("kvserve:kv_cache_usage_perc", 0.0)
+    waiting = m.get("kvserve:num_requests_waiting", 0.0)
+    tips = []
+    if usage > 0.9:
+        tips.append("KV usage above 90%: lower --max-num-seqs or give the cache more memory (--kv-cache-memory)")
+    if usage < 0.5 and waiting > 0:
+        tips.append("KV usage below 50% with requests waiting: raise concurrency (--max-num-seqs, --max-num-batched-tokens)")
+    if waiting > 10:
+        tips.append(f"{int(waiting)} requests waiting: the server is saturated; add capacity or shed load")
+    return tips
+
+
+def _mean(m: dict[str, float], name: str) -> str:
+    count = m.get(f"kvserve:{name}_count", 0.0)
+    return f"{m.get(f'kvserve:{name}_sum', 0.0) / count * 1000:.1f} ms" if count else "-"
+
+
+def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
+    table = Table(title=f"kvserve top — {url}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    usage = m.get("kvserve:kv_cache_usage_perc", 0.0)
+    total = m.get("kvserve:kv_cache_blocks_total", 0.0)
+    free = m.get("kvserve:kv_cache_blocks_free", 0.0)
+    rows = [
+        ("KV cache usage", f"{usage * 100:.1f}%  ({int(total - free)}/{int(total)} blocks)"),
+        ("KV bytes per token", f"{int(m.get('kvserve:kv_cache_bytes_per_token', 0))}"),
+        ("requests running", f"{int(m.get('kvserve:num_requests_running', 0))}"),
+        ("requests waiting", f"{int(m.get('kvserve:num_requests_waiting', 0))}"),
+        ("preemptions", f"{int(m.get('kvserve:num_preemptions_total', 0))}"),
+        ("generation tokens/s", f"{rates.get('gen', 0.0):.1f}"),
+        ("prompt tokens/s", f"{rates.get('prompt', 0.0):.1f}"),
+        ("prefix cache hit rate", _hit_rate(m)),
+        ("mean TTFT", _mean(m, "time_to_first_token_seconds")),
+        ("mean TPOT", _mean(m, "time_per_output_token_seconds")),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    tips = advice(m)
+    return Group(table, *(Text("• " + t, style="yellow") for t in tips) or [Text("no advice: the cache is healthy", style="green")])
+
+
+def _hit_rate(m: dict[str, float]) -> str:
+    queries = m.get("kvserve:prefix_cache_queries_total", 0.0)
+    return f"{m.get('kvserve:prefix_cache_hits_total', 0.0) / queries * 100:.1f}%" if queries else "-"
+
+
+def run_top(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        previous, last_time = scrape(args.url), time.monotonic()
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot read {args.url}/metrics: {exc}[/red]")
+        return 1
+    if args.once:
+        console.print(render(args.url, previous, {}))
+        return 0
+    with Live(render(args.url, previous, {}), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(args.interval)
+            try:
+                current = scrape(args.url)
+            except httpx.HTTPError as exc:
+                live.update(Text(f"cannot read {args.url}/metrics: {exc}", style="red"))
+                continue
+            now = time.monotonic()
+            dt = max(now - last_time, 1e-6)
+            rates = {
+                "gen": (current.get("kvserve:generation_tokens_total", 0) - previous.get("kvserve:generation_tokens_total", 0)) / dt,
+                "prompt": (current.get("kvserve:prompt_tokens_total", 0) - previous.get("kvserve:prompt_tokens_total", 0)) / dt,
+            }
+            live.update(render(args.url, current, rates))
+            previous, last_time = current, now

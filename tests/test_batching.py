@@ -1,0 +1,50 @@
+"""Continuous batching, chunked prefill and preemption must not change a single token."""
+
+import pytest
+
+from conftest import random_prompts
+from kvserve import LLM, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir, family):
+    """Each prompt run by itself: the reference for every batched configuration."""
+    llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.02)
+    prompts = random_prompts(18, 5, 60, seed=3)
+    return prompts, [llm.generate([p], PARAMS, use_tqdm=False)[0].token_ids for p in prompts]
+
+
+def test_batched_equals_alone(tiny_dir, family, alone):
+    prompts, expected = alone
+    llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.02, max_num_seqs=32)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["num_preemptions"] == 0
+
+
+def test_preemption_keeps_outputs(tiny_dir, family, alone):
+    prompts, expected = alone
+    # 16 blocks x 8 slots = 128 tokens: one 100-token sequence fits, 18 of them cannot run together
+    llm = LLM(str(tiny_dir(family)), dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=128)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_chunked_prefill_budget_of_seven(tiny_dir, family, alone):
+    prompts, expected = alone
+    llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=7)
+    outs = llm.generate(prompts[:6], PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected[:6]
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]

@@ -1,0 +1,92 @@
+"""Block pool, block tables and the scheduler, without a model."""
+
+import pytest
+
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.sampling_params import SamplingParams
+
+
+def test_pool_ref_counts_and_lru_order():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.num_free_blocks == 2 and a.ref_count == 1
+    pool.touch(a)
+    pool.free([a])
+    assert a.ref_count == 1 and pool.num_free_blocks == 2
+    pool.free([b, a])  # b freed first: it is reused after the blocks that were never taken
+    assert pool.num_free_blocks == 4
+    assert [blk.block_id for blk in pool.allocate(4)] == [2, 3, b.block_id, a.block_id]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)
+
+
+def test_touch_revives_a_free_block():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    pool.touch(a)
+    assert a.ref_count == 1 and pool.num_free_blocks == 1
+    with pytest.raises(RuntimeError):
+        pool.free([a, a])
+
+
+def test_manager_grows_tables_on_demand_and_frees():
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    assert kv.allocate_slots("r", 5)  # 2 blocks
+    assert len(kv.block_table("r")) == 2
+    assert kv.allocate_slots("r", 8)  # still 2
+    assert len(kv.block_table("r")) == 2
+    assert kv.allocate_slots("r", 9)
+    assert kv.slots("r", 7, 9) == [kv.block_table("r")[1] * 4 + 3, kv.block_table("r")[2] * 4]
+    assert not kv.allocate_slots("s", 13)  # needs 4, 2 free: nothing taken
+    assert kv.num_free_blocks == 2
+    kv.free("r")
+    assert kv.num_free_blocks == 5
+
+
+def _seq(rid: str, n: int) -> Sequence:
+    return Sequence(rid, list(range(n)), SamplingParams(max_tokens=8))
+
+
+def test_scheduler_chunks_prefill_within_budget():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, max_model_len=64), kv)
+    sched.add(_seq("a", 10))
+    sched.add(_seq("b", 3))
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.entries] == [("a", 7)]
+    for s, n in batch.entries:
+        s.num_computed_tokens += n
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.entries] == [("a", 3), ("b", 3)]
+
+
+def test_scheduler_preempts_newest_when_blocks_run_out():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16), kv)
+    a, b = _seq("a", 8), _seq("b", 8)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert len(batch.entries) == 2 and kv.num_free_blocks == 0
+    for s, n in batch.entries:
+        s.num_computed_tokens += n
+        s.token_ids.append(1)  # sampled token: each now needs a third block
+    batch = sched.schedule()
+    assert batch.preempted == [b] and sched.num_preemptions == 1
+    assert [s.request_id for s, _ in batch.entries] == ["a"]
+    assert list(sched.waiting) == [b] and b.num_computed_tokens == 0
+    sched.finish(a)
+    assert kv.num_free_blocks == 4
+
+
+def test_scheduler_respects_max_num_seqs():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
+    for i in range(3):
+        sched.add(_seq(str(i), 4))
+    assert len(sched.schedule().entries) == 2
+    assert len(sched.waiting) == 1

@@ -1,0 +1,49 @@
+"""Our model code against transformers on the same tiny random checkpoints."""
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tiny_models import FAMILIES, hf_model
+from kvserve import LLM, SamplingParams
+from kvserve.engine.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def engine_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    engine = llm.engine
+    seq: Sequence = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    batch = engine.scheduler.schedule()
+    samplers, logits = engine.runner.forward(batch)
+    assert samplers == [seq]
+    engine.abort_request(seq.request_id)
+    return logits[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logits_match_transformers(tiny_dir, family):
+    path = tiny_dir(family)
+    hf = hf_model(path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+    # 20-token prompts: longer than Gemma's 12-token sliding window
+    for prompt in random_prompts(3, 20, 30, seed=7):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt) :].tolist()
+            ref_logits = hf(torch.tensor([prompt])).logits[0, -1]
+        assert len(set(ref)) >= 8, "degenerate reference: the random model is too flat to test against"
+        got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+        assert got == ref
+        ours = engine_last_logits(llm, prompt)
+        rel = (ours - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel < 1e-4, f"{family}: last-position logits differ by {rel:.2e} relative"
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_text_prompt_uses_the_checkpoint_tokenizer(tiny_dir):
+    path = tiny_dir("llama")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+    out = llm.generate("This License applies to any program", GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("This License applies to any program")
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    assert out.finish_reason == "length" and len(out.token_ids) == 64

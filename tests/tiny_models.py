@@ -1,0 +1,96 @@
+"""Tiny random checkpoints built with transformers configs, saved with save_pretrained."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def _config(family: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,  # GQA with groups of three
+        head_dim=24,  # not a power of two
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, rope_theta=1_000_000.0, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(
+            **common,
+            sliding_window=12,  # shorter than the test prompts
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+        )
+    raise ValueError(family)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = Path("/usr/share/common-licenses/GPL-3").read_text().splitlines()
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_dir(family: str, root: str) -> Path:
+    """Build (once per session) a random model of `family` with weights large enough that argmax is stable."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(root) / family
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(1234)
+    config = _config(family)
+    config.initializer_range = 0.2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if family == "gemma3" else 1.0, 0.1)
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.1)
+        if family == "gemma3":
+            # tied embeddings times sqrt(hidden) would make the model echo its last token
+            model.get_input_embeddings().weight.mul_(0.1)
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
+    return model
