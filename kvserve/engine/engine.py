@@ -226,7 +226,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
-        if finished and not (seq.track_text and seq.finish_reason == "stop" and seq.stop_reason in seq.params.stop):
+        keep_truncated = seq.track_text and seq.finish_reason == "stop" and seq.stop_reason in seq.params.stop
+        if finished and self.tokenizer is not None and not keep_truncated:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids)
         metrics = {"arrival_time": seq.arrival_time}
         for name in ("first_scheduled_time", "first_token_time", "last_token_time", "finished_time"):

@@ -24,11 +24,6 @@ class ModelRunner:
         config = model.config
         self.windows: tuple[int | None, ...] = tuple(sorted({config.layer_window(i) for i in range(config.num_layers)}, key=lambda w: w or 0))
 
-    def _slots(self, table: list[int], length: int) -> torch.Tensor:
-        blocks = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(length)
-        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
         """Run the batch and sample: one result for every sequence whose prompt is fully computed."""
         samplers, logits = self.forward(batch)
@@ -59,15 +54,15 @@ class ModelRunner:
                 positions.append(pos)
                 table = self.kv.block_table(seq.request_id)[:max_blocks]
                 tables[row, : len(table)] = torch.tensor(table)
-            cols = torch.arange(max_len)
-            decode_slots = tables[:, cols // self.block_size] * self.block_size + cols % self.block_size
-            slot_mapping.append(decode_slots[torch.arange(len(decodes)), lengths - 1])
-            meta.num_decode_tokens = len(decodes)
-            meta.decode_slots = decode_slots.to(self.device)
             query_pos = lengths - 1
+            rows = torch.arange(len(decodes))
+            slot_mapping.append(tables[rows, query_pos // self.block_size] * self.block_size + query_pos % self.block_size)
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_block_tables = tables.to(self.device)
+            padded = max_blocks * self.block_size
             for window in self.windows:
-                mask = context_mask(query_pos, lengths, max_len, window)
-                meta.decode_masks[window] = mask.view(len(decodes), 1, 1, max_len).to(self.device)
+                mask = context_mask(query_pos, lengths, padded, window)
+                meta.decode_masks[window] = mask.view(len(decodes), 1, 1, padded).to(self.device)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
                     sample_rows.append(row)
@@ -78,11 +73,12 @@ class ModelRunner:
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            context = self._slots(self.kv.block_table(seq.request_id), end)
-            slot_mapping.append(context[start:end])
-            query_pos = torch.arange(start, end)
-            masks = {w: context_mask(query_pos, torch.tensor(end), end, w).to(self.device) for w in self.windows}
-            meta.prefills.append(PrefillSpan(row, row + n, context.to(self.device), masks))
+            blocks = torch.tensor(self.kv.block_table(seq.request_id)[: -(-end // self.block_size)], dtype=torch.long)
+            positions_new = torch.arange(start, end)
+            slot_mapping.append(blocks[positions_new // self.block_size] * self.block_size + positions_new % self.block_size)
+            padded = blocks.numel() * self.block_size
+            masks = {w: context_mask(positions_new, torch.tensor(end), padded, w).to(self.device) for w in self.windows}
+            meta.prefills.append(PrefillSpan(row, row + n, blocks.to(self.device), masks))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
                 samplers.append(seq)

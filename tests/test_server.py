@@ -1,0 +1,244 @@
+"""The OpenAI-compatible server as a real process, driven by the official openai client and httpx."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import random_prompts
+from kvserve import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir), "--port", "0", "--dtype", "float32",
+           "--kv-cache-memory", "0.05", "--max-model-len", "256", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    url = None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("kvserve: serving"):
+            url = line.split(" on ")[1].split()[0]
+            break
+    if url is None:
+        proc.kill()
+        raise RuntimeError("server did not start: " + (proc.stdout.read() or ""))
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server never became healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dir):
+    return tiny_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, url = start_server(model_dir, "--chat-template", CHAT_TEMPLATE, "--served-model-name", "tiny")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory=0.02)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = sample.value
+    return out
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_match_offline_engine(server, reference):
+    prompt = "This License applies to any program or other work"
+    expected = reference.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    c = client(server)
+    resp = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == 20
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 20
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    stream = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_matches_offline_engine(server, reference, model_dir):
+    messages = [{"role": "user", "content": "What does the license say about copies?"}]
+    ids = reference.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE)
+    expected = reference.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    c = client(server)
+    resp = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(ids)
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_logprobs_n_and_seed(server):
+    c = client(server)
+    resp = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=5, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    resp = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert sorted(ch.index for ch in resp.choices) == [0, 1, 2]
+    again = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert [ch.text for ch in resp.choices] == [ch.text for ch in again.choices]
+
+
+def test_sixty_four_concurrent_streams_and_disconnects(server, reference):
+    prompts = random_prompts(64, 4, 40, seed=21)
+    expected = reference.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+
+    async def stream_one(http: httpx.AsyncClient, prompt) -> list[str]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True}
+        texts = []
+        async with http.stream("POST", server + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    texts.append(json.loads(line[6:])["choices"][0]["text"])
+        return texts
+
+    async def disconnect_one(http: httpx.AsyncClient, prompt) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", server + "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leave mid-stream: closing the response drops the connection
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+            results = await asyncio.gather(*(stream_one(http, p) for p in prompts))
+            await asyncio.gather(*(disconnect_one(http, p) for p in prompts[:16]))
+        return results
+
+    before = metrics(server)
+    results = asyncio.run(main())
+    assert ["".join(r) for r in results] == [e.text for e in expected]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m['kvserve:kv_cache_blocks_free'] == m['kvserve:kv_cache_blocks_total'] and m["kvserve:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m['kvserve:kv_cache_blocks_free'] == m['kvserve:kv_cache_blocks_total']
+    assert m["kvserve:num_requests_running"] == 0
+    # the 16 disconnected requests were aborted, not run to their 200 tokens
+    assert m["kvserve:request_success_total"] - before["kvserve:request_success_total"] == 64
+    assert m["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] < 64 * 12 + 16 * 100
+
+
+def test_metrics_count_exact_tokens(server, reference):
+    before = metrics(server)
+    c = client(server)
+    prompts = ["Everyone is permitted to copy", "The precise terms and conditions"]
+    total_prompt = 0
+    for p, n in zip(prompts, (7, 11)):
+        resp = c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+        total_prompt += resp.usage.prompt_tokens
+        assert resp.usage.prompt_tokens == len(reference.tokenizer.encode(p))
+    after = metrics(server)
+    assert after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == total_prompt
+    assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == 18
+    assert after["kvserve:e2e_request_latency_seconds_count"] - before["kvserve:e2e_request_latency_seconds_count"] == 2
+    assert after["kvserve:time_to_first_token_seconds_count"] >= 2
+    assert 0 <= after["kvserve:kv_cache_usage_perc"] <= 1
+    for name in ("num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_cache_bytes_per_token",
+                 "num_requests_waiting", "request_queue_time_seconds_count", "time_per_output_token_seconds_count"):
+        assert f"kvserve:{name}" in after, name
+    body = httpx.get(server + "/metrics").text
+    assert "Everyone" not in body and 'model_name="tiny"' in body
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"prompt": [5] * 300}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,field", BAD_REQUESTS)
+def test_bad_input_gets_an_error_and_the_server_lives(server, path, body, status, field):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(server + path, timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"]
+    if field:
+        assert field in error["message"] or error.get("param") == field, error
+    ok = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_overload_answers_503_at_once(model_dir):
+    proc, url = start_server(model_dir, "--max-waiting-requests", "2", "--max-num-seqs", "1")
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"prompt": "hi", "max_tokens": 60, "ignore_eos": True}
+                return await asyncio.gather(*(http.post(url + "/v1/completions", json=body) for _ in range(12)))
+
+        statuses = [r.status_code for r in asyncio.run(main())]
+        assert 503 in statuses and 200 in statuses
+        assert set(statuses) <= {200, 503}
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert httpx.get(url + "/version").json()["version"]
+    finally:
+        stop_server(proc)
