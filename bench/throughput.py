@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="16 requests and HF at batch 16 only")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-dtypes", default="float32,bfloat16", help="HF dtypes to probe (the faster one is swept)")
     args = parser.parse_args()
     if args.quick:
         args.requests = 16
@@ -97,8 +98,11 @@ def main() -> None:
     path = resolve_model_path(args.model)
     pad = tok._tok.pad_token_id if tok._tok.pad_token_id is not None else 0
     probe = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        model = load_hf(path, dtype)
+    if "," not in args.hf_dtypes:
+        probe[args.hf_dtypes] = 0.0
+        args.hf_dtypes = ""
+    for name in filter(None, args.hf_dtypes.split(",")):
+        model = load_hf(path, getattr(torch, name))
         probe[name] = hf_generate(model, prompts[:8], 16, pad)
         print(f"HF probe {name}: {probe[name]:.1f} tok/s (batch 8, 16 tokens)")
         del model
