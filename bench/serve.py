@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time

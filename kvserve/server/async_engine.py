@@ -11,7 +11,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -165,6 +164,3 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(sink.put_nowait, EngineDeadError(f"engine loop crashed: {exc}"))
             self._sinks.clear()
 
-
-def wall_time() -> int:
-    return int(time.time())
