@@ -10,6 +10,7 @@ import torch
 
 from kvserve.model.registry import DEFAULT_MODEL
 
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     max_waiting_requests: int = 1024
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -56,6 +58,8 @@ class EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
         if self.kv_cache_dtype == "auto":
             object.__setattr__(self, "kv_cache_dtype", dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):

@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.sampler import Sampler
@@ -27,6 +28,16 @@ from kvserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def resolve_decode_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
+    """`--attention-backend auto` takes the native paged kernel wherever it runs (CPU, a compiler present)."""
+    native = kernels.supports(device, kv_dtype)
+    if requested == "cpu_paged" and not native:
+        raise ValueError("attention_backend 'cpu_paged' needs a CPU device, a C++ compiler and a float KV cache; use 'torch_sdpa'")
+    if requested == "auto":
+        return "cpu_paged" if native else "torch_sdpa"
+    return requested
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         path = resolve_model_path(config.model)
@@ -35,7 +46,8 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer)
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(config.seed))
+        backend = resolve_decode_backend(config.attention_backend, self.device, self.pool.kv.dtype)
+        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(config.seed), backend)
 
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":

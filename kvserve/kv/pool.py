@@ -38,6 +38,10 @@ class PagedKVPool:
         self.kv[layer, 0].index_copy_(0, slot_mapping, key.to(self.kv.dtype))
         self.kv[layer, 1].index_copy_(0, slot_mapping, value.to(self.kv.dtype))
 
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value slots in place, [slots, kv_heads, head_dim] each, for kernels that read through block tables."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
     def load(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole blocks' K/V for block tables of shape [..., n]: returns [..., n * block_size, kv_heads, head_dim].
 

@@ -16,6 +16,7 @@ from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 LOGITS_CHUNK = 16384
+GREEDY_CHUNK = 4096
 
 
 class Attention(nn.Module):
@@ -130,3 +131,22 @@ class CausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of the logits [S] without materializing them: each cache-sized slice of the lm_head
+        keeps only its per-row maximum and index. Ties go to the lowest token id, as argmax does.
+        Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
+        hidden_t = self.norm(hidden).t().contiguous()
+        weight = self.lm_head.weight
+        vocab, rows = weight.shape[0], hidden_t.shape[1]
+        chunk = min(GREEDY_CHUNK, vocab)
+        num_chunks = -(-vocab // chunk)
+        part = torch.empty(chunk, rows, dtype=weight.dtype, device=weight.device)
+        best_values = torch.empty(num_chunks, rows, dtype=weight.dtype, device=weight.device)
+        best_ids = torch.empty(num_chunks, rows, dtype=torch.long, device=weight.device)
+        for i, start in enumerate(range(0, vocab, chunk)):
+            end = min(start + chunk, vocab)
+            torch.mm(weight[start:end], hidden_t, out=part[: end - start])
+            torch.max(part[: end - start], 0, out=(best_values[i], best_ids[i]))
+        winner = best_values.argmax(0)
+        return best_ids.gather(0, winner[None])[0] + winner * chunk

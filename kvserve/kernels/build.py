@@ -1,0 +1,82 @@
+"""Compiles the CPU kernels once per machine and loads them with ctypes.
+
+The shared object is keyed by the source, the compiler and this CPU's feature flags (it is built
+with -march=native), and cached under ~/.cache/kvserve/kernels. No torch headers are needed, so a
+build takes about a second. When no compiler is present the engine falls back to torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  -- loads torch's OpenMP runtime first, so the kernels share its threads
+
+from kvserve.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ["paged_attention.cpp"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here (logged once)."""
+    if os.environ.get("KVSERVE_DISABLE_KERNELS"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found: CPU attention kernels disabled, using torch ops")
+        return None
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update("\0".join([compiler, version, *FLAGS, _cpu_flags()]).encode())
+    target = cache_root() / "kernels" / f"kvserve_kernels-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            partial = Path(tmp) / target.name
+            cmd = [compiler, *FLAGS, *(str(here / name) for name in SOURCES), "-o", str(partial)]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building the CPU kernels failed, using torch ops:\n%s", result.stderr[-2000:])
+                return None
+            os.replace(partial, target)  # atomic: concurrent builders never see half a file
+    library = ctypes.CDLL(str(target))
+    fn = library.kvserve_paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, query, query dtype
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # key cache, value cache, kv dtype
+        ctypes.c_void_p, ctypes.c_void_p,  # block tables, context lens
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # seqs, max blocks, heads, kv heads, head dim, block size
+        ctypes.c_int, ctypes.c_float,  # window, scale
+    ]
+    return library

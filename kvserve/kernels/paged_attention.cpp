@@ -1,0 +1,375 @@
+// Decode attention straight from the paged KV pool, for CPUs.
+//
+// One query token per sequence attends to its context through the block table: no gather of the
+// sequence's K/V into contiguous memory, no padding to the batch's longest context, and sliding-
+// window layers read only their window. Each (sequence, kv head) pair is one task; a task loads
+// its group of query heads once, scores every visible key, takes the softmax in float32 and
+// accumulates the values. Memory traffic is one read of each visible K and V row.
+//
+// Built by kvserve/kernels/build.py with -O3 -march=native -fopenmp and called through ctypes;
+// the OpenMP runtime is the one torch already loaded (same soname), so threads are shared.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline void load_row(const void* src, int dtype, int64_t offset, int n, float* dst) {
+  if (dtype == kFloat32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * n);
+  } else if (dtype == kBFloat16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + offset;
+#pragma omp simd
+    for (int i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+      float value;
+      std::memcpy(&value, &bits, sizeof(value));
+      dst[i] = value;
+    }
+  } else {
+    const _Float16* p = static_cast<const _Float16*>(src) + offset;
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+  }
+}
+
+inline void store_row(void* dst, int dtype, int64_t offset, int n, const float* src, float factor) {
+  if (dtype == kFloat32) {
+    float* p = static_cast<float*>(dst) + offset;
+    for (int i = 0; i < n; ++i) p[i] = src[i] * factor;
+  } else if (dtype == kBFloat16) {
+    uint16_t* p = static_cast<uint16_t*>(dst) + offset;
+    for (int i = 0; i < n; ++i) {
+      float value = src[i] * factor;
+      uint32_t bits;
+      std::memcpy(&bits, &value, sizeof(bits));
+      if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        p[i] = 0x7fc0;  // NaN stays NaN
+      } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
+        p[i] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+  } else {
+    _Float16* p = static_cast<_Float16*>(dst) + offset;
+    for (int i = 0; i < n; ++i) p[i] = static_cast<_Float16>(src[i] * factor);
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+
+// ---- vectorized path: head_dim a multiple of 16, group size known at compile time -------------
+// GCC vector extensions lower a 16-float vector to one AVX-512 register or two AVX2 registers.
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+template <int DT>
+inline f32x16 load16(const void* base, int64_t offset) {
+  f32x16 v;
+  if constexpr (DT == kFloat32) {
+    std::memcpy(&v, static_cast<const float*>(base) + offset, sizeof(v));
+  } else if constexpr (DT == kBFloat16) {
+    u16x16 half;
+    std::memcpy(&half, static_cast<const uint16_t*>(base) + offset, sizeof(half));
+    u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+    std::memcpy(&v, &wide, sizeof(v));
+  } else {
+    f16x16 half;
+    std::memcpy(&half, static_cast<const _Float16*>(base) + offset, sizeof(half));
+    v = __builtin_convertvector(half, f32x16);
+  }
+  return v;
+}
+
+inline float hsum(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// exp for x <= 0 (softmax after subtracting the max): 2^n * p(f), relative error ~2e-7
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  f32x16 y = x * 1.44269504088896341f;
+  f32x16 rounded = __builtin_convertvector(__builtin_convertvector(y + (y < 0 ? -0.5f : 0.5f), i32x16), f32x16);
+  f32x16 f = y - rounded;  // in [-0.5, 0.5]
+  f32x16 p = f32x16{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  i32x16 exponent = (__builtin_convertvector(rounded, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return p * scale;
+}
+
+// Calls fn(i, offset, run) for each run of consecutive positions inside one block: i is the index of
+// the run's first position relative to `first`, offset the element offset of its first K/V row.
+template <typename Fn>
+inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads,
+                               int head_dim, int block_size, Fn fn) {
+  int64_t i = 0;
+  while (i < count) {
+    const int64_t position = first + i;
+    const int64_t block = position / block_size;
+    const int64_t within = position - block * block_size;
+    const int64_t run = std::min<int64_t>(block_size - within, count - i);
+    const int64_t slot = table[block] * block_size + within;
+    fn(i, (slot * num_kv_heads + kv_head) * head_dim, run);
+    i += run;
+  }
+}
+
+template <int G, int DT>
+void decode_task_fast(float* out_rows, const float* queries, const void* key_cache, const void* value_cache,
+                      const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads, int head_dim,
+                      int block_size, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  const int chunks = head_dim / 16;
+  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  scores.resize(static_cast<size_t>(G) * count);
+  float* s = scores.data();
+
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, [&](int64_t i0, int64_t base, int64_t run) {
+    for (int64_t j = 0; j < run; ++j) {
+      const int64_t offset = base + j * row_stride;
+      f32x16 a[G], b[G];
+      for (int g = 0; g < G; ++g) a[g] = b[g] = f32x16{};
+      int c = 0;
+      for (; c + 1 < chunks; c += 2) {
+        const f32x16 k0 = load16<DT>(key_cache, offset + c * 16);
+        const f32x16 k1 = load16<DT>(key_cache, offset + c * 16 + 16);
+        for (int g = 0; g < G; ++g) {
+          f32x16 q0, q1;
+          std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
+          std::memcpy(&q1, queries + g * head_dim + c * 16 + 16, sizeof(q1));
+          a[g] += q0 * k0;
+          b[g] += q1 * k1;
+        }
+      }
+      if (c < chunks) {
+        const f32x16 k0 = load16<DT>(key_cache, offset + c * 16);
+        for (int g = 0; g < G; ++g) {
+          f32x16 q0;
+          std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
+          a[g] += q0 * k0;
+        }
+      }
+      for (int g = 0; g < G; ++g) s[g * count + i0 + j] = hsum(a[g] + b[g]) * scale;
+    }
+  });
+
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* row = s + g * count;
+    float peak = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, row[i]);
+    f32x16 total = f32x16{};
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      f32x16 v;
+      std::memcpy(&v, row + i, sizeof(v));
+      v = exp16(v - peak);
+      std::memcpy(row + i, &v, sizeof(v));
+      total += v;
+    }
+    float tail = hsum(total);
+    for (; i < count; ++i) {
+      row[i] = std::exp(row[i] - peak);
+      tail += row[i];
+    }
+    inv_sum[g] = 1.f / tail;
+  }
+
+  acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, [&](int64_t i0, int64_t base, int64_t run) {
+    for (int c = 0; c < chunks; ++c) {
+      f32x16 a[G], b[G];
+      for (int g = 0; g < G; ++g) {
+        std::memcpy(&a[g], acc.data() + g * head_dim + c * 16, sizeof(a[g]));
+        b[g] = f32x16{};
+      }
+      int64_t j = 0;
+      for (; j + 1 < run; j += 2) {
+        const f32x16 v0 = load16<DT>(value_cache, base + j * row_stride + c * 16);
+        const f32x16 v1 = load16<DT>(value_cache, base + (j + 1) * row_stride + c * 16);
+        for (int g = 0; g < G; ++g) {
+          a[g] += s[g * count + i0 + j] * v0;
+          b[g] += s[g * count + i0 + j + 1] * v1;
+        }
+      }
+      if (j < run) {
+        const f32x16 v0 = load16<DT>(value_cache, base + j * row_stride + c * 16);
+        for (int g = 0; g < G; ++g) a[g] += s[g * count + i0 + j] * v0;
+      }
+      for (int g = 0; g < G; ++g) {
+        f32x16 sum = a[g] + b[g];
+        std::memcpy(acc.data() + g * head_dim + c * 16, &sum, sizeof(sum));
+      }
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+}
+
+template <int G>
+bool decode_task_dispatch_dtype(int kv_dtype, float* out_rows, const float* queries, const void* key_cache,
+                                const void* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
+                                int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
+                                std::vector<float>& acc) {
+  switch (kv_dtype) {
+    case kFloat32:
+      decode_task_fast<G, kFloat32>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
+                                    head_dim, block_size, scale, scores, acc);
+      return true;
+    case kBFloat16:
+      decode_task_fast<G, kBFloat16>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
+                                     head_dim, block_size, scale, scores, acc);
+      return true;
+    case kFloat16:
+      decode_task_fast<G, kFloat16>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
+                                    head_dim, block_size, scale, scores, acc);
+      return true;
+  }
+  return false;
+}
+
+// true when a vectorized specialization handled the task
+bool decode_task_fast_dispatch(int group, int kv_dtype, float* out_rows, const float* queries, const void* key_cache,
+                               const void* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
+                               int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
+                               std::vector<float>& acc) {
+  if (head_dim % 16 != 0) return false;
+#define KVSERVE_GROUP_CASE(G)                                                                                             \
+  case G:                                                                                                                 \
+    return decode_task_dispatch_dtype<G>(kv_dtype, out_rows, queries, key_cache, value_cache, table, first, count, kv_head, \
+                                         num_kv_heads, head_dim, block_size, scale, scores, acc);
+  switch (group) {
+    KVSERVE_GROUP_CASE(1)
+    KVSERVE_GROUP_CASE(2)
+    KVSERVE_GROUP_CASE(3)
+    KVSERVE_GROUP_CASE(4)
+    KVSERVE_GROUP_CASE(5)
+    KVSERVE_GROUP_CASE(6)
+    KVSERVE_GROUP_CASE(7)
+    KVSERVE_GROUP_CASE(8)
+  }
+#undef KVSERVE_GROUP_CASE
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out, query: [num_seqs, num_heads, head_dim] in query_dtype (contiguous).
+// key_cache, value_cache: [slots, num_kv_heads, head_dim] in kv_dtype (contiguous).
+// block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] (the query is the last token).
+// window > 0 keeps only the last `window` keys.
+int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype, const void* key_cache,
+                                   const void* value_cache, int kv_dtype, const int64_t* block_tables,
+                                   const int64_t* context_lens, int num_seqs, int max_blocks, int num_heads,
+                                   int num_kv_heads, int head_dim, int block_size, int window, float scale) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+  const int group = num_heads / num_kv_heads;
+  const int64_t tasks = static_cast<int64_t>(num_seqs) * num_kv_heads;
+  int status = 0;
+
+#pragma omp parallel
+  {
+    std::vector<float> queries(static_cast<size_t>(group) * head_dim);
+    std::vector<float> row(head_dim);
+    std::vector<float> acc(static_cast<size_t>(group) * head_dim);
+    std::vector<float> result(static_cast<size_t>(group) * head_dim);
+    std::vector<float> scores;
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int seq = static_cast<int>(task / num_kv_heads);
+      const int kv_head = static_cast<int>(task % num_kv_heads);
+      const int64_t context = context_lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+      const int64_t count = context - first;
+      if (count <= 0 || (context + block_size - 1) / block_size > max_blocks) {
+#pragma omp atomic write
+        status = 2;
+        continue;
+      }
+      for (int g = 0; g < group; ++g) {
+        const int64_t q_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+        load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
+      }
+      const int64_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
+      if (decode_task_fast_dispatch(group, kv_dtype, result.data(), queries.data(), key_cache, value_cache, table, first,
+                                    count, kv_head, num_kv_heads, head_dim, block_size, scale, scores, acc)) {
+        for (int g = 0; g < group; ++g) {
+          const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
+        }
+        continue;
+      }
+      scores.resize(static_cast<size_t>(group) * count);
+
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t position = first + i;
+        const int64_t slot = table[position / block_size] * block_size + position % block_size;
+        load_row(key_cache, kv_dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, row.data());
+        for (int g = 0; g < group; ++g)
+          scores[g * count + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
+      }
+
+      std::vector<float> inv_sum(group);
+      for (int g = 0; g < group; ++g) {
+        float* s = scores.data() + g * count;
+        float peak = -INFINITY;
+        for (int64_t i = 0; i < count; ++i) peak = std::max(peak, s[i]);
+        float total = 0.f;
+        for (int64_t i = 0; i < count; ++i) {
+          s[i] = std::exp(s[i] - peak);
+          total += s[i];
+        }
+        inv_sum[g] = 1.f / total;
+      }
+
+      acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t position = first + i;
+        const int64_t slot = table[position / block_size] * block_size + position % block_size;
+        load_row(value_cache, kv_dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, row.data());
+        for (int g = 0; g < group; ++g) {
+          const float weight = scores[g * count + i];
+          float* a = acc.data() + static_cast<size_t>(g) * head_dim;
+#pragma omp simd
+          for (int d = 0; d < head_dim; ++d) a[d] += weight * row[d];
+        }
+      }
+      for (int g = 0; g < group; ++g) {
+        const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+        store_row(out, query_dtype, o_offset, head_dim, acc.data() + static_cast<size_t>(g) * head_dim, inv_sum[g]);
+      }
+    }
+  }
+  return status;
+}
+
+}  // extern "C"
