@@ -27,8 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="longest prompt + output; default: the model's context, capped by the KV capacity")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default: %(default)s)")
     group.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "torch_sdpa"],
-                       help="decode attention: cpu_paged reads the KV pool in place with a native kernel compiled on first use; "
-                       "torch_sdpa gathers blocks and runs torch SDPA; auto takes cpu_paged on CPU when a C++ compiler is present")
+                       help="attention over the paged KV pool: cpu_paged reads it in place through block tables with native kernels "
+                       "compiled on first use; torch_sdpa gathers blocks and runs torch SDPA (any device); "
+                       "auto takes cpu_paged on CPU when a C++ compiler is present")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
 
 

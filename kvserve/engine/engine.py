@@ -28,7 +28,7 @@ from kvserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def resolve_decode_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
+def resolve_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
     """`--attention-backend auto` takes the native paged kernel wherever it runs (CPU, a compiler present)."""
     native = kernels.supports(device, kv_dtype)
     if requested == "cpu_paged" and not native:
@@ -46,7 +46,9 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer)
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
-        backend = resolve_decode_backend(config.attention_backend, self.device, self.pool.kv.dtype)
+        backend = resolve_attention_backend(config.attention_backend, self.device, self.pool.kv.dtype)
+        if backend == "cpu_paged":
+            self.model.enable_native_kernels()
         self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(config.seed), backend)
 
     @classmethod

@@ -15,7 +15,7 @@ from kvserve.model.transformer import CausalLM
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, pool: PagedKVPool, kv: KVCacheManager, device: torch.device, sampler: Sampler, decode_backend: str
+        self, model: CausalLM, pool: PagedKVPool, kv: KVCacheManager, device: torch.device, sampler: Sampler, attention_backend: str
     ) -> None:
         self.model = model
         self.sampler = sampler
@@ -23,7 +23,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self.decode_backend = decode_backend
+        self.attention_backend = attention_backend
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
@@ -65,7 +65,7 @@ class ModelRunner:
         slot_mapping: list[torch.Tensor] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size, decode_backend=self.decode_backend)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size, attention_backend=self.attention_backend)
 
         if decodes:
             lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])

@@ -41,14 +41,8 @@ def paged_decode_attention(
     context_lens = context_lens.to(torch.int64).contiguous()
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key and value caches must be contiguous")
-    if key_cache.dtype != value_cache.dtype or key_cache.shape[-1] != head_dim:
-        raise ValueError("key/value cache dtype or head_dim does not match the query")
-    if out is None:
-        out = torch.empty_like(query)
-    elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError("out must be a contiguous tensor shaped and typed like the query")
+    _check_caches(key_cache, value_cache, head_dim)
+    out = _output_for(query, out)
     status = library.kvserve_paged_decode_attention(
         out.data_ptr(), query.data_ptr(), _DTYPE_CODES[query.dtype],
         key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype],
@@ -58,4 +52,84 @@ def paged_decode_attention(
     )  # fmt: skip
     if status:
         raise ValueError(f"paged_decode_attention: bad arguments (status {status}): a context is empty or longer than its block table")
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_start: int,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence's prefill chunk. query [n, H, D] holds positions context_start .. context_start + n - 1,
+    whose K/V are already in the pool; block_table [nb] covers every position up to the chunk's end.
+    Causal, with an optional sliding window. Returns [n, H, D] in the query's dtype."""
+    library = load_kernels()
+    if library is None:
+        raise RuntimeError("the CPU kernels are not built; use the torch attention path")
+    query = query.contiguous()
+    block_table = block_table.to(torch.int64).contiguous()
+    num_tokens, num_heads, head_dim = query.shape
+    _check_caches(key_cache, value_cache, head_dim)
+    if -(-(context_start + num_tokens) // block_size) > block_table.numel():
+        raise ValueError("paged_prefill_attention: the block table does not cover the chunk")
+    out = _output_for(query, out)
+    status = library.kvserve_paged_prefill_attention(
+        out.data_ptr(), query.data_ptr(), _DTYPE_CODES[query.dtype],
+        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype],
+        block_table.data_ptr(), context_start, num_tokens,
+        num_heads, key_cache.shape[1], head_dim, block_size, window or 0, scale,
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"paged_prefill_attention: bad arguments (status {status})")
+    return out
+
+
+SKINNY_MAX_ROWS = 16
+
+
+def skinny_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """x [R, K] @ weight[N, K]^T for 1..16 rows: (output [R, N] in out_dtype (x's by default) or None,
+    row-wise argmax [R] or None). Accumulates in float32."""
+    library = load_kernels()
+    if library is None:
+        raise RuntimeError("the CPU kernels are not built; use torch.mm")
+    rows, dim = x.shape
+    if not 0 < rows <= SKINNY_MAX_ROWS or dim % 16 or not weight.is_contiguous() or weight.shape[1] != dim:
+        raise ValueError("skinny_matmul: 1..16 rows, an inner size that is a multiple of 16 and a contiguous weight")
+    padded = 1 << (rows - 1).bit_length()
+    staged = torch.zeros(padded, dim, dtype=torch.float32)
+    staged[:rows] = x
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype) if want_output else None
+    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
+    status = library.kvserve_skinny_matmul(
+        weight.data_ptr(), _DTYPE_CODES[weight.dtype], staged.data_ptr(), rows, n, dim,
+        out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
+        argmax.data_ptr() if argmax is not None else None,
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"skinny_matmul: bad arguments (status {status})")
+    return out, argmax
+
+
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key and value caches must be contiguous")
+    if key_cache.dtype != value_cache.dtype or key_cache.shape[-1] != head_dim:
+        raise ValueError("key/value cache dtype or head_dim does not match the query")
+
+
+def _output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(query)
+    if not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError("out must be a contiguous tensor shaped and typed like the query")
     return out

@@ -23,7 +23,7 @@ from kvserve.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -78,5 +78,20 @@ def load_kernels() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p,  # block tables, context lens
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # seqs, max blocks, heads, kv heads, head dim, block size
         ctypes.c_int, ctypes.c_float,  # window, scale
+    ]
+    prefill = library.kvserve_paged_prefill_attention
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, query, query dtype
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # key cache, value cache, kv dtype
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # block table, context start, tokens
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, head dim, block size
+        ctypes.c_int, ctypes.c_float,  # window, scale
+    ]
+    skinny = library.kvserve_skinny_matmul
+    skinny.restype = ctypes.c_int
+    skinny.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,  # weight, weight dtype, x, rows
+        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,  # n, dim, out, out dtype, argmax
     ]
     return library

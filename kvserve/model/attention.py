@@ -3,10 +3,10 @@
 A step's tokens are flattened: decode tokens first (one per sequence), then each prefill chunk.
 The runner turns block tables into slot ids once per step; every layer reuses them.
 
-Decode tokens attend through their block tables, either with the native CPU kernel (reads the
-pool in place) or, as a fallback, by gathering whole blocks and running SDPA under a mask. A
-prefill chunk that starts its sequence sees only its own keys, so it runs causal SDPA on the
-fresh K/V; later chunks gather their context from the pool.
+With the `cpu_paged` backend, native kernels read the pool in place through block tables for
+decode tokens and prefill chunks alike. The `torch_sdpa` backend (any device) gathers whole
+blocks and runs SDPA under a mask; a prefill chunk that opens its sequence sees only its own
+keys, so there it runs causal SDPA on the fresh K/V.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.kv.pool import PagedKVPool
-
-DECODE_BACKENDS = ("cpu_paged", "torch_sdpa")
 
 
 @dataclass
@@ -56,7 +54,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, nb] padded block tables
     decode_context_lens: torch.Tensor | None = None  # [B] tokens in context, the query included
-    decode_backend: str = "torch_sdpa"
+    attention_backend: str = "torch_sdpa"
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -95,7 +93,7 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        if meta.decode_backend == "cpu_paged":
+        if meta.attention_backend == "cpu_paged":
             key_cache, value_cache = pool.layer_caches(layer)
             kernels.paged_decode_attention(
                 q[:num_decode], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -104,7 +102,14 @@ def paged_attention(
         else:
             out[:num_decode] = _decode_sdpa(q[:num_decode], layer, pool, meta, scale, window)
     for span in meta.prefills:
-        out[span.start : span.end] = _prefill_sdpa(q, k, v, span, layer, pool, scale, window)
+        if meta.attention_backend == "cpu_paged":
+            key_cache, value_cache = pool.layer_caches(layer)
+            kernels.paged_prefill_attention(
+                q[span.start : span.end], key_cache, value_cache, span.block_ids, span.context_start,
+                meta.block_size, scale, window, out=out[span.start : span.end],
+            )
+        else:
+            out[span.start : span.end] = _prefill_sdpa(q, k, v, span, layer, pool, scale, window)
     return out
 
 

@@ -8,7 +8,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.model.config import RopeConfig
+
+NATIVE_MAX_ROWS = 8  # measured here: up to 8 rows the native kernel beats oneDNN's bf16 GEMM from DRAM
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (small decode batches) run on the native skinny kernel once enabled."""
+
+    native = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.shape[1] % 16 == 0:
+            out, _ = kernels.skinny_matmul(x, self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -77,8 +92,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.intermediate_size = intermediate_size
         self.activation = activation
 

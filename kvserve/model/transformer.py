@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.kv.pool import PagedKVPool
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import NATIVE_MAX_ROWS, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 LOGITS_CHUNK = 16384
@@ -28,8 +29,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, scale_in_float=config.is_gemma)
@@ -93,8 +94,16 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
+        self.native_lm_head = False  # enable_native_kernels() turns this on where the CPU kernels are built
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
+
+    def enable_native_kernels(self) -> None:
+        """Route small-batch products (projections and lm_head) to the native CPU kernels."""
+        self.native_lm_head = True
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.native = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the last layer's hidden states [T, hidden]; norm and logits run only where sampled."""
@@ -112,7 +121,11 @@ class CausalLM(nn.Module):
         lm_head; each slice is transposed back while still in cache. Both buffers are reused, so
         the result is only valid until the next call.
         """
-        hidden_t = self.norm(hidden).t().contiguous()
+        normed = self.norm(hidden)
+        if self._use_native_lm_head(normed):
+            logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32)
+            return self._softcap(logits)
+        hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]
         chunk = min(LOGITS_CHUNK, vocab)
@@ -126,17 +139,26 @@ class CausalLM(nn.Module):
             part = self._slice_buffer[: end - start]
             torch.mm(weight[start:end], hidden_t, out=part)
             self._logits_buffer[:, start:end].copy_(part.t())
-        logits = self._logits_buffer.float()
+        return self._softcap(self._logits_buffer.float())
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _use_native_lm_head(self, normed: torch.Tensor) -> bool:
+        """A few rows make a memory-bound product that the native kernel streams at full bandwidth."""
+        return self.native_lm_head and normed.shape[0] <= NATIVE_MAX_ROWS and normed.shape[1] % 16 == 0
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of the logits [S] without materializing them: each cache-sized slice of the lm_head
         keeps only its per-row maximum and index. Ties go to the lowest token id, as argmax does.
         Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
-        hidden_t = self.norm(hidden).t().contiguous()
+        normed = self.norm(hidden)
+        if self._use_native_lm_head(normed):
+            return kernels.skinny_matmul(normed, self.lm_head.weight, want_output=False, want_argmax=True)[1]
+        hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]
         chunk = min(GREEDY_CHUNK, vocab)

@@ -1,0 +1,158 @@
+// x @ weight^T for a few rows of x (1 to 16): the decode-time products of a small batch.
+//
+// With a handful of rows a linear layer or the lm_head is a matrix-vector product, bound by
+// reading the weight once; oneDNN streams bf16 weights from DRAM at a fraction of the bandwidth
+// here. Each thread streams its share of the weight rows once and dots them with every row of x
+// (kept in float, in cache). The output is written in float32 or bf16, and/or reduced to a
+// running maximum per row, so greedy decoding never materializes the logits. Ties in the argmax
+// go to the lowest index, like torch.argmax.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+template <int DT>
+inline f32x16 load16(const void* base, int64_t offset) {
+  f32x16 v;
+  if constexpr (DT == kFloat32) {
+    std::memcpy(&v, static_cast<const float*>(base) + offset, sizeof(v));
+  } else if constexpr (DT == kBFloat16) {
+    u16x16 half;
+    std::memcpy(&half, static_cast<const uint16_t*>(base) + offset, sizeof(half));
+    u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+    std::memcpy(&v, &wide, sizeof(v));
+  } else {
+    f16x16 half;
+    std::memcpy(&half, static_cast<const _Float16*>(base) + offset, sizeof(half));
+    v = __builtin_convertvector(half, f32x16);
+  }
+  return v;
+}
+
+inline float hsum(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+struct Best {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t index = -1;
+};
+
+inline void offer(Best& best, float value, int64_t index) {
+  // strictly greater keeps the first index among equals; NaN never wins, as in a max over finite logits
+  if (value > best.value || best.index < 0) {
+    best.value = value;
+    best.index = index;
+  }
+}
+
+inline void store(void* out, int out_dtype, int64_t index, float value) {
+  if (out_dtype == kFloat32) {
+    static_cast<float*>(out)[index] = value;
+  } else if (out_dtype == kBFloat16) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    uint16_t result = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    static_cast<uint16_t*>(out)[index] = result;
+  } else {
+    static_cast<_Float16*>(out)[index] = static_cast<_Float16>(value);
+  }
+}
+
+template <int R, int DT>
+void skinny_rows(const void* weight, const float* hidden, int rows, int64_t vocab, int dim, void* logits, int out_dtype,
+                 int64_t* argmax) {
+  const int chunks = dim / 16;
+  constexpr int64_t kSlice = 64;  // weight rows per task
+  const int64_t slices = (vocab + kSlice - 1) / kSlice;
+  std::vector<Best> merged(rows);
+#pragma omp parallel
+  {
+    Best local[R];
+#pragma omp for schedule(static)
+    for (int64_t slice = 0; slice < slices; ++slice) {
+      const int64_t end = std::min(vocab, (slice + 1) * kSlice);
+      for (int64_t v = slice * kSlice; v < end; ++v) {
+        f32x16 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = f32x16{};
+        const int64_t offset = v * dim;
+        for (int c = 0; c < chunks; ++c) {
+          const f32x16 w = load16<DT>(weight, offset + c * 16);
+          for (int r = 0; r < R; ++r) {
+            f32x16 h;
+            std::memcpy(&h, hidden + static_cast<size_t>(r) * dim + c * 16, sizeof(h));
+            acc[r] += w * h;
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          const float value = hsum(acc[r]);
+          if (logits) store(logits, out_dtype, r * vocab + v, value);
+          if (argmax) offer(local[r], value, v);
+        }
+      }
+    }
+    if (argmax) {
+#pragma omp critical
+      for (int r = 0; r < rows; ++r) {
+        if (local[r].index < 0) continue;
+        const bool better = merged[r].index < 0 || local[r].value > merged[r].value ||
+                            (local[r].value == merged[r].value && local[r].index < merged[r].index);
+        if (better) merged[r] = local[r];
+      }
+    }
+  }
+  if (argmax)
+    for (int r = 0; r < rows; ++r) argmax[r] = merged[r].index;
+}
+
+template <int R>
+int dispatch_dtype(int dtype, const void* weight, const float* hidden, int rows, int64_t vocab, int dim, void* logits,
+                   int out_dtype, int64_t* argmax) {
+  switch (dtype) {
+    case kFloat32:
+      skinny_rows<R, kFloat32>(weight, hidden, rows, vocab, dim, logits, out_dtype, argmax);
+      return 0;
+    case kBFloat16:
+      skinny_rows<R, kBFloat16>(weight, hidden, rows, vocab, dim, logits, out_dtype, argmax);
+      return 0;
+    case kFloat16:
+      skinny_rows<R, kFloat16>(weight, hidden, rows, vocab, dim, logits, out_dtype, argmax);
+      return 0;
+  }
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// weight: [n, dim] in weight_dtype; x: float32 [rows_padded, dim] where rows_padded is rows
+// rounded up to 1, 2, 4, 8 or 16 (extra rows zero). out ([rows, n] in out_dtype) and argmax
+// (int64 [rows]) may each be null.
+int kvserve_skinny_matmul(const void* weight, int weight_dtype, const float* x, int rows, int64_t n, int dim, void* out,
+                          int out_dtype, int64_t* argmax) {
+  if (rows <= 0 || rows > 16 || dim % 16 != 0 || n <= 0 || out_dtype < 0 || out_dtype > 2) return 1;
+  if (rows == 1) return dispatch_dtype<1>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
+  if (rows <= 2) return dispatch_dtype<2>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
+  if (rows <= 4) return dispatch_dtype<4>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
+  if (rows <= 8) return dispatch_dtype<8>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
+  return dispatch_dtype<16>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
+}
+
+}  // extern "C"
