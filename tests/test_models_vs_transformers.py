@@ -21,11 +21,12 @@ def engine_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return logits[0]
 
 
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_and_logits_match_transformers(tiny_dir, family):
+def test_greedy_tokens_and_logits_match_transformers(tiny_dir, family, backend):
     path = tiny_dir(family)
     hf = hf_model(path)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, attention_backend=backend)
     # 20-token prompts: longer than Gemma's 12-token sliding window
     for prompt in random_prompts(3, 20, 30, seed=7):
         with torch.no_grad():

@@ -144,4 +144,4 @@ def test_replay_peak_equals_the_engine_on_a_tiny_model(tiny_dir, tmp_path):
 def test_engine_and_planner_share_byte_math(tiny_dir):
     llm = LLM(str(tiny_dir("gemma3")), dtype="float32", kv_cache_memory=0.01)
     spec = llm.engine.kv_spec
-    assert llm.stats()["bytes_per_token"] == spec.bytes_per_token == KVCacheSpec(3, 2, 24, "float32", 16).bytes_per_token
+    assert llm.stats()["bytes_per_token"] == spec.bytes_per_token == KVCacheSpec(3, 2, 32, "float32", 16).bytes_per_token

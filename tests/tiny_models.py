@@ -22,7 +22,8 @@ def _config(family: str):
         num_hidden_layers=3,
         num_attention_heads=6,
         num_key_value_heads=2,  # GQA with groups of three
-        head_dim=24,  # not a power of two
+        # llama/qwen2: 24, not a power of two (the kernels' scalar paths); qwen3/gemma3: 32 (their vector paths)
+        head_dim=32 if family in ("qwen3", "gemma3") else 24,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         bos_token_id=1,
@@ -40,7 +41,7 @@ def _config(family: str):
             **common,
             sliding_window=12,  # shorter than the test prompts
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=32,
         )
     raise ValueError(family)
 

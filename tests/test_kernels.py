@@ -1,0 +1,109 @@
+"""The native CPU kernels against plain torch references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import kernels
+from kvserve.engine.engine import resolve_attention_backend
+from kvserve.model.attention import context_mask
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# (heads, kv heads, head_dim): GQA groups of 4, 3 and 1; head dims on the vector path (256, 64, 32) and off it (24)
+SHAPES = [(4, 1, 256), (6, 2, 24), (9, 3, 64), (8, 8, 32)]
+
+
+def test_kernels_build_here():
+    assert kernels.cpu_kernels_available(), "g++ should be present on every machine this project runs on"
+
+
+def reference_attention(q, key_cache, value_cache, table, block_size, query_positions, window):
+    """Gather the context slot by slot and run SDPA in float32 under the causal (and window) mask."""
+    n, heads, head_dim = q.shape
+    kv_heads = key_cache.shape[1]
+    end = int(query_positions.max()) + 1
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(end)])
+    keys = key_cache[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    values = value_cache[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    mask = context_mask(query_positions, query_positions + 1, end, window)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=mask, scale=head_dim**-0.5)
+    return out.transpose(0, 1)
+
+
+def random_pool(num_blocks, block_size, kv_heads, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size,window", [(16, None), (16, 40), (8, None), (8, 5)])
+def test_paged_decode_attention_matches_sdpa(dtype, shape, block_size, window):
+    heads, kv_heads, head_dim = shape
+    num_blocks = 48
+    key_cache, value_cache = random_pool(num_blocks, block_size, kv_heads, head_dim, dtype, seed=1)
+    lengths = torch.tensor([1, 7, block_size, block_size + 1, 100, 3 * block_size - 1])
+    max_blocks = -(-int(lengths.max()) // block_size)
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths])
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
+    out = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lengths, block_size, head_dim**-0.5, window)
+    for row, length in enumerate(lengths.tolist()):
+        ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), window)
+        err = (out[row].float() - ref[0]).abs().max().item()
+        assert err < TOLERANCE[dtype], f"row {row} (context {length}): max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("start,count,window", [(0, 70, None), (0, 70, 20), (37, 50, None), (100, 30, 20), (0, 1, None), (5, 1, 3)])
+def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window):
+    heads, kv_heads, head_dim = shape
+    block_size, num_blocks = 16, 16
+    key_cache, value_cache = random_pool(num_blocks, block_size, kv_heads, head_dim, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randperm(num_blocks, generator=g)[: -(-(start + count) // block_size)]
+    q = torch.randn(count, heads, head_dim, generator=g).to(dtype)
+    out = kernels.paged_prefill_attention(q, key_cache, value_cache, table, start, block_size, head_dim**-0.5, window)
+    ref = reference_attention(q, key_cache, value_cache, table.tolist(), block_size, torch.arange(start, start + count), window)
+    err = (out.float() - ref).abs().max().item()
+    assert err < TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+def test_kernels_reject_a_table_that_does_not_cover_the_context():
+    key_cache, value_cache = random_pool(4, 16, 1, 32, torch.float32, seed=0)
+    q = torch.randn(1, 2, 32)
+    with pytest.raises(ValueError, match="block table"):
+        kernels.paged_decode_attention(q, key_cache, value_cache, torch.tensor([[0]]), torch.tensor([17]), 16, 0.1, None)
+    with pytest.raises(ValueError, match="block table"):
+        kernels.paged_prefill_attention(torch.randn(17, 2, 32), key_cache, value_cache, torch.tensor([0]), 0, 16, 0.1, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_skinny_matmul_matches_torch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    out, argmax = kernels.skinny_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+    ref = x.float() @ weight.float().t()
+    assert (out - ref).abs().max().item() < 1e-4
+    assert torch.equal(argmax, ref.argmax(dim=1))
+    same_dtype, _ = kernels.skinny_matmul(x, weight)
+    assert same_dtype.dtype == dtype and (same_dtype.float() - ref).abs().max().item() < TOLERANCE[dtype] * 10
+
+
+def test_skinny_argmax_breaks_ties_toward_the_lowest_index():
+    weight = torch.zeros(5000, 32)
+    weight[[70, 4100, 4999]] = 1.0  # equal logits, in different threads' slices
+    _, argmax = kernels.skinny_matmul(torch.ones(2, 32), weight, want_output=False, want_argmax=True)
+    assert argmax.tolist() == [70, 70]
+
+
+def test_backend_resolution():
+    assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "cpu_paged"
+    assert resolve_attention_backend("auto", torch.device("meta"), torch.float32) == "torch_sdpa"
+    assert resolve_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32) == "torch_sdpa"
+    with pytest.raises(ValueError, match="cpu_paged"):
+        resolve_attention_backend("cpu_paged", torch.device("meta"), torch.float32)
