@@ -23,8 +23,13 @@ from kvserve.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "fused_ops.cpp"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+
+
+def _flags() -> list[str]:
+    # KVSERVE_MARCH=haswell (say) builds for an older CPU than this one, e.g. to test the AVX2 code here
+    return [f"-march={os.environ.get('KVSERVE_MARCH', 'native')}", *FLAGS]
 
 
 def _cpu_flags() -> str:
@@ -57,13 +62,13 @@ def load_kernels() -> ctypes.CDLL | None:
     for name in SOURCES:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update("\0".join([compiler, version, *FLAGS, _cpu_flags()]).encode())
+    digest.update("\0".join([compiler, version, *_flags(), _cpu_flags()]).encode())
     target = cache_root() / "kernels" / f"kvserve_kernels-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             partial = Path(tmp) / target.name
-            cmd = [compiler, *FLAGS, *(str(here / name) for name in SOURCES), "-o", str(partial)]
+            cmd = [compiler, *_flags(), *(str(here / name) for name in SOURCES), "-o", str(partial)]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building the CPU kernels failed, using torch ops:\n%s", result.stderr[-2000:])
@@ -94,4 +99,15 @@ def load_kernels() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,  # weight, weight dtype, x, rows
         ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,  # n, dim, out, out dtype, argmax
     ]
+    c_int, c_int64, c_float, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    signatures = {
+        "kvserve_rms_norm": [ptr, ptr, c_int, c_int64, ptr, c_int64, c_int, c_float, c_int],
+        "kvserve_add_rms_norm": [ptr, ptr, ptr, c_int, ptr, ptr, c_int64, c_int, c_float, c_int],
+        "kvserve_qk_norm_rope": [ptr, ptr, ptr, c_int, c_int64, c_int64, c_int, c_int, c_int, ptr, ptr, c_float, ptr, ptr, ptr],
+        "kvserve_gated_activation": [ptr, ptr, c_int, c_int64, c_int64, c_int],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(library, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     return library

@@ -88,12 +88,40 @@ void skinny_rows(const void* weight, const float* hidden, int rows, int64_t voca
 #pragma omp for schedule(static)
     for (int64_t slice = 0; slice < slices; ++slice) {
       const int64_t end = std::min(vocab, (slice + 1) * kSlice);
-      for (int64_t v = slice * kSlice; v < end; ++v) {
+      // with few x rows, split each row's sum over P interleaved accumulators so the FMAs do
+      // not wait on their own latency
+      constexpr int P = R >= 4 ? 1 : 4 / R;
+      int64_t v = slice * kSlice;
+      if (P > 1 && chunks % P == 0) {
+        for (; v < end; ++v) {
+          f32x16 acc[P][R];
+          for (int p = 0; p < P; ++p)
+            for (int r = 0; r < R; ++r) acc[p][r] = f32x16{};
+          const int64_t offset = v * dim;
+          for (int c = 0; c < chunks; c += P) {
+            for (int p = 0; p < P; ++p) {
+              const f32x16 w = load16<DT>(weight, offset + (c + p) * 16);
+              for (int r = 0; r < R; ++r) {
+                f32x16 h;
+                std::memcpy(&h, hidden + static_cast<size_t>(r) * dim + (c + p) * 16, sizeof(h));
+                acc[p][r] += w * h;
+              }
+            }
+          }
+          for (int r = 0; r < rows; ++r) {
+            f32x16 total = acc[0][r];
+            for (int p = 1; p < P; ++p) total += acc[p][r];
+            const float value = hsum(total);
+            if (logits) store(logits, out_dtype, r * vocab + v, value);
+            if (argmax) offer(local[r], value, v);
+          }
+        }
+      }
+      for (; v < end; ++v) {
         f32x16 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = f32x16{};
-        const int64_t offset = v * dim;
         for (int c = 0; c < chunks; ++c) {
-          const f32x16 w = load16<DT>(weight, offset + c * 16);
+          const f32x16 w = load16<DT>(weight, v * dim + c * 16);
           for (int r = 0; r < R; ++r) {
             f32x16 h;
             std::memcpy(&h, hidden + static_cast<size_t>(r) * dim + c * 16, sizeof(h));

@@ -39,11 +39,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.scale_in_float = scale_in_float
 
+    native = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return kernels.rms_norm(x, self.weight, self.eps, scale_after_cast=not self.scale_in_float)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.scale_in_float:
             return (normed * self.weight.float()).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return (self.weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def residual_add_norm(
+    residual: torch.Tensor, addend: torch.Tensor, addend_norm: RMSNorm | None, norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """residual + (addend_norm(addend) or addend), and norm() of that sum (None without a norm).
+
+    The native path does both in one pass and updates ``residual`` in place.
+    """
+    either = norm or addend_norm
+    if either is not None and either.native and residual.is_contiguous() and addend.is_contiguous():
+        out = kernels.add_rms_norm(
+            residual, addend, addend_norm.weight if addend_norm is not None else None,
+            norm.weight if norm is not None else None, either.eps, scale_after_cast=not either.scale_in_float,
+        )  # fmt: skip
+        return residual, out
+    residual = residual + (addend_norm(addend) if addend_norm is not None else addend)
+    return residual, norm(residual) if norm is not None else None
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -97,7 +119,11 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.activation = activation
 
+    native = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return self.down_proj(kernels.gated_activation(self.gate_up_proj(x), self.activation))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.activation == "gelu_tanh":
             act = F.gelu(gate, approximate="tanh")

@@ -13,7 +13,7 @@ from kvserve import kernels
 from kvserve.kv.pool import PagedKVPool
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import NATIVE_MAX_ROWS, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import NATIVE_MAX_ROWS, GatedMLP, Linear, RMSNorm, RotaryEmbedding, residual_add_norm
 
 
 LOGITS_CHUNK = 16384
@@ -38,16 +38,27 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = config.attention_scale
         self.window = config.layer_window(layer)
+        self.eps = config.rms_norm_eps
+        self.native = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.native:
+            q, k = kernels.qk_norm_rope(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.eps, positions, self.rotary.cos, self.rotary.sin,
+            )  # fmt: skip
+        else:
+            q = q.view(tokens, self.num_heads, self.head_dim)
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, self.layer, pool, meta, self.scale, self.window)
         return self.o_proj(out.view(tokens, self.q_size))
 
@@ -66,13 +77,17 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, pool, meta)
+    def forward(
+        self, x: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, next_norm: RMSNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the residual stream; normed: input_layernorm(x). Returns the new residual stream and
+        next_norm of it (the next layer's input norm, fused with this layer's last residual add)."""
+        attn = self.self_attn(normed, positions, pool, meta)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, normed = residual_add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return residual_add_norm(x, self.mlp(normed), self.post_feedforward_layernorm, next_norm)
+        x, normed = residual_add_norm(x, attn, None, self.post_attention_layernorm)
+        return residual_add_norm(x, self.mlp(normed), None, next_norm)
 
 
 class CausalLM(nn.Module):
@@ -102,7 +117,7 @@ class CausalLM(nn.Module):
         """Route small-batch products (projections and lm_head) to the native CPU kernels."""
         self.native_lm_head = True
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, RMSNorm, GatedMLP, Attention)):
                 module.native = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,8 +125,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, positions, pool, meta)
+        normed = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            x, normed = layer(x, normed, positions, pool, meta, next_norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
