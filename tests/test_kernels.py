@@ -107,3 +107,73 @@ def test_backend_resolution():
     assert resolve_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32) == "torch_sdpa"
     with pytest.raises(ValueError, match="cpu_paged"):
         resolve_attention_backend("cpu_paged", torch.device("meta"), torch.float32)
+
+
+def torch_norm(x, weight, eps, scale_after_cast):
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if scale_after_cast:
+        return (weight * normed.to(x.dtype)).to(x.dtype)
+    return (normed * weight).to(x.dtype)
+
+
+def close(a, b, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    return (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_after_cast", [False, True])
+def test_rms_norm_and_residual_add_match_torch(dtype, scale_after_cast):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    addend = torch.randn(37, 96, generator=g).to(dtype)
+    w1, w2 = torch.rand(96, generator=g) + 0.5, torch.rand(96, generator=g) + 0.5
+    assert close(kernels.rms_norm(x, w1, 1e-6, scale_after_cast), torch_norm(x, w1, 1e-6, scale_after_cast), dtype)
+    strided = torch.randn(37, 3, 96, generator=g).to(dtype)[:, 1]  # rows 3 * 96 apart
+    assert close(kernels.rms_norm(strided, w1, 1e-6, scale_after_cast), torch_norm(strided, w1, 1e-6, scale_after_cast), dtype)
+    for addend_weight in (None, w2):
+        residual = x.clone()
+        out = kernels.add_rms_norm(residual, addend, addend_weight, w1, 1e-6, scale_after_cast)
+        expected = x + (torch_norm(addend, addend_weight, 1e-6, scale_after_cast) if addend_weight is not None else addend)
+        assert close(residual, expected, dtype)
+        assert close(out, torch_norm(expected, w1, 1e-6, scale_after_cast), dtype)
+    residual = x.clone()
+    assert kernels.add_rms_norm(residual, addend, None, None, 1e-6, scale_after_cast) is None
+    assert close(residual, x + addend, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_matches_the_torch_layers(dtype, qk_norm):
+    from kvserve.model.config import RopeConfig
+    from kvserve.model.layers import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, head_dim, tokens = 6, 2, 24, 9
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64)
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 2, 30, 31, 5, 6, 7, 63])
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6, True), RMSNorm(head_dim, 1e-6, True)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+        k_norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+    q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    if qk_norm:
+        q, k = q_norm(q), k_norm(k)
+    ref_q, ref_k = rotary(positions, q, k)
+    got_q, got_k = kernels.qk_norm_rope(
+        qkv, heads, kv_heads, head_dim, q_norm.weight.data if qk_norm else None, k_norm.weight.data if qk_norm else None,
+        1e-6, positions, rotary.cos, rotary.sin,
+    )  # fmt: skip
+    assert close(got_q, ref_q, dtype) and close(got_k, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_gated_activation_matches_torch(dtype, activation):
+    g = torch.Generator().manual_seed(7)
+    gate_up = (4 * torch.randn(13, 2 * 160, generator=g)).to(dtype)
+    gate, up = gate_up.split(160, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    assert close(kernels.gated_activation(gate_up, activation), act * up, dtype)

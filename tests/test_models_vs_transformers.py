@@ -48,3 +48,19 @@ def test_text_prompt_uses_the_checkpoint_tokenizer(tiny_dir):
     assert out.prompt_token_ids == llm.tokenizer.encode("This License applies to any program")
     assert out.text == llm.tokenizer.decode(out.token_ids)
     assert out.finish_reason == "length" and len(out.token_ids) == 64
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_backends_agree(tiny_dir, family):
+    """bf16 end to end on both attention backends (native fused ops and kernels vs torch ops)."""
+    path = tiny_dir(family)
+    prompt = random_prompts(1, 20, 20, seed=11)[0]
+    logits = {}
+    for backend in ("cpu_paged", "torch_sdpa"):
+        llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=0.01, attention_backend=backend)
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 8
+        logits[backend] = engine_last_logits(llm, prompt)
+    ref = logits["torch_sdpa"]
+    rel = (logits["cpu_paged"] - ref).abs().max() / ref.abs().max()
+    assert rel < 3e-2, f"{family}: bf16 backends differ by {rel:.2e} relative"
