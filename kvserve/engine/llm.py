@@ -51,13 +51,14 @@ class LLM:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)
+        tokens_before = engine.generation_tokens_total
         try:
             while len(results) < len(seqs):
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
                         progress.update(1)
-                        progress.set_postfix(gen_tok=engine.generation_tokens_total, refresh=False)
+                        progress.set_postfix(gen_tok=engine.generation_tokens_total - tokens_before, refresh=False)
         except BaseException:
             for seq in seqs:
                 if seq.request_id not in results:

@@ -75,6 +75,7 @@ def load_kernels() -> ctypes.CDLL | None:
                 return None
             os.replace(partial, target)  # atomic: concurrent builders never see half a file
     library = ctypes.CDLL(str(target))
+    library.path = target
     fn = library.kvserve_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -111,3 +112,9 @@ def load_kernels() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
     return library
+
+
+def report() -> None:
+    """`make setup` builds the kernels ahead of the first start and says where they are."""
+    built = load_kernels()
+    print(f"kvserve CPU kernels: {built.path}" if built is not None else "kvserve CPU kernels: not built, torch ops will be used")
