@@ -24,6 +24,7 @@ from kvserve.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "fused_ops.cpp"]
+HEADERS = ["simd.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -59,7 +60,7 @@ def load_kernels() -> ctypes.CDLL | None:
         return None
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update("\0".join([compiler, version, *_flags(), _cpu_flags()]).encode())

@@ -12,9 +12,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+using namespace kvserve;
 
 template <int DT>
 struct Elem;
@@ -33,12 +35,7 @@ struct Elem<kBFloat16> {
     std::memcpy(&f, &bits, sizeof(f));
     return f;
   }
-  static inline uint16_t store(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const uint16_t nearest_even = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    return (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : nearest_even;
-  }
+  static inline uint16_t store(float f) { return bf16_bits(f); }
 };
 template <>
 struct Elem<kFloat16> {
@@ -60,23 +57,16 @@ inline float inverse_rms(const float* row, int dim, float eps) {
   return 1.f / std::sqrt(sum / dim + eps);
 }
 
-// branch-free exp (2^n * p(f)), relative error ~2e-7, saturating outside [-87, 88]
-inline float fast_exp(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float y = x * 1.44269504088896341f;
-  const float n = (y + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 pushes the fraction out
-  const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+// dst = norm(row) * weight; scale_after_cast rounds the normed row first (Llama's order)
+template <int DT>
+inline void write_normed(typename Elem<DT>::type* dst, const float* row, const float* weight, int dim, float eps,
+                         bool scale_after_cast) {
+  const float inv = inverse_rms(row, dim, eps);
+  if (scale_after_cast) {
+    for (int d = 0; d < dim; ++d) dst[d] = Elem<DT>::store(rounded<DT>(row[d] * inv) * weight[d]);
+  } else {
+    for (int d = 0; d < dim; ++d) dst[d] = Elem<DT>::store(row[d] * inv * weight[d]);
+  }
 }
 
 inline float gelu_tanh(float x) {
@@ -99,12 +89,7 @@ void rms_norm(void* out, const void* x, int64_t x_stride, const float* weight, i
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       for (int d = 0; d < dim; ++d) row[d] = Elem<DT>::load(src[r * x_stride + d]);
-      const float inv = inverse_rms(row.data(), dim, eps);
-      if (scale_after_cast) {
-        for (int d = 0; d < dim; ++d) dst[r * dim + d] = Elem<DT>::store(rounded<DT>(row[d] * inv) * weight[d]);
-      } else {
-        for (int d = 0; d < dim; ++d) dst[r * dim + d] = Elem<DT>::store(row[d] * inv * weight[d]);
-      }
+      write_normed<DT>(dst + r * dim, row.data(), weight, dim, eps, scale_after_cast);
     }
   }
 }
@@ -133,12 +118,7 @@ void add_rms_norm(void* out, void* residual, const void* addend, const float* ad
         row[d] = Elem<DT>::load(sum);
       }
       if (!weight) continue;
-      const float inv = inverse_rms(row.data(), dim, eps);
-      if (scale_after_cast) {
-        for (int d = 0; d < dim; ++d) dst[base + d] = Elem<DT>::store(rounded<DT>(row[d] * inv) * weight[d]);
-      } else {
-        for (int d = 0; d < dim; ++d) dst[base + d] = Elem<DT>::store(row[d] * inv * weight[d]);
-      }
+      write_normed<DT>(dst + base, row.data(), weight, dim, eps, scale_after_cast);
     }
   }
 }

@@ -15,9 +15,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+using namespace kvserve;
 
 inline void load_row(const void* src, int dtype, int64_t offset, int n, float* dst) {
   if (dtype == kFloat32) {
@@ -44,17 +46,7 @@ inline void store_row(void* dst, int dtype, int64_t offset, int n, const float* 
     for (int i = 0; i < n; ++i) p[i] = src[i] * factor;
   } else if (dtype == kBFloat16) {
     uint16_t* p = static_cast<uint16_t*>(dst) + offset;
-    for (int i = 0; i < n; ++i) {
-      float value = src[i] * factor;
-      uint32_t bits;
-      std::memcpy(&bits, &value, sizeof(bits));
-      if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        p[i] = 0x7fc0;  // NaN stays NaN
-      } else {
-        bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
-        p[i] = static_cast<uint16_t>(bits >> 16);
-      }
-    }
+    for (int i = 0; i < n; ++i) p[i] = bf16_bits(src[i] * factor);
   } else {
     _Float16* p = static_cast<_Float16*>(dst) + offset;
     for (int i = 0; i < n; ++i) p[i] = static_cast<_Float16>(src[i] * factor);
@@ -70,59 +62,6 @@ inline float dot(const float* a, const float* b, int n) {
 
 
 // ---- vectorized path: head_dim a multiple of 16, group size known at compile time -------------
-// GCC vector extensions lower a 16-float vector to one AVX-512 register or two AVX2 registers.
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
-
-template <int DT>
-inline f32x16 load16(const void* base, int64_t offset) {
-  f32x16 v;
-  if constexpr (DT == kFloat32) {
-    std::memcpy(&v, static_cast<const float*>(base) + offset, sizeof(v));
-  } else if constexpr (DT == kBFloat16) {
-    u16x16 half;
-    std::memcpy(&half, static_cast<const uint16_t*>(base) + offset, sizeof(half));
-    u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
-    std::memcpy(&v, &wide, sizeof(v));
-  } else {
-    f16x16 half;
-    std::memcpy(&half, static_cast<const _Float16*>(base) + offset, sizeof(half));
-    v = __builtin_convertvector(half, f32x16);
-  }
-  return v;
-}
-
-inline float hsum(f32x16 v) {
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// exp for x <= 0 (softmax after subtracting the max): 2^n * p(f), relative error ~2e-7
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 lo = f32x16{} - 87.f;
-  x = x < lo ? lo : x;
-  f32x16 y = x * 1.44269504088896341f;
-  f32x16 rounded = __builtin_convertvector(__builtin_convertvector(y + (y < 0 ? -0.5f : 0.5f), i32x16), f32x16);
-  f32x16 f = y - rounded;  // in [-0.5, 0.5]
-  f32x16 p = f32x16{} + 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  i32x16 exponent = (__builtin_convertvector(rounded, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &exponent, sizeof(scale));
-  return p * scale;
-}
 
 // Calls fn(i, offset, run) for each run of consecutive positions inside one block: i is the index of
 // the run's first position relative to `first`, offset the element offset of its first K/V row.

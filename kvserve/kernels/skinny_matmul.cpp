@@ -14,40 +14,11 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
-
-template <int DT>
-inline f32x16 load16(const void* base, int64_t offset) {
-  f32x16 v;
-  if constexpr (DT == kFloat32) {
-    std::memcpy(&v, static_cast<const float*>(base) + offset, sizeof(v));
-  } else if constexpr (DT == kBFloat16) {
-    u16x16 half;
-    std::memcpy(&half, static_cast<const uint16_t*>(base) + offset, sizeof(half));
-    u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
-    std::memcpy(&v, &wide, sizeof(v));
-  } else {
-    f16x16 half;
-    std::memcpy(&half, static_cast<const _Float16*>(base) + offset, sizeof(half));
-    v = __builtin_convertvector(half, f32x16);
-  }
-  return v;
-}
-
-inline float hsum(f32x16 v) {
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
+using namespace kvserve;
 
 struct Best {
   float value = -std::numeric_limits<float>::infinity();
@@ -66,10 +37,7 @@ inline void store(void* out, int out_dtype, int64_t index, float value) {
   if (out_dtype == kFloat32) {
     static_cast<float*>(out)[index] = value;
   } else if (out_dtype == kBFloat16) {
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    uint16_t result = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    static_cast<uint16_t*>(out)[index] = result;
+    static_cast<uint16_t*>(out)[index] = bf16_bits(value);
   } else {
     static_cast<_Float16*>(out)[index] = static_cast<_Float16>(value);
   }
