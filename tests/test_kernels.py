@@ -1,5 +1,9 @@
 """The native CPU kernels against plain torch references."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +181,13 @@ def test_gated_activation_matches_torch(dtype, activation):
     gate, up = gate_up.split(160, dim=-1)
     act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
     assert close(kernels.gated_activation(gate_up, activation), act * up, dtype)
+
+
+def test_disabling_the_kernels_falls_back_to_torch_ops():
+    code = (
+        "import torch; from kvserve import kernels; from kvserve.engine.engine import resolve_attention_backend; "
+        "print(kernels.cpu_kernels_available(), resolve_attention_backend('auto', torch.device('cpu'), torch.float32))"
+    )
+    env = {**os.environ, "KVSERVE_DISABLE_KERNELS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "torch_sdpa"]
