@@ -65,7 +65,7 @@ class ModelRunner:
         slot_mapping: list[torch.Tensor] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size, attention_backend=self.attention_backend)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), attention_backend=self.attention_backend)
 
         if decodes:
             lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
@@ -95,7 +95,7 @@ class ModelRunner:
             blocks = torch.tensor(self.kv.block_table(seq.request_id)[: -(-end // self.block_size)], dtype=torch.long)
             positions_new = torch.arange(start, end)
             slot_mapping.append(blocks[positions_new // self.block_size] * self.block_size + positions_new % self.block_size)
-            meta.prefills.append(PrefillSpan(row, row + n, start, blocks.to(self.device), self.block_size))
+            meta.prefills.append(PrefillSpan(row, row + n, start, blocks.to(self.device)))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
                 samplers.append(seq)

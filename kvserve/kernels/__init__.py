@@ -30,12 +30,11 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """query [B, H, D]; key/value cache [slots, KVH, D]; block_tables [B, nb] int64; context_lens [B] int64.
 
-    Returns [B, H, D] in the query's dtype (written into ``out`` when given, which must be contiguous): each query (the last token of its sequence) attends to
-    positions max(0, len - window) .. len - 1 of its context.
+    Returns [B, H, D] in the query's dtype (written into ``out`` when given, which must be
+    contiguous): each query (the last token of its sequence) attends to positions
+    max(0, len - window) .. len - 1 of its context.
     """
-    library = load_kernels()
-    if library is None:
-        raise RuntimeError("the CPU kernels are not built; use the torch attention path")
+    library = _require()
     query = query.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
@@ -69,9 +68,7 @@ def paged_prefill_attention(
     """One sequence's prefill chunk. query [n, H, D] holds positions context_start .. context_start + n - 1,
     whose K/V are already in the pool; block_table [nb] covers every position up to the chunk's end.
     Causal, with an optional sliding window. Returns [n, H, D] in the query's dtype."""
-    library = load_kernels()
-    if library is None:
-        raise RuntimeError("the CPU kernels are not built; use the torch attention path")
+    library = _require()
     query = query.contiguous()
     block_table = block_table.to(torch.int64).contiguous()
     num_tokens, num_heads, head_dim = query.shape
@@ -85,8 +82,7 @@ def paged_prefill_attention(
         block_table.data_ptr(), context_start, num_tokens,
         num_heads, key_cache.shape[1], head_dim, block_size, window or 0, scale,
     )  # fmt: skip
-    if status:
-        raise ValueError(f"paged_prefill_attention: bad arguments (status {status})")
+    _check(status, "paged_prefill_attention")
     return out
 
 
@@ -98,9 +94,7 @@ def skinny_matmul(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x [R, K] @ weight[N, K]^T for 1..16 rows: (output [R, N] in out_dtype (x's by default) or None,
     row-wise argmax [R] or None). Accumulates in float32."""
-    library = load_kernels()
-    if library is None:
-        raise RuntimeError("the CPU kernels are not built; use torch.mm")
+    library = _require()
     rows, dim = x.shape
     if not 0 < rows <= SKINNY_MAX_ROWS or dim % 16 or not weight.is_contiguous() or weight.shape[1] != dim:
         raise ValueError("skinny_matmul: 1..16 rows, an inner size that is a multiple of 16 and a contiguous weight")
@@ -115,8 +109,7 @@ def skinny_matmul(
         out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
         argmax.data_ptr() if argmax is not None else None,
     )  # fmt: skip
-    if status:
-        raise ValueError(f"skinny_matmul: bad arguments (status {status})")
+    _check(status, "skinny_matmul")
     return out, argmax
 
 

@@ -77,32 +77,16 @@ def load_kernels() -> ctypes.CDLL | None:
             os.replace(partial, target)  # atomic: concurrent builders never see half a file
     library = ctypes.CDLL(str(target))
     library.path = target
-    fn = library.kvserve_paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, query, query dtype
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # key cache, value cache, kv dtype
-        ctypes.c_void_p, ctypes.c_void_p,  # block tables, context lens
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # seqs, max blocks, heads, kv heads, head dim, block size
-        ctypes.c_int, ctypes.c_float,  # window, scale
-    ]
-    prefill = library.kvserve_paged_prefill_attention
-    prefill.restype = ctypes.c_int
-    prefill.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, query, query dtype
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # key cache, value cache, kv dtype
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # block table, context start, tokens
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, head dim, block size
-        ctypes.c_int, ctypes.c_float,  # window, scale
-    ]
-    skinny = library.kvserve_skinny_matmul
-    skinny.restype = ctypes.c_int
-    skinny.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,  # weight, weight dtype, x, rows
-        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,  # n, dim, out, out dtype, argmax
-    ]
     c_int, c_int64, c_float, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     signatures = {
+        # out, query, query dtype, key cache, value cache, kv dtype, block tables, context lens,
+        # seqs, max blocks, heads, kv heads, head dim, block size, window, scale
+        "kvserve_paged_decode_attention": [ptr, ptr, c_int, ptr, ptr, c_int, ptr, ptr, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_float],
+        # out, query, query dtype, key cache, value cache, kv dtype, block table, context start, tokens,
+        # heads, kv heads, head dim, block size, window, scale
+        "kvserve_paged_prefill_attention": [ptr, ptr, c_int, ptr, ptr, c_int, ptr, c_int64, c_int64, c_int, c_int, c_int, c_int, c_int, c_float],
+        # weight, weight dtype, x, rows, n, dim, out, out dtype, argmax
+        "kvserve_skinny_matmul": [ptr, c_int, ptr, c_int, c_int64, c_int, ptr, c_int, ptr],
         "kvserve_rms_norm": [ptr, ptr, c_int, c_int64, ptr, c_int64, c_int, c_float, c_int],
         "kvserve_add_rms_norm": [ptr, ptr, ptr, c_int, ptr, ptr, c_int64, c_int, c_float, c_int],
         "kvserve_qk_norm_rope": [ptr, ptr, ptr, c_int, c_int64, c_int64, c_int, c_int, c_int, ptr, ptr, c_float, ptr, ptr, ptr],

@@ -41,16 +41,7 @@ inline void load_row(const void* src, int dtype, int64_t offset, int n, float* d
 }
 
 inline void store_row(void* dst, int dtype, int64_t offset, int n, const float* src, float factor) {
-  if (dtype == kFloat32) {
-    float* p = static_cast<float*>(dst) + offset;
-    for (int i = 0; i < n; ++i) p[i] = src[i] * factor;
-  } else if (dtype == kBFloat16) {
-    uint16_t* p = static_cast<uint16_t*>(dst) + offset;
-    for (int i = 0; i < n; ++i) p[i] = bf16_bits(src[i] * factor);
-  } else {
-    _Float16* p = static_cast<_Float16*>(dst) + offset;
-    for (int i = 0; i < n; ++i) p[i] = static_cast<_Float16>(src[i] * factor);
-  }
+  for (int i = 0; i < n; ++i) store_element(dst, dtype, offset + i, src[i] * factor);
 }
 
 inline float dot(const float* a, const float* b, int n) {

@@ -53,6 +53,17 @@ inline uint16_t bf16_bits(float value) {
   return (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : nearest_even;
 }
 
+// one element of a float32 / bf16 / fp16 array, chosen at run time
+inline void store_element(void* out, int dtype, int64_t index, float value) {
+  if (dtype == kFloat32) {
+    static_cast<float*>(out)[index] = value;
+  } else if (dtype == kBFloat16) {
+    static_cast<uint16_t*>(out)[index] = bf16_bits(value);
+  } else {
+    static_cast<_Float16*>(out)[index] = static_cast<_Float16>(value);
+  }
+}
+
 // exp(x) = 2^n * 2^f with f in [-0.5, 0.5] from a degree-6 polynomial: relative error ~2e-7,
 // saturating outside [-87, 88]. Branch-free, so it works on a float (and auto-vectorizes in a
 // loop) or on an f32x16.

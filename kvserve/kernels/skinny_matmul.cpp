@@ -33,16 +33,6 @@ inline void offer(Best& best, float value, int64_t index) {
   }
 }
 
-inline void store(void* out, int out_dtype, int64_t index, float value) {
-  if (out_dtype == kFloat32) {
-    static_cast<float*>(out)[index] = value;
-  } else if (out_dtype == kBFloat16) {
-    static_cast<uint16_t*>(out)[index] = bf16_bits(value);
-  } else {
-    static_cast<_Float16*>(out)[index] = static_cast<_Float16>(value);
-  }
-}
-
 template <int R, int DT>
 void skinny_rows(const void* weight, const float* hidden, int rows, int64_t vocab, int dim, void* logits, int out_dtype,
                  int64_t* argmax) {
@@ -80,7 +70,7 @@ void skinny_rows(const void* weight, const float* hidden, int rows, int64_t voca
             f32x16 total = acc[0][r];
             for (int p = 1; p < P; ++p) total += acc[p][r];
             const float value = hsum(total);
-            if (logits) store(logits, out_dtype, r * vocab + v, value);
+            if (logits) store_element(logits, out_dtype, r * vocab + v, value);
             if (argmax) offer(local[r], value, v);
           }
         }
@@ -98,7 +88,7 @@ void skinny_rows(const void* weight, const float* hidden, int rows, int64_t voca
         }
         for (int r = 0; r < rows; ++r) {
           const float value = hsum(acc[r]);
-          if (logits) store(logits, out_dtype, r * vocab + v, value);
+          if (logits) store_element(logits, out_dtype, r * vocab + v, value);
           if (argmax) offer(local[r], value, v);
         }
       }

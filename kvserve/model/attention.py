@@ -26,7 +26,6 @@ class PrefillSpan:
     end: int
     context_start: int  # position of the chunk's first token in its sequence
     block_ids: torch.Tensor  # [nb] blocks covering every token up to the chunk's end
-    block_size: int
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -37,20 +36,19 @@ class PrefillSpan:
         """True when the chunk opens its sequence, so causal attention over its own K/V is exact."""
         return self.context_start == 0 and (window is None or window >= self.num_tokens)
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         """[n, nb * block_size] bool, True = attend."""
         if window not in self._masks:
             device = self.block_ids.device
             positions = torch.arange(self.context_start, self.context_start + self.num_tokens, device=device)
             context_end = torch.tensor(self.context_start + self.num_tokens, device=device)
-            self._masks[window] = context_mask(positions, context_end, self.block_ids.numel() * self.block_size, window)
+            self._masks[window] = context_mask(positions, context_end, self.block_ids.numel() * block_size, window)
         return self._masks[window]
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    block_size: int = 16
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, nb] padded block tables
     decode_context_lens: torch.Tensor | None = None  # [B] tokens in context, the query included
@@ -58,11 +56,11 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
+    def decode_mask(self, window: int | None, block_size: int) -> torch.Tensor:
         """[B, 1, 1, nb * block_size] bool for the gathered, padded decode context."""
         if window not in self._decode_masks:
             lengths = self.decode_context_lens
-            padded = self.decode_block_tables.shape[1] * self.block_size
+            padded = self.decode_block_tables.shape[1] * block_size
             mask = context_mask(lengths - 1, lengths, padded, window)
             self._decode_masks[window] = mask.view(lengths.numel(), 1, 1, padded)
         return self._decode_masks[window]
@@ -92,21 +90,22 @@ def paged_attention(
     pool.store(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
+    native = meta.attention_backend == "cpu_paged"
+    if native:
+        key_cache, value_cache = pool.layer_caches(layer)
     if num_decode:
-        if meta.attention_backend == "cpu_paged":
-            key_cache, value_cache = pool.layer_caches(layer)
+        if native:
             kernels.paged_decode_attention(
                 q[:num_decode], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.block_size, scale, window, out=out[:num_decode],
+                pool.block_size, scale, window, out=out[:num_decode],
             )
         else:
             out[:num_decode] = _decode_sdpa(q[:num_decode], layer, pool, meta, scale, window)
     for span in meta.prefills:
-        if meta.attention_backend == "cpu_paged":
-            key_cache, value_cache = pool.layer_caches(layer)
+        if native:
             kernels.paged_prefill_attention(
                 q[span.start : span.end], key_cache, value_cache, span.block_ids, span.context_start,
-                meta.block_size, scale, window, out=out[span.start : span.end],
+                pool.block_size, scale, window, out=out[span.start : span.end],
             )
         else:
             out[span.start : span.end] = _prefill_sdpa(q, k, v, span, layer, pool, scale, window)
@@ -119,7 +118,7 @@ def _decode_sdpa(q: torch.Tensor, layer: int, pool: PagedKVPool, meta: Attention
     kv_heads = keys.shape[2]
     keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)
     queries = q.view(num_decode, kv_heads, num_heads // kv_heads, head_dim)
-    attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask(window), scale=scale)
+    attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask(window, pool.block_size), scale=scale)
     return attn.reshape(num_decode, num_heads, head_dim)
 
 
@@ -139,5 +138,5 @@ def _prefill_sdpa(
     # fold the query-head group into the query axis so each kv head serves its group without a copy
     group = num_heads // kv_heads
     folded = q[span.start : span.end].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
-    attn = F.scaled_dot_product_attention(folded, keys, values, attn_mask=span.mask(window).repeat(group, 1), scale=scale)
+    attn = F.scaled_dot_product_attention(folded, keys, values, attn_mask=span.mask(window, pool.block_size).repeat(group, 1), scale=scale)
     return attn.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

@@ -14,13 +14,18 @@ from kvserve.model.config import RopeConfig
 NATIVE_MAX_ROWS = 8  # measured here: up to 8 rows the native kernel beats oneDNN's bf16 GEMM from DRAM
 
 
+def fits_skinny_matmul(x: torch.Tensor) -> bool:
+    """A few rows (a small decode batch) with an inner size the native skinny kernel takes."""
+    return x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.shape[1] % 16 == 0
+
+
 class Linear(nn.Linear):
     """nn.Linear whose few-row products (small decode batches) run on the native skinny kernel once enabled."""
 
     native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.shape[1] % 16 == 0:
+        if self.native and fits_skinny_matmul(x):
             out, _ = kernels.skinny_matmul(x, self.weight)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -13,7 +13,7 @@ from kvserve import kernels
 from kvserve.kv.pool import PagedKVPool
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import NATIVE_MAX_ROWS, GatedMLP, Linear, RMSNorm, RotaryEmbedding, residual_add_norm
+from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_skinny_matmul, residual_add_norm
 
 
 LOGITS_CHUNK = 16384
@@ -21,6 +21,8 @@ GREEDY_CHUNK = 4096
 
 
 class Attention(nn.Module):
+    native = False  # CausalLM.enable_native_kernels() sets it per instance
+
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer = layer
@@ -39,7 +41,6 @@ class Attention(nn.Module):
         self.scale = config.attention_scale
         self.window = config.layer_window(layer)
         self.eps = config.rms_norm_eps
-        self.native = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -166,7 +167,7 @@ class CausalLM(nn.Module):
 
     def _use_native_lm_head(self, normed: torch.Tensor) -> bool:
         """A few rows make a memory-bound product that the native kernel streams at full bandwidth."""
-        return self.native_lm_head and normed.shape[0] <= NATIVE_MAX_ROWS and normed.shape[1] % 16 == 0
+        return self.native_lm_head and fits_skinny_matmul(normed)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of the logits [S] without materializing them: each cache-sized slice of the lm_head
