@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.kernels.build import load_kernels
@@ -111,6 +113,142 @@ def skinny_matmul(
     )  # fmt: skip
     _check(status, "skinny_matmul")
     return out, argmax
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A bf16 weight [n, k] re-laid for kvserve_packed_matmul: tiles of 16 rows with k-pairs interleaved."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
+def bf16_dot_available() -> bool:
+    """The CPU has AVX512-BF16 dot products (and the kernels were built for it)."""
+    library = load_kernels()
+    return library is not None and bool(library.kvserve_has_bf16_dot())
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0 and bf16_dot_available()
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """Pack a bf16 [n, k] weight once (the same bytes again, padded to 16 rows)."""
+    library = _require()
+    if not can_pack(weight):
+        raise ValueError("pack_weight: a 2-D bf16 CPU weight with an even inner size, on a CPU with AVX512-BF16")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    data = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+    _check(library.kvserve_pack_bf16_weight(weight.data_ptr(), n, k, data.data_ptr()), "pack_weight")
+    return PackedWeight(data, n, k)
+
+
+def packed_matmul(
+    x: torch.Tensor, weight: PackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """x [R, k] (bf16) @ weight^T with bf16 dot products accumulated in float32: (output [R, n] in
+    out_dtype (bf16 by default) or None, row-wise argmax [R] or None)."""
+    library = _require()
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
+        raise ValueError(f"packed_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
+    rows = x.shape[0]
+    out = torch.empty(rows, weight.n, dtype=out_dtype or torch.bfloat16) if want_output else None
+    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
+    status = library.kvserve_packed_matmul(
+        weight.data.data_ptr(), weight.n, weight.k, x.data_ptr(), x.stride(0), rows,
+        out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
+        argmax.data_ptr() if argmax is not None else None,
+    )  # fmt: skip
+    _check(status, "packed_matmul")
+    return out, argmax
+
+
+@dataclass(frozen=True)
+class ScreenedWeight:
+    """An lm_head kept for exact greedy argmax by int8 screening (see screened_argmax.cpp): the bf16
+    packed weight for the exact rescoring plus int8 rows with their scales and error bounds."""
+
+    bf16: PackedWeight
+    int8: torch.Tensor  # uint8 (q + 128) [tiles * 16 * k], laid out [tile][k/4][16][4]
+    row_scale: torch.Tensor  # [tiles * 16]
+    row_error: torch.Tensor  # [tiles * 16]: max |w - s q| over the row
+    row_abs_q: torch.Tensor  # [tiles, groups, 16]: s * sum |q| over each group of dims
+    tile_abs_q: torch.Tensor  # [tiles, groups]: the max over the tile's rows
+    tile_error: torch.Tensor  # [tiles]
+    group: int
+    max_scale: float
+    max_abs: float
+
+
+def int8_screen_available() -> bool:
+    library = load_kernels()
+    return library is not None and bool(library.kvserve_has_int8_screen())
+
+
+def screen_group(k: int) -> int | None:
+    """Dims per quantization group of the hidden state: 64 where it divides k (measured best here)."""
+    return next((g for g in (64, 32, 16, 8, 4) if k % g == 0), None)
+
+
+def screen_weight(packed: PackedWeight, weight: torch.Tensor) -> ScreenedWeight:
+    """Quantize a bf16 [n, k] lm_head to int8 for screening (adds n * k bytes)."""
+    library = _require()
+    group = screen_group(packed.k)
+    if not int8_screen_available() or group is None or weight.dtype != torch.bfloat16 or tuple(weight.shape) != (packed.n, packed.k):
+        raise ValueError("screen_weight: a bf16 [n, k] weight with k % 4 == 0, on a CPU with AVX512-VNNI and BF16")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    tiles = -(-n // 16)
+    groups = k // group
+    int8 = torch.empty(tiles * 16 * k, dtype=torch.uint8)
+    row_scale = torch.empty(tiles * 16)
+    row_error = torch.empty(tiles * 16)
+    row_abs_q = torch.empty(tiles, groups, 16)
+    _check(library.kvserve_pack_int8_weight(
+        weight.data_ptr(), n, k, group, int8.data_ptr(), row_scale.data_ptr(), row_error.data_ptr(), row_abs_q.data_ptr(),
+    ), "screen_weight")  # fmt: skip
+    return ScreenedWeight(
+        packed, int8, row_scale, row_error, row_abs_q, row_abs_q.amax(2), row_error.view(tiles, 16).amax(1), group,
+        float(row_scale.max()), float(weight.detach().abs().max()),
+    )  # fmt: skip
+
+
+def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise argmax of x @ weight^T, bit-identical to packed_matmul's, from an int8 screen and an
+    exact bf16 rescoring of the tiles that can still win. Returns (argmax [R], tiles rescored per row [R]).
+    x must be finite bf16 [R, k]."""
+    library = _require()
+    k = weight.bf16.k
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != k or x.shape[0] == 0:
+        raise ValueError(f"screened_argmax: x must be bf16 [rows > 0, {k}]")
+    x = x.contiguous()
+    rows, group = x.shape[0], weight.group
+    exact = x.double().view(rows, k // group, group)
+    scale = exact.abs().amax(2) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = torch.round(exact / scale[:, :, None]).clamp(-127, 127)
+    delta = (exact - scale[:, :, None] * quantized).abs().amax(2).float()
+    correction = (128 * (scale * quantized.sum(2)).sum(1)).float()
+    l1 = x.float().abs().sum(1)
+    # float rounding: of the int8 approximation's group sums, and (twice) of the exact bf16 dot products
+    slack = 2.0**-20 * weight.max_scale * scale.sum(1).float() * group * 255 * 127 + 1e-4 * weight.max_abs * l1
+    tile_bound = (delta @ weight.tile_abs_q.t() + l1[:, None] * weight.tile_error[None, :]) * 1.0011 + slack[:, None]
+    xq = quantized.to(torch.int8).view(rows, k)
+    group_scale = scale.float()
+    slack, tile_bound = slack.contiguous(), tile_bound.contiguous()
+    argmax = torch.empty(rows, dtype=torch.int64)
+    rescored = torch.empty(rows, dtype=torch.int64)
+    status = library.kvserve_screened_argmax(
+        weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
+        weight.bf16.data.data_ptr(), weight.bf16.n, k, xq.data_ptr(), k, group_scale.data_ptr(), delta.data_ptr(), group,
+        correction.data_ptr(), l1.data_ptr(), slack.data_ptr(), tile_bound.data_ptr(),
+        x.data_ptr(), k, rows, argmax.data_ptr(), rescored.data_ptr(),
+    )  # fmt: skip
+    _check(status, "screened_argmax")
+    return argmax, rescored
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:

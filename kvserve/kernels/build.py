@@ -23,7 +23,7 @@ from kvserve.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "fused_ops.cpp"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp"]
 HEADERS = ["simd.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
@@ -87,6 +87,17 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_paged_prefill_attention": [ptr, ptr, c_int, ptr, ptr, c_int, ptr, c_int64, c_int64, c_int, c_int, c_int, c_int, c_int, c_float],
         # weight, weight dtype, x, rows, n, dim, out, out dtype, argmax
         "kvserve_skinny_matmul": [ptr, c_int, ptr, c_int, c_int64, c_int, ptr, c_int, ptr],
+        "kvserve_has_bf16_dot": [],
+        # weight, n, k, packed
+        "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
+        # packed, n, k, x, x row stride, rows, out, out dtype, argmax
+        "kvserve_packed_matmul": [ptr, c_int64, c_int, ptr, c_int64, c_int, ptr, c_int, ptr],
+        "kvserve_has_int8_screen": [],
+        # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
+        "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
+        # int8 packed, row scale, row error, row |q|, bf16 packed, n, k, xq, xq stride, group scale,
+        # group delta, group, correction, x l1, slack, tile bound, x, x stride, rows, argmax, rescored
+        "kvserve_screened_argmax": [ptr, ptr, ptr, ptr, ptr, c_int64, c_int, ptr, c_int64, ptr, ptr, c_int, ptr, ptr, ptr, ptr, ptr, c_int64, c_int, ptr, ptr],
         "kvserve_rms_norm": [ptr, ptr, c_int, c_int64, ptr, c_int64, c_int, c_float, c_int],
         "kvserve_add_rms_norm": [ptr, ptr, ptr, c_int, ptr, ptr, c_int64, c_int, c_float, c_int],
         "kvserve_qk_norm_rope": [ptr, ptr, ptr, c_int, c_int64, c_int64, c_int, c_int, c_int, ptr, ptr, c_float, ptr, ptr, ptr],

@@ -17,6 +17,13 @@
 
 #include "simd.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KVSERVE_DECODE_BF16_DOT 1
+#else
+#define KVSERVE_DECODE_BF16_DOT 0
+#endif
+
 namespace {
 
 using namespace kvserve;
@@ -56,18 +63,38 @@ inline float dot(const float* a, const float* b, int n) {
 
 // Calls fn(i, offset, run) for each run of consecutive positions inside one block: i is the index of
 // the run's first position relative to `first`, offset the element offset of its first K/V row.
+// Blocks are scattered through the pool, so the hardware prefetcher stalls at every block edge:
+// before each run, the rows of the next run are prefetched from `cache` (elem_bytes per element).
 template <typename Fn>
 inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads,
-                               int head_dim, int block_size, Fn fn) {
-  int64_t i = 0;
-  while (i < count) {
+                               int head_dim, int block_size, const void* cache, int elem_bytes, Fn fn) {
+  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t row_bytes = static_cast<int64_t>(head_dim) * elem_bytes;
+  auto run_at = [&](int64_t i, int64_t& offset) {
     const int64_t position = first + i;
     const int64_t block = position / block_size;
     const int64_t within = position - block * block_size;
-    const int64_t run = std::min<int64_t>(block_size - within, count - i);
-    const int64_t slot = table[block] * block_size + within;
-    fn(i, (slot * num_kv_heads + kv_head) * head_dim, run);
-    i += run;
+    offset = ((table[block] * block_size + within) * num_kv_heads + kv_head) * head_dim;
+    return std::min<int64_t>(block_size - within, count - i);
+  };
+  auto prefetch = [&](int64_t offset, int64_t run) {
+    const char* base = static_cast<const char*>(cache) + offset * elem_bytes;
+    for (int64_t j = 0; j < run; ++j)
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(base + j * row_stride * elem_bytes + byte);
+  };
+  int64_t i = 0;
+  int64_t offset = 0;
+  int64_t run = count > 0 ? run_at(0, offset) : 0;
+  if (run) prefetch(offset, run);
+  while (i < count) {
+    const int64_t next = i + run;
+    int64_t next_offset = 0;
+    const int64_t next_run = next < count ? run_at(next, next_offset) : 0;
+    if (next_run) prefetch(next_offset, next_run);
+    fn(i, offset, run);
+    i = next;
+    offset = next_offset;
+    run = next_run;
   }
 }
 
@@ -80,7 +107,8 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, [&](int64_t i0, int64_t base, int64_t run) {
+  constexpr int kElemBytes = DT == kFloat32 ? 4 : 2;
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run) {
     for (int64_t j = 0; j < run; ++j) {
       const int64_t offset = base + j * row_stride;
       f32x16 a[G], b[G];
@@ -132,7 +160,7 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
   }
 
   acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, [&](int64_t i0, int64_t base, int64_t run) {
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run) {
     for (int c = 0; c < chunks; ++c) {
       f32x16 a[G], b[G];
       for (int g = 0; g < G; ++g) {
@@ -209,6 +237,184 @@ bool decode_task_fast_dispatch(int group, int kv_dtype, float* out_rows, const f
 }
 
 
+// ---- bf16 K/V and queries on a CPU with AVX512-BF16 ---------------------------------------------
+// vdpbf16ps multiplies bf16 pairs straight from the pool (no widening to float). Scores: each key's
+// G dot products are 16-lane partial sums, reduced 16 keys at a time by a transposing tree (~3
+// instructions per score instead of a horizontal sum each). Values: rows i and i+1 are interleaved
+// (unpack lo/hi), so one instruction adds p_i v_i + p_{i+1} v_{i+1} for 16 dims, with the
+// probabilities rounded to bf16 as flash attention does for its P @ V; they are normalized by the
+// sum of the rounded values, in float.
+#if KVSERVE_DECODE_BF16_DOT
+
+inline __m512 sum_pairs(__m512 a, __m512 b, const __m512i& lo, const __m512i& hi) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+// v[0..15], one 16-lane partial-sum vector per key -> one vector of the 16 keys' totals
+inline __m512 reduce16(__m512* v) {
+  const __m512i lo1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i hi1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+  const __m512i lo2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i hi2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i lo3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i hi3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+  const __m512i lo4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i hi4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) w[i] = sum_pairs(v[2 * i], v[2 * i + 1], lo1, hi1);
+  for (int i = 0; i < 4; ++i) x[i] = sum_pairs(w[2 * i], w[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) y[i] = sum_pairs(x[2 * i], x[2 * i + 1], lo3, hi3);
+  return sum_pairs(y[0], y[1], lo4, hi4);
+}
+
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p)); }
+
+template <int G>
+void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* key_cache, const uint16_t* value_cache,
+                      const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads, int head_dim,
+                      int block_size, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
+                      std::vector<float>& acc) {
+  const int chunks = head_dim / 32;
+  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  scores.resize(static_cast<size_t>(G) * count);
+  float* s = scores.data();
+
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run) {
+    for (int64_t j0 = 0; j0 < run; j0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, run - j0));
+      __m512 partial[G][16];
+      for (int j = 0; j < 16; ++j) {
+        if (j >= n) {
+          for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
+          continue;
+        }
+        const uint16_t* key = key_cache + base + (j0 + j) * row_stride;
+        __m512 a[G], b[G];
+        for (int g = 0; g < G; ++g) a[g] = b[g] = _mm512_setzero_ps();
+        int c = 0;
+        for (; c + 1 < chunks; c += 2) {
+          const __m512bh k0 = load_bh(key + c * 32), k1 = load_bh(key + c * 32 + 32);
+          for (int g = 0; g < G; ++g) {
+            a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
+            b[g] = _mm512_dpbf16_ps(b[g], load_bh(queries + g * head_dim + c * 32 + 32), k1);
+          }
+        }
+        if (c < chunks) {
+          const __m512bh k0 = load_bh(key + c * 32);
+          for (int g = 0; g < G; ++g) a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
+        }
+        for (int g = 0; g < G; ++g) partial[g][j] = _mm512_add_ps(a[g], b[g]);
+      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+      for (int g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(s + g * count + i0 + j0, keep, _mm512_mul_ps(reduce16(partial[g]), _mm512_set1_ps(scale)));
+    }
+  });
+
+  // softmax in float; probabilities rounded to bf16, pairs padded with a zero
+  const int64_t padded = count + (count & 1);
+  probs.resize(static_cast<size_t>(G) * padded);
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* row = s + g * count;
+    uint16_t* p = probs.data() + g * padded;
+    float peak = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, row[i]);
+    f32x16 total = f32x16{};
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      f32x16 v;
+      std::memcpy(&v, row + i, sizeof(v));
+      v = exp16(v - peak);
+      const __m512i bits = _mm512_castps_si512((__m512)v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm512_cvtepi32_epi16(rounded));
+      total += (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
+    }
+    float tail = hsum(total);
+    for (; i < count; ++i) {
+      p[i] = bf16_bits(fast_exp(row[i] - peak));
+      uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+      float value;
+      std::memcpy(&value, &bits, sizeof(value));
+      tail += value;
+    }
+    if (padded > count) p[count] = 0;
+    inv_sum[g] = 1.f / tail;
+  }
+
+  // acc: [G][chunks][2][16] float, dims in unpack order
+  acc.assign(static_cast<size_t>(G) * chunks * 32, 0.f);
+  const __m512i zero = _mm512_setzero_si512();
+  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run) {
+    for (int c = 0; c < chunks; ++c) {
+      __m512 lo[G], hi[G];
+      for (int g = 0; g < G; ++g) {
+        lo[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
+        hi[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32 + 16);
+      }
+      for (int64_t j = 0; j < run; j += 2) {
+        const __m512i v0 = _mm512_loadu_si512(static_cast<const void*>(value_cache + base + j * row_stride + c * 32));
+        const __m512i v1 = j + 1 < run ? _mm512_loadu_si512(static_cast<const void*>(value_cache + base + (j + 1) * row_stride + c * 32)) : zero;
+        const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh pair_hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int g = 0; g < G; ++g) {
+          const uint16_t* p = probs.data() + g * padded + i0 + j;
+          const uint32_t both = j + 1 < run ? (static_cast<uint32_t>(p[1]) << 16) | p[0] : p[0];
+          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(both));
+          lo[g] = _mm512_dpbf16_ps(lo[g], pair_lo, weight);
+          hi[g] = _mm512_dpbf16_ps(hi[g], pair_hi, weight);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(acc.data() + (g * chunks + c) * 32, lo[g]);
+        _mm512_storeu_ps(acc.data() + (g * chunks + c) * 32 + 16, hi[g]);
+      }
+    }
+  });
+  // back to natural dim order: lo holds dims {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}
+  const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int g = 0; g < G; ++g) {
+    const __m512 norm = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < chunks; ++c) {
+      const __m512 lo = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
+      const __m512 hi = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32 + 16);
+      _mm512_storeu_ps(out_rows + g * head_dim + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), norm));
+      _mm512_storeu_ps(out_rows + g * head_dim + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), norm));
+    }
+  }
+}
+
+// true when the bf16 dot-product path handled the task
+bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const uint16_t* key_cache,
+                               const uint16_t* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
+                               int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
+                               std::vector<uint16_t>& probs, std::vector<float>& acc) {
+  if (head_dim % 32 != 0) return false;
+#define KVSERVE_GROUP_CASE(G)                                                                                              \
+  case G:                                                                                                                  \
+    decode_task_bf16<G>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads, head_dim, \
+                        block_size, scale, scores, probs, acc);                                                            \
+    return true;
+  switch (group) {
+    KVSERVE_GROUP_CASE(1)
+    KVSERVE_GROUP_CASE(2)
+    KVSERVE_GROUP_CASE(3)
+    KVSERVE_GROUP_CASE(4)
+    KVSERVE_GROUP_CASE(5)
+    KVSERVE_GROUP_CASE(6)
+    KVSERVE_GROUP_CASE(7)
+    KVSERVE_GROUP_CASE(8)
+  }
+#undef KVSERVE_GROUP_CASE
+  return false;
+}
+
+#endif  // KVSERVE_DECODE_BF16_DOT
+
+
 // ---- prefill: a chunk of queries against its paged context, flash-style -----------------------
 // Keys are first unpacked to float, transposed in tiles of 16 positions ([tile][head_dim][16]) so
 // a tile of 8 query rows scores 16 keys with broadcast-FMAs; values are unpacked to [pos][head_dim].
@@ -220,6 +426,8 @@ constexpr int kRowTile = 8;
 struct PrefillBuffers {
   std::vector<float> keys_t;   // [kv_heads][tiles][head_dim][16]
   std::vector<float> values;   // [kv_heads][tiles * 16][head_dim]
+  std::vector<uint32_t> keys_pairs;    // bf16 path: [kv_heads][tiles][head_dim / 2][16] (d pairs of one key)
+  std::vector<uint32_t> values_pairs;  // bf16 path: [kv_heads][tiles][8][head_dim] (one d of two keys)
 };
 
 // head_pad: head_dim rounded up to 16; the padding is zero in keys, values and queries alike.
@@ -343,6 +551,136 @@ void prefill_rows(const PrefillBuffers& buf, float* out_rows, const float* queri
   }
 }
 
+#if KVSERVE_DECODE_BF16_DOT
+// The bf16 prefill path (bf16 queries and pool, head_dim % 32 == 0): the context is copied without
+// widening into pair layouts for vdpbf16ps. Scores: a key tile is [d pair][16 keys], so one
+// instruction adds q[2p] k[2p] + q[2p+1] k[2p+1] for 16 keys. Values: a tile is [key pair][d],
+// so one instruction adds p_i v_i + p_{i+1} v_{i+1} for 16 dims, with the probabilities rounded to
+// bf16 (as flash attention does for P @ V). Half the instructions of the float path, half the bytes.
+void unpack_context_bf16(PrefillBuffers& buf, const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* table,
+                         int64_t key_base, int64_t context_end, int num_kv_heads, int head_dim, int block_size) {
+  const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
+  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_dim / 2;  // in 32-bit pairs
+  buf.keys_pairs.resize(per_head * num_kv_heads);
+  buf.values_pairs.resize(per_head * num_kv_heads);
+  const int64_t jobs = tiles * num_kv_heads;
+  const int pairs = head_dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t job = 0; job < jobs; ++job) {
+    const int kv_head = static_cast<int>(job / tiles);
+    const int64_t tile = job % tiles;
+    uint32_t* kt = buf.keys_pairs.data() + kv_head * per_head + static_cast<size_t>(tile) * pairs * kKeyTile;
+    uint16_t* vt = reinterpret_cast<uint16_t*>(buf.values_pairs.data() + kv_head * per_head + static_cast<size_t>(tile) * pairs * kKeyTile);
+    for (int j = 0; j < kKeyTile; ++j) {
+      const int64_t position = key_base + tile * kKeyTile + j;
+      uint16_t* v_out = vt + static_cast<size_t>(j / 2) * head_dim * 2 + (j & 1);
+      if (position < 0 || position >= context_end) {
+        for (int p = 0; p < pairs; ++p) kt[p * kKeyTile + j] = 0;
+        for (int d = 0; d < head_dim; ++d) v_out[2 * d] = 0;
+        continue;
+      }
+      const int64_t slot = table[position / block_size] * block_size + position % block_size;
+      const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(key_cache + offset);
+      for (int p = 0; p < pairs; ++p) kt[p * kKeyTile + j] = k_row[p];
+      const uint16_t* v_row = value_cache + offset;
+      for (int d = 0; d < head_dim; ++d) v_out[2 * d] = v_row[d];
+    }
+  }
+}
+
+// like prefill_rows; queries: kRowTile bf16 rows of head_dim (unscaled: the scale applies to scores)
+void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_t* queries, int rows, int group,
+                       int64_t first_token_position, int64_t row_base, int64_t key_base, int64_t tiles, int kv_head,
+                       int head_dim, int window, float scale) {
+  const int pairs = head_dim / 2;
+  const int chunks = head_dim / 16;
+  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * pairs;
+  const uint32_t* keys = buf.keys_pairs.data() + kv_head * per_head;
+  const uint32_t* values = buf.values_pairs.data() + kv_head * per_head;
+  int64_t q_pos[kRowTile];
+  float m[kRowTile], l[kRowTile];
+  for (int r = 0; r < kRowTile; ++r) {
+    q_pos[r] = first_token_position + (row_base + std::min(r, rows - 1)) / group;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(out_rows, out_rows + static_cast<size_t>(kRowTile) * head_dim, 0.f);
+  const int64_t newest = q_pos[rows - 1];
+  const int64_t oldest_visible = window > 0 ? q_pos[0] - window + 1 : 0;
+  const int64_t tile_lo = std::max<int64_t>(0, (oldest_visible - key_base) / kKeyTile);
+  const int64_t tile_hi = std::min<int64_t>(tiles - 1, (newest - key_base) / kKeyTile);
+  alignas(64) uint32_t prob_pairs[kRowTile][kKeyTile / 2];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+
+  for (int64_t tile = tile_lo; tile <= tile_hi; ++tile) {
+    const uint32_t* kt = keys + static_cast<size_t>(tile) * pairs * kKeyTile;
+    __m512 acc[kRowTile];
+    for (int r = 0; r < kRowTile; ++r) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(kt + p * kKeyTile));
+      for (int r = 0; r < kRowTile; ++r) {
+        int32_t q;
+        std::memcpy(&q, queries + r * head_dim + 2 * p, sizeof(q));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q), k);
+      }
+    }
+    f32x16 s[kRowTile];
+    for (int r = 0; r < kRowTile; ++r) s[r] = (f32x16)_mm512_mul_ps(acc[r], scale_v);
+    const int64_t tile_pos = key_base + tile * kKeyTile;
+    const bool whole = tile_pos >= 0 && tile_pos + kKeyTile - 1 <= q_pos[0] && (window <= 0 || tile_pos > newest - window);
+    for (int r = 0; r < rows; ++r) {
+      if (!whole) {
+        bool any = false;
+        for (int j = 0; j < kKeyTile; ++j) {
+          const int64_t kp = tile_pos + j;
+          const bool visible = kp <= q_pos[r] && (window <= 0 || kp > q_pos[r] - window) && kp >= 0;
+          if (!visible) s[r][j] = -INFINITY;
+          any |= visible;
+        }
+        if (!any) {
+          std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
+          continue;
+        }
+      }
+      const float peak = std::max(m[r], hmax(s[r]));
+      const float alpha = std::exp(m[r] - peak);  // 0 on the first visible tile (m = -inf)
+      f32x16 p = exp16(s[r] - peak);
+      if (!whole)
+        for (int j = 0; j < kKeyTile; ++j)
+          if (s[r][j] == -INFINITY) p[j] = 0.f;
+      // round to bf16 (nearest even) and sum what is actually used
+      const __m512i bits = _mm512_castps_si512((__m512)p);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)));
+      m[r] = peak;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs[r]), _mm512_cvtepi32_epi16(rounded));
+      if (alpha != 1.f) {
+        float* a = out_rows + static_cast<size_t>(r) * head_dim;
+        for (int d = 0; d < head_dim; ++d) a[d] *= alpha;
+      }
+    }
+    for (int r = rows; r < kRowTile; ++r) std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
+    const uint32_t* vt = values + static_cast<size_t>(tile) * pairs * kKeyTile;
+    for (int c = 0; c < chunks; ++c) {
+      __m512 a[kRowTile];
+      for (int r = 0; r < kRowTile; ++r) a[r] = _mm512_loadu_ps(out_rows + r * head_dim + c * 16);
+      for (int kp = 0; kp < kKeyTile / 2; ++kp) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(vt + static_cast<size_t>(kp) * head_dim + c * 16));
+        for (int r = 0; r < kRowTile; ++r)
+          a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(prob_pairs[r][kp])), v);
+      }
+      for (int r = 0; r < kRowTile; ++r) _mm512_storeu_ps(out_rows + r * head_dim + c * 16, a[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int d = 0; d < head_dim; ++d) out_rows[r * head_dim + d] *= inv;
+  }
+}
+#endif  // KVSERVE_DECODE_BF16_DOT
+
 }  // namespace
 
 extern "C" {
@@ -367,6 +705,7 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
     std::vector<float> acc(static_cast<size_t>(group) * head_dim);
     std::vector<float> result(static_cast<size_t>(group) * head_dim);
     std::vector<float> scores;
+    std::vector<uint16_t> probs;
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
@@ -380,11 +719,25 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
         status = 2;
         continue;
       }
+      const int64_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
+#if KVSERVE_DECODE_BF16_DOT
+      if (query_dtype == kBFloat16 && kv_dtype == kBFloat16) {
+        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
+        if (decode_task_bf16_dispatch(group, group_queries, result.data(), static_cast<const uint16_t*>(key_cache),
+                                      static_cast<const uint16_t*>(value_cache), table, first, count, kv_head, num_kv_heads,
+                                      head_dim, block_size, scale, scores, probs, acc)) {
+          for (int g = 0; g < group; ++g) {
+            const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+            store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
+          }
+          continue;
+        }
+      }
+#endif
       for (int g = 0; g < group; ++g) {
         const int64_t q_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
         load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
       }
-      const int64_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
       if (decode_task_fast_dispatch(group, kv_dtype, result.data(), queries.data(), key_cache, value_cache, table, first,
                                     count, kv_head, num_kv_heads, head_dim, block_size, scale, scores, acc)) {
         for (int g = 0; g < group; ++g) {
@@ -454,10 +807,46 @@ int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtyp
   thread_local PrefillBuffers caller_buffers;  // reused across calls; grown, never shrunk
   PrefillBuffers& buf = caller_buffers;  // a plain reference, so the worker threads share the caller's buffers
   const int head_pad = (head_dim + 15) / 16 * 16;
-  unpack_context(buf, key_cache, value_cache, kv_dtype, block_table, key_base, context_end, num_kv_heads, head_dim, head_pad, block_size);
   const int64_t rows_per_head = num_tokens * group;
   const int64_t row_tiles = (rows_per_head + kRowTile - 1) / kRowTile;
   const int64_t tasks = row_tiles * num_kv_heads;
+#if KVSERVE_DECODE_BF16_DOT
+  if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && head_dim % 32 == 0) {
+    unpack_context_bf16(buf, static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), block_table,
+                        key_base, context_end, num_kv_heads, head_dim, block_size);
+#pragma omp parallel
+    {
+      std::vector<uint16_t> queries(static_cast<size_t>(kRowTile) * head_dim, 0);
+      std::vector<float> result(static_cast<size_t>(kRowTile) * head_dim);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int kv_head = static_cast<int>(task % num_kv_heads);
+        const int64_t row_tile = row_tiles - 1 - task / num_kv_heads;
+        const int64_t row_base = row_tile * kRowTile;
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rows_per_head - row_base));
+        for (int r = 0; r < kRowTile; ++r) {
+          uint16_t* q = queries.data() + static_cast<size_t>(r) * head_dim;
+          if (r >= rows) {
+            std::fill(q, q + head_dim, 0);
+            continue;
+          }
+          const int64_t token = (row_base + r) / group;
+          const int head = kv_head * group + static_cast<int>((row_base + r) % group);
+          std::memcpy(q, static_cast<const uint16_t*>(query) + (token * num_heads + head) * head_dim, sizeof(uint16_t) * head_dim);
+        }
+        prefill_rows_bf16(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head,
+                          head_dim, window, scale);
+        for (int r = 0; r < rows; ++r) {
+          const int64_t token = (row_base + r) / group;
+          const int head = kv_head * group + static_cast<int>((row_base + r) % group);
+          store_row(out, query_dtype, (token * num_heads + head) * head_dim, head_dim, result.data() + static_cast<size_t>(r) * head_dim, 1.f);
+        }
+      }
+    }
+    return 0;
+  }
+#endif
+  unpack_context(buf, key_cache, value_cache, kv_dtype, block_table, key_base, context_end, num_kv_heads, head_dim, head_pad, block_size);
 #pragma omp parallel
   {
     std::vector<float> queries(static_cast<size_t>(kRowTile) * head_pad, 0.f);

@@ -111,14 +111,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
         self.native_lm_head = False  # enable_native_kernels() turns this on where the CPU kernels are built
+        self.packed_lm_head: kernels.PackedWeight | None = None
+        self.screened_lm_head: kernels.ScreenedWeight | None = None
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
 
     def enable_native_kernels(self) -> None:
         """Route small-batch products (projections and lm_head) to the native CPU kernels."""
         self.native_lm_head = True
+        if kernels.can_pack(self.lm_head.weight):
+            self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
+            if kernels.int8_screen_available() and kernels.screen_group(self.config.hidden_size):
+                self.screened_lm_head = kernels.screen_weight(self.packed_lm_head, self.lm_head.weight)
         for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm, GatedMLP, Attention)):
+            if isinstance(module, Linear):
+                module.enable_native()
+            elif isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.native = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
@@ -140,6 +148,8 @@ class CausalLM(nn.Module):
         the result is only valid until the next call.
         """
         normed = self.norm(hidden)
+        if self._use_packed_lm_head(normed):
+            return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32)[0])
         if self._use_native_lm_head(normed):
             logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32)
             return self._softcap(logits)
@@ -165,6 +175,9 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _use_packed_lm_head(self, normed: torch.Tensor) -> bool:
+        return self.packed_lm_head is not None and normed.dtype == torch.bfloat16 and normed.dim() == 2 and normed.stride(1) == 1
+
     def _use_native_lm_head(self, normed: torch.Tensor) -> bool:
         """A few rows make a memory-bound product that the native kernel streams at full bandwidth."""
         return self.native_lm_head and fits_skinny_matmul(normed)
@@ -174,6 +187,10 @@ class CausalLM(nn.Module):
         keeps only its per-row maximum and index. Ties go to the lowest token id, as argmax does.
         Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
         normed = self.norm(hidden)
+        if self._use_packed_lm_head(normed):
+            if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
+                return kernels.screened_argmax(normed, self.screened_lm_head)[0]
+            return kernels.packed_matmul(normed, self.packed_lm_head, want_output=False, want_argmax=True)[1]
         if self._use_native_lm_head(normed):
             return kernels.skinny_matmul(normed, self.lm_head.weight, want_output=False, want_argmax=True)[1]
         hidden_t = normed.t().contiguous()
