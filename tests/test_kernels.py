@@ -191,3 +191,124 @@ def test_disabling_the_kernels_falls_back_to_torch_ops():
     env = {**os.environ, "KVSERVE_DISABLE_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "torch_sdpa"]
+
+
+needs_bf16_dot = pytest.mark.skipif(not kernels.bf16_dot_available(), reason="this CPU has no AVX512-BF16")
+needs_int8_screen = pytest.mark.skipif(not kernels.int8_screen_available(), reason="this CPU has no AVX512-VNNI/BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 70])
+@pytest.mark.parametrize("n, k", [(1000, 96), (37, 640), (2048, 34)])
+def test_packed_matmul_matches_torch(rows, n, k):
+    g = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = kernels.pack_weight(weight)
+    out, argmax = kernels.packed_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
+    ref = x.double() @ weight.double().t()
+    # products of bf16 are exact in float; only the float32 accumulation differs from the float64 reference
+    assert (out.double() - ref).abs().max().item() < 1e-4 * k
+    assert torch.equal(argmax, out.argmax(dim=1))
+    same_dtype, _ = kernels.packed_matmul(x, packed)
+    assert same_dtype.dtype == torch.bfloat16 and torch.equal(same_dtype, out.bfloat16())
+    # a strided view of rows (inner stride 1) reads the same values
+    wide = torch.zeros(rows, k + 6, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    assert torch.equal(kernels.packed_matmul(wide[:, :k], packed, out_dtype=torch.float32)[0], out)
+
+
+@needs_bf16_dot
+def test_packed_argmax_breaks_ties_toward_the_lowest_index():
+    weight = torch.zeros(5000, 32, dtype=torch.bfloat16)
+    weight[[70, 71, 4100, 4999]] = 1.0  # equal logits, in one tile and in different threads' blocks
+    weight[4998] = -1.0
+    _, argmax = kernels.packed_matmul(torch.ones(9, 32, dtype=torch.bfloat16), kernels.pack_weight(weight), want_output=False, want_argmax=True)
+    assert argmax.tolist() == [70] * 9
+    # all logits negative: the zero rows padding the last tile (n = 4999 is not a multiple of 16) never win
+    _, argmax = kernels.packed_matmul(torch.ones(2, 32, dtype=torch.bfloat16), kernels.pack_weight(-weight[:4999].abs() - 1), want_output=False, want_argmax=True)
+    assert argmax.tolist() == [0, 0]
+
+
+@needs_bf16_dot
+def test_packed_weights_reject_what_they_cannot_take():
+    assert not kernels.can_pack(torch.zeros(16, 33, dtype=torch.bfloat16))  # odd inner size
+    assert not kernels.can_pack(torch.zeros(16, 32))  # float32
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.pack_weight(torch.zeros(16, 32))
+    packed = kernels.pack_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="packed_matmul"):
+        kernels.packed_matmul(torch.zeros(2, 30, dtype=torch.bfloat16), packed)
+
+
+def lm_head_like(n: int, k: int, seed: int) -> torch.Tensor:
+    """Rows with uneven norms and a few outlier dims, like a real tied embedding."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.2)
+    weight[:, :3] *= 6
+    return weight.bfloat16()
+
+
+@needs_int8_screen
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("n, k", [(20000, 640), (4099, 96), (3000, 36)])
+def test_screened_argmax_is_bit_identical_to_the_full_product(rows, n, k):
+    weight = lm_head_like(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5] *= 20  # an outlier channel in the hidden state
+    x = x.bfloat16()
+    packed = kernels.pack_weight(weight)
+    screened = kernels.screen_weight(packed, weight)
+    argmax, rescored = kernels.screened_argmax(x, screened)
+    _, full = kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)
+    assert torch.equal(argmax, full)
+    tiles = -(-n // 16)
+    assert (rescored >= 1).all() and rescored.float().mean() < tiles / 4, f"screening kept {rescored.tolist()} of {tiles} tiles"
+
+
+@needs_int8_screen
+def test_screened_argmax_on_near_ties_and_exact_ties():
+    k = 64
+    weight = lm_head_like(8192, k, seed=3)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    # rows 7000 and 123 become exact copies of the winner; 5000 differs from it by one bf16 ulp in one dim
+    _, full = kernels.packed_matmul(x, kernels.pack_weight(weight), want_output=False, want_argmax=True)
+    winner = int(full[0])
+    weight[7000] = weight[winner]
+    weight[123] = weight[winner]
+    weight[5000] = weight[winner]
+    weight[5000, 0] = torch.nextafter(weight[5000, 0].float(), torch.tensor(float("inf"))).bfloat16()
+    packed = kernels.pack_weight(weight)
+    argmax, _ = kernels.screened_argmax(x, kernels.screen_weight(packed, weight))
+    _, full = kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)
+    assert torch.equal(argmax, full)
+
+
+def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():
+    """KVSERVE_MARCH=haswell builds the AVX2 kernels (what a CPU without AVX-512 gets): the bf16-dot
+    and int8 paths report themselves absent and bf16 generation still runs on the native backend."""
+    code = (
+        "import torch; from kvserve import kernels; "
+        "print(kernels.cpu_kernels_available(), kernels.bf16_dot_available(), kernels.int8_screen_available(), "
+        "kernels.can_pack(torch.zeros(16, 32, dtype=torch.bfloat16)))"
+    )
+    env = {**os.environ, "KVSERVE_MARCH": "haswell"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "False", "False"]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 40])
+def test_linear_on_packed_weights_matches_f_linear(rows):
+    from kvserve.model.layers import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.no_grad():
+        ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        layer.enable_native()
+        assert layer.packed is not None
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05

