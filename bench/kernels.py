@@ -5,7 +5,9 @@
 Prints milliseconds per call and the speed-up. Decode attention: 64 sequences whose contexts
 (64..640 tokens) sit in scattered blocks of a pool larger than the caches, one KV head, group 4,
 head_dim 256. Prefill attention: one prompt, causal. Skinny matmul: the 262K x 640 lm_head with
-1-8 rows. Fused ops: a 2,048-token prefill chunk and a 64-row decode batch.
+1-8 rows. On a CPU with AVX512-BF16 (bf16 only): the packed bf16 GEMM on the layer shapes at 64
+and 2,048 rows, and the greedy lm_head of a 64-row batch, packed and int8-screened. Fused ops:
+a 2,048-token prefill chunk and a 64-row decode batch.
 """
 
 from __future__ import annotations
@@ -76,7 +78,27 @@ def main() -> None:
         hidden = torch.randn(rows, 640, generator=g).to(dtype)
         ours = per_call_ms(lambda: kernels.skinny_matmul(hidden, lm_head, want_output=False, want_argmax=True), 10)
         theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 10)
-        row(f"lm_head argmax, {rows} row(s)", ours, theirs, "matmul + argmax")
+        row(f"skinny lm_head argmax, {rows} row(s)", ours, theirs, "matmul + argmax")
+
+    if dtype == torch.bfloat16 and kernels.bf16_dot_available():
+        # AVX512-BF16 packed GEMM: the projections at decode (64 rows) and prefill (2,048 rows) size
+        for rows, n, k, what in ((64, 1536, 640, "QKV"), (64, 4096, 640, "gate/up"), (64, 640, 2048, "down"),
+                                 (2048, 1536, 640, "QKV"), (2048, 4096, 640, "gate/up"), (2048, 640, 2048, "down")):
+            weight = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            packed = kernels.pack_weight(weight)
+            ours = per_call_ms(lambda: kernels.packed_matmul(x, packed), 10)
+            row(f"packed bf16 GEMM, {what} {rows}x{n}x{k}", ours, per_call_ms(lambda: torch.mm(x, weight.t()), 10), "torch.mm")
+        # greedy lm_head over a 64-row decode batch: packed bf16 argmax, then the int8-screened one
+        packed = kernels.pack_weight(lm_head)
+        hidden = torch.randn(64, 640, generator=g).to(dtype)
+        hidden[:, 7] *= 10  # an outlier channel, as real hidden states have
+        theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 5)
+        row("lm_head argmax, 64 rows, packed bf16", per_call_ms(lambda: kernels.packed_matmul(hidden, packed, want_output=False, want_argmax=True), 10), theirs, "matmul + argmax")
+        if kernels.int8_screen_available():
+            screened = kernels.screen_weight(packed, lm_head)
+            ours = per_call_ms(lambda: kernels.screened_argmax(hidden, screened), 10)
+            row("lm_head argmax, 64 rows, int8-screened (exact)", ours, theirs, "matmul + argmax")
 
     for rows in (2048, 64):
         x = torch.randn(rows, 640, generator=g).to(dtype)

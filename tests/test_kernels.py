@@ -308,7 +308,11 @@ def test_linear_on_packed_weights_matches_f_linear(rows):
     x = torch.randn(rows, 96).bfloat16()
     with torch.no_grad():
         ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        weight = layer.weight.clone()
         layer.enable_native()
-        assert layer.packed is not None
+        assert layer.packed is not None and layer.weight.numel() == 0  # the row-major copy is freed
+        assert torch.equal(kernels.unpack_weight(layer.packed), weight)
         out = layer(x)
+        fallback = layer(x.float()[None])[0]  # what the packed kernel does not take unpacks on demand
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05
+    assert (fallback - ref).abs().max().item() < 1e-3

@@ -146,6 +146,12 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, n, k)
 
 
+def unpack_weight(weight: PackedWeight) -> torch.Tensor:
+    """The bf16 [n, k] weight back from its packed layout (for a torch fallback)."""
+    tiles = weight.data.numel() // (16 * weight.k)
+    return weight.data.view(tiles, weight.k // 2, 16, 2).permute(0, 2, 1, 3).reshape(tiles * 16, weight.k)[: weight.n]
+
+
 def packed_matmul(
     x: torch.Tensor, weight: PackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

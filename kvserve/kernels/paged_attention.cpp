@@ -589,7 +589,10 @@ void unpack_context_bf16(PrefillBuffers& buf, const uint16_t* key_cache, const u
   }
 }
 
-// like prefill_rows; queries: kRowTile bf16 rows of head_dim (unscaled: the scale applies to scores)
+// like prefill_rows, for kRowTileBf16 rows; queries: bf16 rows of head_dim (unscaled: the scale
+// applies to the scores)
+constexpr int kRowTileBf16 = 16;
+
 void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_t* queries, int rows, int group,
                        int64_t first_token_position, int64_t row_base, int64_t key_base, int64_t tiles, int kv_head,
                        int head_dim, int window, float scale) {
@@ -598,35 +601,35 @@ void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_
   const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * pairs;
   const uint32_t* keys = buf.keys_pairs.data() + kv_head * per_head;
   const uint32_t* values = buf.values_pairs.data() + kv_head * per_head;
-  int64_t q_pos[kRowTile];
-  float m[kRowTile], l[kRowTile];
-  for (int r = 0; r < kRowTile; ++r) {
+  int64_t q_pos[kRowTileBf16];
+  float m[kRowTileBf16], l[kRowTileBf16];
+  for (int r = 0; r < kRowTileBf16; ++r) {
     q_pos[r] = first_token_position + (row_base + std::min(r, rows - 1)) / group;
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
-  std::fill(out_rows, out_rows + static_cast<size_t>(kRowTile) * head_dim, 0.f);
+  std::fill(out_rows, out_rows + static_cast<size_t>(kRowTileBf16) * head_dim, 0.f);
   const int64_t newest = q_pos[rows - 1];
   const int64_t oldest_visible = window > 0 ? q_pos[0] - window + 1 : 0;
   const int64_t tile_lo = std::max<int64_t>(0, (oldest_visible - key_base) / kKeyTile);
   const int64_t tile_hi = std::min<int64_t>(tiles - 1, (newest - key_base) / kKeyTile);
-  alignas(64) uint32_t prob_pairs[kRowTile][kKeyTile / 2];
+  alignas(64) uint32_t prob_pairs[kRowTileBf16][kKeyTile / 2];
   const __m512 scale_v = _mm512_set1_ps(scale);
 
   for (int64_t tile = tile_lo; tile <= tile_hi; ++tile) {
     const uint32_t* kt = keys + static_cast<size_t>(tile) * pairs * kKeyTile;
-    __m512 acc[kRowTile];
-    for (int r = 0; r < kRowTile; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[kRowTileBf16];
+    for (int r = 0; r < kRowTileBf16; ++r) acc[r] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; ++p) {
       const __m512bh k = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(kt + p * kKeyTile));
-      for (int r = 0; r < kRowTile; ++r) {
+      for (int r = 0; r < kRowTileBf16; ++r) {
         int32_t q;
         std::memcpy(&q, queries + r * head_dim + 2 * p, sizeof(q));
         acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q), k);
       }
     }
-    f32x16 s[kRowTile];
-    for (int r = 0; r < kRowTile; ++r) s[r] = (f32x16)_mm512_mul_ps(acc[r], scale_v);
+    f32x16 s[kRowTileBf16];
+    for (int r = 0; r < kRowTileBf16; ++r) s[r] = (f32x16)_mm512_mul_ps(acc[r], scale_v);
     const int64_t tile_pos = key_base + tile * kKeyTile;
     const bool whole = tile_pos >= 0 && tile_pos + kKeyTile - 1 <= q_pos[0] && (window <= 0 || tile_pos > newest - window);
     for (int r = 0; r < rows; ++r) {
@@ -643,7 +646,7 @@ void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_
           continue;
         }
       }
-      const float peak = std::max(m[r], hmax(s[r]));
+      const float peak = std::max(m[r], _mm512_reduce_max_ps((__m512)s[r]));
       const float alpha = std::exp(m[r] - peak);  // 0 on the first visible tile (m = -inf)
       f32x16 p = exp16(s[r] - peak);
       if (!whole)
@@ -658,20 +661,20 @@ void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs[r]), _mm512_cvtepi32_epi16(rounded));
       if (alpha != 1.f) {
         float* a = out_rows + static_cast<size_t>(r) * head_dim;
-        for (int d = 0; d < head_dim; ++d) a[d] *= alpha;
+        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(alpha)));
       }
     }
-    for (int r = rows; r < kRowTile; ++r) std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
+    for (int r = rows; r < kRowTileBf16; ++r) std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
     const uint32_t* vt = values + static_cast<size_t>(tile) * pairs * kKeyTile;
     for (int c = 0; c < chunks; ++c) {
-      __m512 a[kRowTile];
-      for (int r = 0; r < kRowTile; ++r) a[r] = _mm512_loadu_ps(out_rows + r * head_dim + c * 16);
+      __m512 a[kRowTileBf16];
+      for (int r = 0; r < kRowTileBf16; ++r) a[r] = _mm512_loadu_ps(out_rows + r * head_dim + c * 16);
       for (int kp = 0; kp < kKeyTile / 2; ++kp) {
         const __m512bh v = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(vt + static_cast<size_t>(kp) * head_dim + c * 16));
-        for (int r = 0; r < kRowTile; ++r)
+        for (int r = 0; r < kRowTileBf16; ++r)
           a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(prob_pairs[r][kp])), v);
       }
-      for (int r = 0; r < kRowTile; ++r) _mm512_storeu_ps(out_rows + r * head_dim + c * 16, a[r]);
+      for (int r = 0; r < kRowTileBf16; ++r) _mm512_storeu_ps(out_rows + r * head_dim + c * 16, a[r]);
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -814,17 +817,19 @@ int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtyp
   if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && head_dim % 32 == 0) {
     unpack_context_bf16(buf, static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), block_table,
                         key_base, context_end, num_kv_heads, head_dim, block_size);
+    const int64_t bf16_row_tiles = (rows_per_head + kRowTileBf16 - 1) / kRowTileBf16;
+    const int64_t bf16_tasks = bf16_row_tiles * num_kv_heads;
 #pragma omp parallel
     {
-      std::vector<uint16_t> queries(static_cast<size_t>(kRowTile) * head_dim, 0);
-      std::vector<float> result(static_cast<size_t>(kRowTile) * head_dim);
+      std::vector<uint16_t> queries(static_cast<size_t>(kRowTileBf16) * head_dim, 0);
+      std::vector<float> result(static_cast<size_t>(kRowTileBf16) * head_dim);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < tasks; ++task) {
+      for (int64_t task = 0; task < bf16_tasks; ++task) {
         const int kv_head = static_cast<int>(task % num_kv_heads);
-        const int64_t row_tile = row_tiles - 1 - task / num_kv_heads;
-        const int64_t row_base = row_tile * kRowTile;
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rows_per_head - row_base));
-        for (int r = 0; r < kRowTile; ++r) {
+        const int64_t row_tile = bf16_row_tiles - 1 - task / num_kv_heads;
+        const int64_t row_base = row_tile * kRowTileBf16;
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTileBf16, rows_per_head - row_base));
+        for (int r = 0; r < kRowTileBf16; ++r) {
           uint16_t* q = queries.data() + static_cast<size_t>(r) * head_dim;
           if (r >= rows) {
             std::fill(q, q + head_dim, 0);

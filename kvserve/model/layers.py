@@ -21,24 +21,29 @@ def fits_skinny_matmul(x: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     """nn.Linear that runs on the native kernels once enable_native() ran: on a CPU with AVX512-BF16
-    a bf16 weight is packed for bf16 dot products (any number of rows); otherwise a few rows (a
-    small decode batch) take the skinny kernel."""
+    a bf16 weight is packed for bf16 dot products (any number of rows) and its row-major copy is
+    freed; otherwise a few rows (a small decode batch) take the skinny kernel."""
 
     native = False
     packed: kernels.PackedWeight | None = None
 
     def enable_native(self) -> None:
         self.native = True
-        self.packed = kernels.pack_weight(self.weight) if kernels.can_pack(self.weight) else None
+        if kernels.can_pack(self.weight):
+            self.packed = kernels.pack_weight(self.weight)
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:
-            out, _ = kernels.packed_matmul(x, self.packed)
-        elif self.native and fits_skinny_matmul(x):
+        if self.packed is not None:
+            if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+                out, _ = kernels.packed_matmul(x, self.packed)
+                return out if self.bias is None else out + self.bias
+            bias = self.bias.to(x.dtype) if self.bias is not None else None
+            return F.linear(x, kernels.unpack_weight(self.packed).to(x.dtype), bias)
+        if self.native and fits_skinny_matmul(x):
             out, _ = kernels.skinny_matmul(x, self.weight)
-        else:
-            return F.linear(x, self.weight, self.bias)
-        return out if self.bias is None else out + self.bias
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
