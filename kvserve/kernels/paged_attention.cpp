@@ -61,11 +61,18 @@ inline float dot(const float* a, const float* b, int n) {
 
 // ---- vectorized path: head_dim a multiple of 16, group size known at compile time -------------
 
-// Calls fn(i, offset, run) for each run of consecutive positions inside one block: i is the index of
-// the run's first position relative to `first`, offset the element offset of its first K/V row.
-// Blocks are scattered through the pool, so the hardware prefetcher stalls at every block edge:
-// before each run, the rows of the next run are prefetched from `cache` (elem_bytes per element).
-template <typename Fn>
+struct NextRun {
+  int64_t offset = 0;  // element offset of the next run's first row
+  int64_t run = 0;     // its length (0 at the end)
+};
+
+// Calls fn(i, offset, run, next) for each run of consecutive positions inside one block: i is the
+// index of the run's first position relative to `first`, offset the element offset of its first
+// K/V row, next the run after it. Blocks are scattered through the pool, so the hardware
+// prefetcher stalls at every block edge: the first run is prefetched here; with kBulkPrefetch the
+// next run is too, all at once before each call, otherwise fn spreads those prefetches over its
+// own loop (measured better where fn computes much per row).
+template <bool kBulkPrefetch, typename Fn>
 inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads,
                                int head_dim, int block_size, const void* cache, int elem_bytes, Fn fn) {
   const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
@@ -88,13 +95,13 @@ inline void for_each_block_run(const int64_t* table, int64_t first, int64_t coun
   if (run) prefetch(offset, run);
   while (i < count) {
     const int64_t next = i + run;
-    int64_t next_offset = 0;
-    const int64_t next_run = next < count ? run_at(next, next_offset) : 0;
-    if (next_run) prefetch(next_offset, next_run);
-    fn(i, offset, run);
+    NextRun ahead;
+    ahead.run = next < count ? run_at(next, ahead.offset) : 0;
+    if (kBulkPrefetch && ahead.run) prefetch(ahead.offset, ahead.run);
+    fn(i, offset, run, ahead);
     i = next;
-    offset = next_offset;
-    run = next_run;
+    offset = ahead.offset;
+    run = ahead.run;
   }
 }
 
@@ -108,8 +115,16 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
   float* s = scores.data();
 
   constexpr int kElemBytes = DT == kFloat32 ? 4 : 2;
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run) {
+  const int64_t row_bytes = static_cast<int64_t>(head_dim) * kElemBytes;
+  auto prefetch_bytes = [&](const void* cache, int64_t offset, int64_t from, int64_t to) {
+    const char* row = static_cast<const char*>(cache) + offset * kElemBytes;
+    for (int64_t byte = from; byte < to; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+  };
+  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+    // the next run's rows, spread over this run's keys
+    for (int64_t j = run; j < next.run; ++j) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
     for (int64_t j = 0; j < run; ++j) {
+      if (j < next.run) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
       const int64_t offset = base + j * row_stride;
       f32x16 a[G], b[G];
       for (int g = 0; g < G; ++g) a[g] = b[g] = f32x16{};
@@ -160,8 +175,11 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
   }
 
   acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run) {
+  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     for (int c = 0; c < chunks; ++c) {
+      // the next run's rows, this chunk's bytes of each
+      for (int64_t j = 0; j < next.run; ++j)
+        prefetch_bytes(value_cache, next.offset + j * row_stride, c * 16 * kElemBytes, (c + 1) * 16 * kElemBytes);
       f32x16 a[G], b[G];
       for (int g = 0; g < G; ++g) {
         std::memcpy(&a[g], acc.data() + g * head_dim + c * 16, sizeof(a[g]));
@@ -279,11 +297,19 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* 
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run) {
+  const int row_lines = head_dim * 2 / 64;
+  auto prefetch_row = [&](const uint16_t* cache, const NextRun& next, int64_t j) {
+    if (j < next.run)
+      for (int line = 0; line < row_lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(cache + next.offset + j * row_stride) + line * 64, _MM_HINT_T1);
+  };
+  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+    // the next run's rows, one per key scored here (and the rest after)
+    for (int64_t j = run; j < next.run; ++j) prefetch_row(key_cache, next, j);
     for (int64_t j0 = 0; j0 < run; j0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, run - j0));
       __m512 partial[G][16];
       for (int j = 0; j < 16; ++j) {
+        if (j < n) prefetch_row(key_cache, next, j0 + j);
         if (j >= n) {
           for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
           continue;
@@ -347,8 +373,11 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* 
   // acc: [G][chunks][2][16] float, dims in unpack order
   acc.assign(static_cast<size_t>(G) * chunks * 32, 0.f);
   const __m512i zero = _mm512_setzero_si512();
-  for_each_block_run(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run) {
+  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     for (int c = 0; c < chunks; ++c) {
+      // the next run's rows, this chunk's 64 bytes of each
+      for (int64_t j = 0; j < next.run; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + next.offset + j * row_stride + c * 32), _MM_HINT_T1);
       __m512 lo[G], hi[G];
       for (int g = 0; g < G; ++g) {
         lo[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
