@@ -103,9 +103,8 @@ class ModelRunner:
         meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.pool, meta)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return samplers, hidden[rows]
+        return samplers, self.model(ids, pos, self.pool, meta, output_rows=rows)
 
 
 class SimulatedRunner:

@@ -248,12 +248,21 @@ int kvserve_screened_argmax(const uint8_t* qpacked, const float* row_scale, cons
     std::vector<RowState>& state = states[me];
     state.assign(rows, RowState{_mm512_set1_ps(-std::numeric_limits<float>::infinity())});
     std::vector<Candidate>& mine = found[me];
+    const int64_t tile_bytes = static_cast<int64_t>(k) * kTile;
+    const int row_groups = (rows + MR - 1) / MR;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t first = b * NT;
       const int64_t count = std::min<int64_t>(NT, tiles - first);
+      // the weights stream from DRAM once per call: the next block's lines go to L2 a share per
+      // row group, while this block (already in cache after the first group) is computed
+      const int64_t next_lines = std::max<int64_t>(0, std::min<int64_t>(NT, tiles - first - NT)) * tile_bytes / 64;
+      const int64_t share = (next_lines + row_groups - 1) / row_groups;
+      const char* next = reinterpret_cast<const char*>(qpacked + (first + NT) * tile_bytes);
       int row = 0;
       for (; row + MR <= rows; row += MR) {
+        for (int64_t line = (row / MR) * share; line < std::min(next_lines, (row / MR + 1) * share); ++line)
+          _mm_prefetch(next + line * 64, _MM_HINT_T1);
         if (count == NT)
           screen_rows<MR, NT>(args, first, row, state.data(), bars.data(), mine);
         else

@@ -42,7 +42,10 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer)
         self.eps = config.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Stores every token's K/V; returns the output of ``rows`` only when given (else of all)."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -60,8 +63,12 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.layer, pool, meta, self.scale, self.window)
-        return self.o_proj(out.view(tokens, self.q_size))
+        out = paged_attention(q, k, v, self.layer, pool, meta, self.scale, self.window).view(tokens, self.q_size)
+        if rows is not None:
+            out = out.index_select(0, rows)
+            if out.shape[0] == 0:  # a step in which no sequence samples still stores its K/V
+                return x.new_empty(0, x.shape[1])
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -79,11 +86,24 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
 
     def forward(
-        self, x: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, next_norm: RMSNorm | None
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        positions: torch.Tensor,
+        pool: PagedKVPool,
+        meta: AttentionMetadata,
+        next_norm: RMSNorm | None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the residual stream; normed: input_layernorm(x). Returns the new residual stream and
-        next_norm of it (the next layer's input norm, fused with this layer's last residual add)."""
-        attn = self.self_attn(normed, positions, pool, meta)
+        next_norm of it (the next layer's input norm, fused with this layer's last residual add).
+        With ``rows``, everything after the attention runs for those rows only (the last layer of a
+        prefill: no later layer reads the other rows, and their K/V are already stored)."""
+        attn = self.self_attn(normed, positions, pool, meta, rows)
+        if rows is not None:
+            x = x.index_select(0, rows)
+            if x.shape[0] == 0:
+                return x, None
         if self.sandwich:
             x, normed = residual_add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
             return residual_add_norm(x, self.mlp(normed), self.post_feedforward_layernorm, next_norm)
@@ -129,15 +149,21 @@ class CausalLM(nn.Module):
             elif isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.native = True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the last layer's hidden states [T, hidden]; norm and logits run only where sampled."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Returns the last layer's hidden states [T, hidden], or only those of ``output_rows`` (the
+        rows that sample); norm and logits run only where sampled."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         normed = self.layers[0].input_layernorm(x)
+        last = len(self.layers) - 1
+        if output_rows is not None and output_rows.numel() == x.shape[0]:
+            output_rows = None  # every row is wanted (a decode step): no selection
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
-            x, normed = layer(x, normed, positions, pool, meta, next_norm)
+            next_norm = self.layers[i + 1].input_layernorm if i < last else None
+            x, normed = layer(x, normed, positions, pool, meta, next_norm, output_rows if i == last else None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
