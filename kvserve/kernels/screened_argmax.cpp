@@ -5,14 +5,16 @@
 // path multiplies) and int8 with one scale per row, W = s_i * q_i + E (|E_ij| <= eps_i). Each
 // hidden row x is quantized in groups of `group` dims, x = t_g * r + D (|D_j| <= delta_g). Then
 //   |x . w_i - s_i * sum_g t_g (q_i,g . r_g)| <= sum_g delta_g * s_i * |q_i,g|_1 + eps_i * |x|_1,
-// which the caller folds, per 16-row tile, into one bound B[row, tile] (plus slack for float
-// rounding). vpdpbusd takes unsigned x signed bytes, so the weight is stored as q + 128 and the
+// computed per token (lane) here, widened by 0.1% plus a per-row slack for float rounding (the
+// caller's). vpdpbusd takes unsigned x signed bytes, so the weight is stored as q + 128 and the
 // excess 128 * sum(r_g) is removed per group: the correction depends on the row only.
 //
 // A tile stays a candidate while some lane's upper bound (approx + B) reaches the best lower
-// bound (approx - B) seen so far; the final threshold drops more. Candidate tiles are recomputed
-// with exactly the bf16 dot products of the full kernel (same instruction sequence per lane), so
-// the result is bit-identical to packed_matmul's argmax, ties to the lowest index included.
+// bound (approx - B) seen so far, by any thread. Most tiles fail a cheap first test against a
+// per-tile bound (the caller's, at least every lane's B) and never compute B per lane. The final
+// bar drops more. Candidate tiles are recomputed with exactly the bf16 dot products of the full
+// kernel (same instruction sequence per lane), so the result is bit-identical to
+// packed_matmul's argmax, ties to the lowest index included.
 
 #include <algorithm>
 #include <atomic>
