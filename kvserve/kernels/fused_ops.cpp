@@ -77,14 +77,6 @@ inline float gelu_tanh(float x) {
 
 inline float silu(float x) { return x / (1.f + fast_exp(-x)); }
 
-// 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): one exp and one division
-inline f32x16 gelu_tanh16(f32x16 x) {
-  const f32x16 u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  return x / (1.f + exp16(-2.f * u));
-}
-
-inline f32x16 silu16(f32x16 x) { return x / (1.f + exp16(-x)); }
-
 template <int DT>
 void rms_norm(void* out, const void* x, int64_t x_stride, const float* weight, int64_t rows, int dim, float eps,
               bool scale_after_cast) {
@@ -177,19 +169,13 @@ void gated_activation(void* out, const void* gate_up, int64_t rows, int64_t inte
     const T* gate = src + r * 2 * inter;
     const T* up = gate + inter;
     T* o = dst + r * inter;
-    int64_t j = 0;
     if (act == 0) {
-      for (; j + 16 <= inter; j += 16)
-        store16<DT>(o, j, rounded16<DT>(gelu_tanh16(load16<DT>(gate, j))) * load16<DT>(up, j));
-    } else {
-      for (; j + 16 <= inter; j += 16)
-        store16<DT>(o, j, rounded16<DT>(silu16(load16<DT>(gate, j))) * load16<DT>(up, j));
-    }
-    if (act == 0) {
-      for (; j < inter; ++j)
+#pragma omp simd
+      for (int64_t j = 0; j < inter; ++j)
         o[j] = Elem<DT>::store(rounded<DT>(gelu_tanh(Elem<DT>::load(gate[j]))) * Elem<DT>::load(up[j]));
     } else {
-      for (; j < inter; ++j)
+#pragma omp simd
+      for (int64_t j = 0; j < inter; ++j)
         o[j] = Elem<DT>::store(rounded<DT>(silu(Elem<DT>::load(gate[j]))) * Elem<DT>::load(up[j]));
     }
   }

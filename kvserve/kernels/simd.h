@@ -95,42 +95,4 @@ inline F exp_approx(F x) {
 inline float fast_exp(float x) { return exp_approx<float, int32_t>(x); }
 inline f32x16 exp16(f32x16 x) { return exp_approx<f32x16, i32x16>(x); }
 
-// 16 floats -> bf16 bits, round to nearest even like torch; NaN stays NaN
-inline u16x16 bf16_bits16(f32x16 v) {
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  rounded = (bits & 0x7fffffffu) > 0x7f800000u ? u32x16{} + 0x7fc0u : rounded;
-  return __builtin_convertvector(rounded, u16x16);
-}
-
-// 16 floats rounded through DT and back (what storing and reloading them would give)
-template <int DT>
-inline f32x16 rounded16(f32x16 v) {
-  if constexpr (DT == kFloat32) {
-    return v;
-  } else if constexpr (DT == kBFloat16) {
-    const u32x16 wide = __builtin_convertvector(bf16_bits16(v), u32x16) << 16;
-    f32x16 out;
-    std::memcpy(&out, &wide, sizeof(out));
-    return out;
-  } else {
-    return __builtin_convertvector(__builtin_convertvector(v, f16x16), f32x16);
-  }
-}
-
-// 16 floats stored as DT
-template <int DT>
-inline void store16(void* base, int64_t offset, f32x16 v) {
-  if constexpr (DT == kFloat32) {
-    std::memcpy(static_cast<float*>(base) + offset, &v, sizeof(v));
-  } else if constexpr (DT == kBFloat16) {
-    const u16x16 bits = bf16_bits16(v);
-    std::memcpy(static_cast<uint16_t*>(base) + offset, &bits, sizeof(bits));
-  } else {
-    const f16x16 half = __builtin_convertvector(v, f16x16);
-    std::memcpy(static_cast<_Float16*>(base) + offset, &half, sizeof(half));
-  }
-}
-
 }  // namespace kvserve
