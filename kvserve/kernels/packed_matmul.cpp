@@ -14,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include "simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -157,13 +159,27 @@ int kvserve_packed_matmul(const uint16_t* packed, int64_t n, int k, const uint16
     std::vector<RowBest> best;
     if (argmax) best.assign(rows, RowBest{_mm512_set1_ps(-std::numeric_limits<float>::infinity()), _mm512_set1_epi32(-1)});
     RowBest* best_ptr = argmax ? best.data() : nullptr;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t first = b * NT;
-      const int64_t count = std::min<int64_t>(NT, tiles - first);
-      if (count == NT) rows_block<NT>(packed, tiles, first, n, pairs, x, ldx, rows, out, out_dtype, best_ptr);
-      else if (count == 2) rows_block<2>(packed, tiles, first, n, pairs, x, ldx, rows, out, out_dtype, best_ptr);
-      else rows_block<1>(packed, tiles, first, n, pairs, x, ldx, rows, out, out_dtype, best_ptr);
+    // each thread takes a contiguous range of weight blocks; with many rows (a prefill) it walks
+    // them once per chunk of rows small enough to stay in L2, instead of streaming all of x again
+    // from L3 for every block
+    const int threads = omp_get_num_threads();
+    const int me = omp_get_thread_num();
+    const int64_t block_begin = blocks * me / threads;
+    const int64_t block_end = blocks * (me + 1) / threads;
+    const int chunk_rows = std::max(8, static_cast<int>((256 << 10) / (static_cast<int64_t>(k) * 2)) / 8 * 8);
+    const int64_t out_bytes = out_dtype == kFloat32 ? 4 : 2;
+    for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
+      const int chunk = std::min(chunk_rows, rows - r0);
+      const uint16_t* xc = x + r0 * ldx;
+      void* oc = out ? static_cast<void*>(static_cast<char*>(out) + static_cast<int64_t>(r0) * n * out_bytes) : nullptr;
+      RowBest* bc = best_ptr ? best_ptr + r0 : nullptr;
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        const int64_t first = b * NT;
+        const int64_t count = std::min<int64_t>(NT, tiles - first);
+        if (count == NT) rows_block<NT>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+        else if (count == 2) rows_block<2>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+        else rows_block<1>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+      }
     }
     if (argmax) {
       for (int r = 0; r < rows; ++r) {
