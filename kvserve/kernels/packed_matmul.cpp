@@ -73,7 +73,7 @@ inline void store_tile(void* out, int out_dtype, int64_t offset, __m512 values, 
 
 // one block of NT tiles (starting at tile `first`) against MR rows starting at `row`
 template <int MR, int NT>
-void block(const uint16_t* packed, int64_t tiles_total, int64_t first, int64_t n, int pairs, const uint16_t* x, int64_t ldx,
+void block(const uint16_t* packed, int64_t first, int64_t n, int pairs, const uint16_t* x, int64_t ldx,
            int row, void* out, int out_dtype, RowBest* best) {
   const int64_t tile_stride = static_cast<int64_t>(pairs) * 32;
   __m512 acc[MR][NT];
@@ -94,23 +94,22 @@ void block(const uint16_t* packed, int64_t tiles_total, int64_t first, int64_t n
       }
     }
   }
-  (void)tiles_total;
 }
 
 template <int NT>
-void rows_block(const uint16_t* packed, int64_t tiles_total, int64_t first, int64_t n, int pairs, const uint16_t* x,
+void rows_block(const uint16_t* packed, int64_t first, int64_t n, int pairs, const uint16_t* x,
                 int64_t ldx, int rows, void* out, int out_dtype, RowBest* best) {
   constexpr int MR = 8;
   int row = 0;
-  for (; row + MR <= rows; row += MR) block<MR, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best);
+  for (; row + MR <= rows; row += MR) block<MR, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best);
   switch (rows - row) {
-    case 7: block<7, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 6: block<6, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 5: block<5, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 4: block<4, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 3: block<3, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 2: block<2, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
-    case 1: block<1, NT>(packed, tiles_total, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 7: block<7, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 6: block<6, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 5: block<5, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 4: block<4, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 3: block<3, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 2: block<2, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
+    case 1: block<1, NT>(packed, first, n, pairs, x, ldx, row, out, out_dtype, best); break;
     default: break;
   }
 }
@@ -176,9 +175,9 @@ int kvserve_packed_matmul(const uint16_t* packed, int64_t n, int k, const uint16
       for (int64_t b = block_begin; b < block_end; ++b) {
         const int64_t first = b * NT;
         const int64_t count = std::min<int64_t>(NT, tiles - first);
-        if (count == NT) rows_block<NT>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
-        else if (count == 2) rows_block<2>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
-        else rows_block<1>(packed, tiles, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+        if (count == NT) rows_block<NT>(packed, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+        else if (count == 2) rows_block<2>(packed, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
+        else rows_block<1>(packed, first, n, pairs, xc, ldx, chunk, oc, out_dtype, bc);
       }
     }
     if (argmax) {
