@@ -713,6 +713,29 @@ void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_
 }
 #endif  // KVSERVE_DECODE_BF16_DOT
 
+// Calls fn(kv_head, row_base, rows, offsets) in parallel for each tile of kRows query rows of
+// each kv head; rows run token-major, then head within the group, and offsets[r] is the element
+// offset of row r's [token][head][dim] vector in the query and the output. Later tiles see more
+// keys: they are handed out first so the threads finish together.
+template <int kRows, typename Fn>
+void for_each_query_tile(int64_t rows_per_head, int group, int num_heads, int num_kv_heads, int head_dim, Fn fn) {
+  const int64_t row_tiles = (rows_per_head + kRows - 1) / kRows;
+  const int64_t tasks = row_tiles * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int kv_head = static_cast<int>(task % num_kv_heads);
+    const int64_t row_base = (row_tiles - 1 - task / num_kv_heads) * kRows;
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_head - row_base));
+    int64_t offsets[kRows];
+    for (int r = 0; r < rows; ++r) {
+      const int64_t token = (row_base + r) / group;
+      const int head = kv_head * group + static_cast<int>((row_base + r) % group);
+      offsets[r] = (token * num_heads + head) * head_dim;
+    }
+    fn(kv_head, row_base, rows, offsets);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -838,80 +861,40 @@ int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtyp
   const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
   thread_local PrefillBuffers caller_buffers;  // reused across calls; grown, never shrunk
   PrefillBuffers& buf = caller_buffers;  // a plain reference, so the worker threads share the caller's buffers
-  const int head_pad = (head_dim + 15) / 16 * 16;
   const int64_t rows_per_head = num_tokens * group;
-  const int64_t row_tiles = (rows_per_head + kRowTile - 1) / kRowTile;
-  const int64_t tasks = row_tiles * num_kv_heads;
 #if KVSERVE_DECODE_BF16_DOT
   if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && head_dim % 32 == 0) {
     unpack_context_bf16(buf, static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), block_table,
                         key_base, context_end, num_kv_heads, head_dim, block_size);
-    const int64_t bf16_row_tiles = (rows_per_head + kRowTileBf16 - 1) / kRowTileBf16;
-    const int64_t bf16_tasks = bf16_row_tiles * num_kv_heads;
-#pragma omp parallel
-    {
-      std::vector<uint16_t> queries(static_cast<size_t>(kRowTileBf16) * head_dim, 0);
-      std::vector<float> result(static_cast<size_t>(kRowTileBf16) * head_dim);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < bf16_tasks; ++task) {
-        const int kv_head = static_cast<int>(task % num_kv_heads);
-        const int64_t row_tile = bf16_row_tiles - 1 - task / num_kv_heads;
-        const int64_t row_base = row_tile * kRowTileBf16;
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTileBf16, rows_per_head - row_base));
-        for (int r = 0; r < kRowTileBf16; ++r) {
-          uint16_t* q = queries.data() + static_cast<size_t>(r) * head_dim;
-          if (r >= rows) {
-            std::fill(q, q + head_dim, 0);
-            continue;
-          }
-          const int64_t token = (row_base + r) / group;
-          const int head = kv_head * group + static_cast<int>((row_base + r) % group);
-          std::memcpy(q, static_cast<const uint16_t*>(query) + (token * num_heads + head) * head_dim, sizeof(uint16_t) * head_dim);
-        }
-        prefill_rows_bf16(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head,
-                          head_dim, window, scale);
-        for (int r = 0; r < rows; ++r) {
-          const int64_t token = (row_base + r) / group;
-          const int head = kv_head * group + static_cast<int>((row_base + r) % group);
-          store_row(out, query_dtype, (token * num_heads + head) * head_dim, head_dim, result.data() + static_cast<size_t>(r) * head_dim, 1.f);
-        }
-      }
-    }
+    for_each_query_tile<kRowTileBf16>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
+      thread_local std::vector<uint16_t> queries;
+      thread_local std::vector<float> result;
+      queries.assign(static_cast<size_t>(kRowTileBf16) * head_dim, 0);
+      result.resize(static_cast<size_t>(kRowTileBf16) * head_dim);
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(queries.data() + static_cast<size_t>(r) * head_dim, static_cast<const uint16_t*>(query) + offsets[r], sizeof(uint16_t) * head_dim);
+      prefill_rows_bf16(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head,
+                        head_dim, window, scale);
+      for (int r = 0; r < rows; ++r) store_row(out, query_dtype, offsets[r], head_dim, result.data() + static_cast<size_t>(r) * head_dim, 1.f);
+    });
     return 0;
   }
 #endif
+  const int head_pad = (head_dim + 15) / 16 * 16;
   unpack_context(buf, key_cache, value_cache, kv_dtype, block_table, key_base, context_end, num_kv_heads, head_dim, head_pad, block_size);
-#pragma omp parallel
-  {
-    std::vector<float> queries(static_cast<size_t>(kRowTile) * head_pad, 0.f);
-    std::vector<float> result(static_cast<size_t>(kRowTile) * head_pad);
-    // later query tiles see more keys: hand them out first so the threads finish together
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int kv_head = static_cast<int>(task % num_kv_heads);
-      const int64_t row_tile = row_tiles - 1 - task / num_kv_heads;
-      const int64_t row_base = row_tile * kRowTile;
-      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rows_per_head - row_base));
-      for (int r = 0; r < kRowTile; ++r) {
-        float* q = queries.data() + static_cast<size_t>(r) * head_pad;
-        if (r >= rows) {
-          std::fill(q, q + head_pad, 0.f);
-          continue;
-        }
-        const int64_t token = (row_base + r) / group;
-        const int head = kv_head * group + static_cast<int>((row_base + r) % group);
-        load_row(query, query_dtype, (token * num_heads + head) * head_dim, head_dim, q);
-        for (int d = 0; d < head_dim; ++d) q[d] *= scale;
-      }
-      prefill_rows(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head,
-                   head_pad, window);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t token = (row_base + r) / group;
-        const int head = kv_head * group + static_cast<int>((row_base + r) % group);
-        store_row(out, query_dtype, (token * num_heads + head) * head_dim, head_dim, result.data() + static_cast<size_t>(r) * head_pad, 1.f);
-      }
+  for_each_query_tile<kRowTile>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
+    thread_local std::vector<float> queries;
+    thread_local std::vector<float> result;
+    queries.assign(static_cast<size_t>(kRowTile) * head_pad, 0.f);
+    result.resize(static_cast<size_t>(kRowTile) * head_pad);
+    for (int r = 0; r < rows; ++r) {
+      float* q = queries.data() + static_cast<size_t>(r) * head_pad;
+      load_row(query, query_dtype, offsets[r], head_dim, q);
+      for (int d = 0; d < head_dim; ++d) q[d] *= scale;
     }
-  }
+    prefill_rows(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head, head_pad, window);
+    for (int r = 0; r < rows; ++r) store_row(out, query_dtype, offsets[r], head_dim, result.data() + static_cast<size_t>(r) * head_pad, 1.f);
+  });
   return 0;
 }
 
