@@ -104,13 +104,8 @@ def skinny_matmul(
     staged = torch.zeros(padded, dim, dtype=torch.float32)
     staged[:rows] = x
     n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype) if want_output else None
-    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
-    status = library.kvserve_skinny_matmul(
-        weight.data_ptr(), _DTYPE_CODES[weight.dtype], staged.data_ptr(), rows, n, dim,
-        out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
-        argmax.data_ptr() if argmax is not None else None,
-    )  # fmt: skip
+    out, argmax, out_args = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax)
+    status = library.kvserve_skinny_matmul(weight.data_ptr(), _DTYPE_CODES[weight.dtype], staged.data_ptr(), rows, n, dim, *out_args)
     _check(status, "skinny_matmul")
     return out, argmax
 
@@ -161,13 +156,8 @@ def packed_matmul(
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
         raise ValueError(f"packed_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
     rows = x.shape[0]
-    out = torch.empty(rows, weight.n, dtype=out_dtype or torch.bfloat16) if want_output else None
-    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
-    status = library.kvserve_packed_matmul(
-        weight.data.data_ptr(), weight.n, weight.k, x.data_ptr(), x.stride(0), rows,
-        out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
-        argmax.data_ptr() if argmax is not None else None,
-    )  # fmt: skip
+    out, argmax, out_args = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax)
+    status = library.kvserve_packed_matmul(weight.data.data_ptr(), weight.n, weight.k, x.data_ptr(), x.stride(0), rows, *out_args)
     _check(status, "packed_matmul")
     return out, argmax
 
@@ -255,6 +245,18 @@ def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tens
     )  # fmt: skip
     _check(status, "screened_argmax")
     return argmax, rescored
+
+
+def _product_outputs(
+    rows: int, n: int, dtype: torch.dtype, want_output: bool, want_argmax: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
+    """The output [rows, n] and row-wise argmax [rows] a product kernel fills (None where not
+    wanted), and the kernel's trailing arguments for them: (out pointer, out dtype code, argmax pointer)."""
+    out = torch.empty(rows, n, dtype=dtype) if want_output else None
+    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
+    args = (out.data_ptr() if out is not None else None, _DTYPE_CODES[dtype] if out is not None else 0,
+            argmax.data_ptr() if argmax is not None else None)  # fmt: skip
+    return out, argmax, args
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
