@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Sequence as Seq
 
@@ -12,6 +13,7 @@ import torch
 from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
+from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence
@@ -49,7 +51,7 @@ class LLMEngine:
         backend = resolve_attention_backend(config.attention_backend, self.device, self.pool.kv.dtype)
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
-        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(config.seed), backend)
+        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(native=backend == "cpu_paged"), backend)
 
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
@@ -106,6 +108,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self.num_steps = 0
         self.peak_num_blocks_used = 0
         self.prompt_tokens_total = 0
@@ -120,8 +123,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        track_text: bool = False,
+        stream: bool = False,
     ) -> Sequence:
+        """Queue a request. With ``stream``, step() hands out an output for it every step holding
+        only what is new; otherwise only its finished output."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -134,8 +139,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, generator=generator, track_text=track_text)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        text = None
+        if self.tokenizer is not None:
+            text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -174,7 +182,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward pass; returns an output for every sequence that got a token."""
+        """One scheduler step and one forward pass; returns the outputs of streamed sequences that got
+        a token and of every sequence that finished."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -197,11 +206,12 @@ class LLMEngine:
                     seq.logprobs.append(result.logprobs)
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
-                outputs.append(self._output(seq))
+                if seq.stream or seq.is_finished:
+                    outputs.append(self._output(seq))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
-        seq.token_ids.append(token)
+        seq.append_token(token)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -212,16 +222,10 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, seq.stop_reason = "stop", token
-        if seq.track_text:
-            previous = len(seq.output_text)
-            text = self.tokenizer.decode(seq.output_token_ids)
-            seq.output_text = text
-            if reason is None and params.stop:
-                hit = self._find_stop(text, params.stop, previous)
-                if hit is not None:
-                    index, stop = hit
-                    seq.output_text = text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                    reason, seq.stop_reason = "stop", stop
+        if seq.text is not None:
+            stop = seq.text.add(token)
+            if reason is None and stop is not None:
+                reason, seq.stop_reason = "stop", stop
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -229,20 +233,19 @@ class LLMEngine:
             seq.finished_time = now
             self.scheduler.finish(seq)
 
-    @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...], previous_len: int) -> tuple[int, str] | None:
-        best = None
-        for stop in stops:
-            index = text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
-        keep_truncated = seq.track_text and seq.finish_reason == "stop" and seq.stop_reason in seq.params.stop
-        if finished and self.tokenizer is not None and not keep_truncated:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+        if finished and seq.text is not None:
+            seq.text.finish()
+        if seq.stream:
+            token_ids = seq.token_ids[seq.prompt_len + seq.num_sent_tokens :]
+            logprobs = seq.logprobs[seq.num_sent_tokens :] if seq.params.logprobs is not None else None
+            text = seq.text.take_new() if seq.text is not None else ""
+            seq.num_sent_tokens = seq.num_output_tokens
+        else:
+            token_ids = seq.output_token_ids
+            logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+            text = seq.text.text if seq.text is not None else ""
         metrics = {"arrival_time": seq.arrival_time}
         for name in ("first_scheduled_time", "first_token_time", "last_token_time", "finished_time"):
             value = getattr(seq, name)
@@ -252,14 +255,16 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.output_text,
+            token_ids=token_ids,
+            text=text,
             finished=finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
+            num_output_tokens=seq.num_output_tokens,
+            delta=seq.stream,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -1,16 +1,22 @@
-"""Token selection: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+"""Token selection for the rows of a step that need full logits: one batched call.
 
-Greedy rows take one batched argmax. Random rows draw with their own generator (seeded per
-request when asked), so a request's samples do not depend on what it was batched with.
+Penalties, temperature, top-k / top-p / min-p, the draw and raw top-N logprobs run for every row
+at once, in the native kernel on CPU (kernels/sampler.cpp) or in torch ops elsewhere
+(torch_sampler.py); both follow one definition. Each draw takes its randomness from the
+request's seed and the token's position alone, so a seeded request samples the same tokens
+whatever it is batched with, and after a preemption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.engine.sequence import Sequence, TokenLogprobs
+from kvserve.engine.torch_sampler import sample_torch
 
 
 @dataclass
@@ -19,74 +25,45 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    params = seq.params
-    device = logits.device
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=device)
-        picked = logits[seen]
-        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
-        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    logits = logits / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if min_p > 0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # drop a token when the mass before it already reaches top_p; the top token always stays
-        drop = (cumulative - sorted_probs) >= top_p * cumulative[-1]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
-
-
-def _logprobs(row_logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
-    top: dict[int, float] = {}
-    if top_n:
-        values, ids = torch.topk(row_logprobs, top_n)
-        top = {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist())}
-    return TokenLogprobs(token_id, float(row_logprobs[token_id]), top)
-
-
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, native: bool) -> None:
+        self.native = native
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        logits = logits.float()
-        raw_logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        needs_processing = [i for i, s in enumerate(seqs) if s.params.uses_penalties]
-        if needs_processing:
-            logits = logits.clone()
-            for i in needs_processing:
-                logits[i] = apply_penalties(logits[i], seqs[i])
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
+        """One token per row of logits [S, V] (float32; modified in place) for seqs."""
+        rows = np.zeros(len(seqs), dtype=kernels.SAMPLER_ROW_DTYPE)
+        id_parts: list[np.ndarray] = []
+        count_parts: list[np.ndarray] = []
+        begin = 0
+        fields = []
+        for seq in seqs:
             p = seq.params
-            if p.greedy:
-                continue
-            probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p, p.min_p)
-            generator = seq.generator or self.generator
-            # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
-            noise = torch.empty_like(probs).exponential_(generator=generator)
-            tokens[i] = int(torch.argmax(probs / noise))
+            end = begin
+            if seq.penalty_counts is not None:
+                ids, counts = seq.penalty_arrays()
+                id_parts.append(ids)
+                count_parts.append(counts)
+                end += len(ids)
+            fields.append((
+                0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                max(p.top_k, 0), -1 if p.logprobs is None else p.logprobs, seq.seed, seq.num_tokens, begin, end,
+            ))  # fmt: skip
+            begin = end
+        rows[:] = fields
+        penalty_ids = np.concatenate(id_parts) if id_parts else np.empty(0, dtype=np.int64)
+        penalty_counts = np.concatenate(count_parts) if count_parts else np.empty(0, dtype=np.int32)
+        logits = logits.float()
+        if self.native and logits.device.type == "cpu":
+            out = kernels.sample(logits.contiguous(), rows, penalty_ids, penalty_counts)
+        else:
+            out = sample_torch(logits, rows, penalty_ids, penalty_counts)
+        tokens = out.tokens.tolist()
         results = []
-        for i, seq in enumerate(seqs):
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             lp = None
-            if raw_logprobs is not None and seq.params.logprobs is not None:
-                lp = _logprobs(raw_logprobs[i], tokens[i], seq.params.logprobs)
-            results.append(SampleResult(tokens[i], lp))
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                top = dict(zip(out.top_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist()))
+                lp = TokenLogprobs(token, float(out.token_logprobs[i]), top)
+            results.append(SampleResult(token, lp))
         return results

@@ -6,8 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
+from kvserve.engine.output_text import OutputText
 from kvserve.sampling_params import SamplingParams
 
 
@@ -38,20 +39,33 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    output_text: str = ""
+    text: OutputText | None = None  # None without a tokenizer (token ids only)
+    stream: bool = False  # outputs carry what is new since the previous one, every step
+    num_sent_tokens: int = 0  # output tokens already handed out (stream)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int = 0  # of this request's draws (its own, or one the engine derived from its seed)
+    penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    track_text: bool = False  # keep output_text current every step (streaming, stop strings)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.track_text = self.track_text or bool(self.params.stop)
+        if self.params.uses_penalties and self.penalty_counts is None:
+            self.penalty_counts = dict.fromkeys(self.prompt_token_ids, 0)
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.penalty_counts is not None:
+            self.penalty_counts[token] = self.penalty_counts.get(token, 0) + 1
+
+    def penalty_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids seen in the prompt or the output, their counts in the output)."""
+        counts = self.penalty_counts or {}
+        return np.fromiter(counts.keys(), np.int64, len(counts)), np.fromiter(counts.values(), np.int32, len(counts))
 
     @property
     def prompt_len(self) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.kernels.build import load_kernels
@@ -343,6 +346,94 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     _check(library.kvserve_gated_activation(
         out.data_ptr(), gate_up.data_ptr(), _DTYPE_CODES[gate_up.dtype], rows, width // 2, ACTIVATIONS[activation],
     ), "gated_activation")  # fmt: skip
+    return out
+
+
+class SamplerRow(ctypes.Structure):
+    """One row's sampling parameters; mirrors `SamplerRow` in sampler.cpp."""
+
+    _fields_ = [
+        ("temperature", ctypes.c_float),
+        ("top_p", ctypes.c_float),
+        ("min_p", ctypes.c_float),
+        ("repetition_penalty", ctypes.c_float),
+        ("presence_penalty", ctypes.c_float),
+        ("frequency_penalty", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("num_logprobs", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("position", ctypes.c_int64),
+        ("penalty_begin", ctypes.c_int64),
+        ("penalty_end", ctypes.c_int64),
+    ]
+
+
+class SamplerArgs(ctypes.Structure):
+    """Mirrors `SamplerArgs` in sampler.cpp."""
+
+    _fields_ = [
+        ("logits", ctypes.c_void_p),
+        ("stride", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("params", ctypes.c_void_p),
+        ("penalty_ids", ctypes.c_void_p),
+        ("penalty_counts", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("token_logprobs", ctypes.c_void_p),
+        ("top_ids", ctypes.c_void_p),
+        ("top_logprobs", ctypes.c_void_p),
+    ]
+
+
+SAMPLER_ROW_DTYPE = np.dtype(SamplerRow)
+MAX_LOGPROBS = 20
+
+
+@functools.lru_cache(maxsize=None)
+def sampler_layout_matches() -> bool:
+    """True when the Python mirrors have the C structs' sizes and offsets."""
+    sizes = (ctypes.c_int64 * 7)()
+    max_logprobs = _require().kvserve_sampler_abi(sizes)
+    expected = (
+        ctypes.sizeof(SamplerRow), ctypes.sizeof(SamplerArgs), SamplerRow.top_k.offset, SamplerRow.seed.offset,
+        SamplerRow.penalty_end.offset, SamplerArgs.params.offset, SamplerArgs.top_logprobs.offset,
+    )  # fmt: skip
+    return tuple(sizes) == expected and max_logprobs == MAX_LOGPROBS
+
+
+@dataclass
+class SampledRows:
+    tokens: torch.Tensor  # [rows] int64
+    token_logprobs: torch.Tensor  # [rows] float32: raw logprob of each drawn token (rows that asked)
+    top_ids: torch.Tensor  # [rows, 20] int64
+    top_logprobs: torch.Tensor  # [rows, 20] float32
+
+
+def sample(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> SampledRows:
+    """Draw one token per row of float32 logits [R, V] (modified in place: penalties) with the
+    per-row parameters ``rows`` (a SAMPLER_ROW_DTYPE array); see sampler.cpp."""
+    library = _require()
+    if not sampler_layout_matches():
+        raise RuntimeError("the sampler's C structs and their Python mirrors disagree; rebuild the kernels")
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("sample: logits must be float32 CPU [rows, vocab] with contiguous rows")
+    count = logits.shape[0]
+    if rows.dtype != SAMPLER_ROW_DTYPE or rows.shape != (count,):
+        raise ValueError(f"sample: rows must be a SAMPLER_ROW_DTYPE array of {count} entries")
+    rows = np.ascontiguousarray(rows)
+    penalty_ids = np.ascontiguousarray(penalty_ids, dtype=np.int64)
+    penalty_counts = np.ascontiguousarray(penalty_counts, dtype=np.int32)
+    out = SampledRows(
+        torch.empty(count, dtype=torch.int64), torch.zeros(count), torch.zeros(count, MAX_LOGPROBS, dtype=torch.int64),
+        torch.zeros(count, MAX_LOGPROBS),
+    )  # fmt: skip
+    args = SamplerArgs(
+        logits.data_ptr(), logits.stride(0), logits.shape[1], count, rows.ctypes.data,
+        penalty_ids.ctypes.data if penalty_ids.size else None, penalty_counts.ctypes.data if penalty_counts.size else None,
+        out.tokens.data_ptr(), out.token_logprobs.data_ptr(), out.top_ids.data_ptr(), out.top_logprobs.data_ptr(),
+    )  # fmt: skip
+    _check(library.kvserve_sample(ctypes.byref(args)), "sample")
     return out
 
 

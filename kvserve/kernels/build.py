@@ -23,7 +23,7 @@ from kvserve.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp"]
 HEADERS = ["simd.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
@@ -102,6 +102,8 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_add_rms_norm": [ptr, ptr, ptr, c_int, ptr, ptr, c_int64, c_int, c_float, c_int],
         "kvserve_qk_norm_rope": [ptr, ptr, ptr, c_int, c_int64, c_int64, c_int, c_int, c_int, ptr, ptr, c_float, ptr, ptr, ptr],
         "kvserve_gated_activation": [ptr, ptr, c_int, c_int64, c_int64, c_int],
+        "kvserve_sampler_abi": [ptr],
+        "kvserve_sample": [ptr],  # const SamplerArgs*
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace kvserve {
 
 enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -43,6 +47,39 @@ inline float hsum(f32x16 v) {
   f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+inline float hmax(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 h = a > b ? a : b;
+  const f32x4 c = __builtin_shufflevector(h, h, 0, 1, 2, 3);
+  const f32x4 d = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const f32x4 q = c > d ? c : d;
+  const float x = q[0] > q[1] ? q[0] : q[1];
+  const float y = q[2] > q[3] ? q[2] : q[3];
+  return x > y ? x : y;
+}
+
+// bit i set where v[i] > t (false for NaN lanes)
+inline uint32_t mask_gt(f32x16 v, float t) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(reinterpret_cast<__m512&>(v), _mm512_set1_ps(t), _CMP_GT_OQ);
+#elif defined(__AVX__)
+  typedef float f32x8 __attribute__((vector_size(32)));
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 threshold = _mm256_set1_ps(t);
+  const uint32_t low = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<const __m256&>(lo), threshold, _CMP_GT_OQ)));
+  const uint32_t high = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<const __m256&>(hi), threshold, _CMP_GT_OQ)));
+  return low | (high << 8);
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < 16; ++i) bits |= static_cast<uint32_t>(v[i] > t) << i;
+  return bits;
+#endif
 }
 
 // float -> bf16 bits, round to nearest even as torch does; NaN stays NaN

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from kvserve.cache_dir import cache_root, file_digest
+from kvserve.model.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def incremental_detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok.backend_tokenizer)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         template = chat_template or self.chat_template

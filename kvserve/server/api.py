@@ -115,7 +115,7 @@ class OpenAIServer:
 
     def _usage(self, prompt_lens: list[int], outs: list[RequestOutput]) -> dict:
         prompt_tokens = sum(prompt_lens)
-        completion = sum(len(o.token_ids) for o in outs)
+        completion = sum(o.num_output_tokens for o in outs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -251,8 +251,6 @@ class OpenAIServer:
 
         async def events() -> AsyncIterator[str]:
             merged: asyncio.Queue = asyncio.Queue()
-            sent_text = {idx: "" for idx, _, _ in jobs}
-            sent_lps = {idx: 0 for idx, _, _ in jobs}
             finals: dict[int, RequestOutput] = {}
 
             async def pump(idx, ids, params):
@@ -269,18 +267,11 @@ class OpenAIServer:
                     if isinstance(item, Exception):
                         yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
                         return
-                    text = item.text
-                    # hold back a trailing partial UTF-8 character until it completes
-                    if not item.finished and text.endswith("\ufffd"):
-                        continue
-                    delta = text[len(sent_text[idx]):] if text.startswith(sent_text[idx]) else text
-                    lps = (item.logprobs or [])[sent_lps[idx]:]
-                    sent_text[idx] = text
-                    sent_lps[idx] += len(lps)
                     if item.finished:
                         finals[idx] = item
-                    if delta or item.finished or lps:
-                        yield f"data: {json.dumps(make_chunk(idx, item, delta, lps))}\n\n"
+                    lps = item.logprobs or []
+                    if item.text or item.finished or lps:
+                        yield f"data: {json.dumps(make_chunk(idx, item, item.text, lps))}\n\n"
                 if include_usage:
                     outs = [finals[idx] for idx, _, _ in jobs]
                     usage = self._usage([len(ids) for _, ids, _ in jobs], outs)

@@ -47,6 +47,11 @@ class _Abort:
     request_id: str
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting_requests: int) -> None:
         self.engine = engine
@@ -82,7 +87,8 @@ class AsyncEngine:
     async def generate(
         self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None, stream: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        """Yields outputs as tokens arrive (each carries the full text so far); the last is finished."""
+        """With ``stream``, yields an output per step holding what is new (the last one finished);
+        without, only the finished output."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
         self.engine.validate_prompt_tokens(token_ids)
@@ -115,15 +121,20 @@ class AsyncEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ engine thread
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._sinks.get(out.request_id)
-        if entry is None:
-            return
-        sink, loop = entry
-        if out.finished:
-            del self._sinks[out.request_id]
-            self.metrics.observe_finished(out)
-        loop.call_soon_threadsafe(sink.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their requests' queues: one wake-up per event loop, not per output."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            entry = self._sinks.get(out.request_id)
+            if entry is None:
+                continue
+            sink, loop = entry
+            if out.finished:
+                del self._sinks[out.request_id]
+                self.metrics.observe_finished(out)
+            batches.setdefault(loop, []).append((sink, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _apply_commands(self) -> None:
         while True:
@@ -136,7 +147,7 @@ class AsyncEngine:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id,
-                                            cache_salt=cmd.cache_salt, track_text=cmd.stream)
+                                            cache_salt=cmd.cache_salt, stream=cmd.stream)
                     self._sinks[cmd.request_id] = (cmd.sink, cmd.loop)
                 except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
                     cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
@@ -154,8 +165,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out)
+                self._deliver(self.engine.step())
                 self.metrics.update_from_stats(self.engine.stats())
         except BaseException as exc:  # noqa: BLE001 - fail every waiter rather than hang them
             log.exception("engine loop crashed")

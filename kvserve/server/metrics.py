@@ -73,8 +73,8 @@ class ServerMetrics:
             self.queue_time.observe(m["first_scheduled_time"] - arrival)
         if "first_token_time" in m:
             self.ttft.observe(m["first_token_time"] - arrival)
-            if len(out.token_ids) > 1 and "last_token_time" in m:
-                self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (len(out.token_ids) - 1))
+            if out.num_output_tokens > 1 and "last_token_time" in m:
+                self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (out.num_output_tokens - 1))
         if "finished_time" in m:
             self.e2e.observe(m["finished_time"] - arrival)
         if out.finish_reason in ("stop", "length"):

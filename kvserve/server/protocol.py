@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_SEED, SamplingParams
 
 Number = StrictInt | StrictFloat
 
@@ -45,7 +45,8 @@ class _SamplingFields(BaseModel):
             top_p=float(self.top_p),
             top_k=self.top_k,
             min_p=float(self.min_p),
-            seed=None if self.seed is None else self.seed + seed_offset,
+            # out of range stays as given, for SamplingParams to reject by name
+            seed=self.seed if self.seed is None or not 0 <= self.seed < MAX_SEED else (self.seed + seed_offset) % MAX_SEED,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             presence_penalty=float(self.presence_penalty),

@@ -1,0 +1,122 @@
+"""The sampling step in torch ops, for any device: the same definition as kernels/sampler.cpp.
+
+Per row: raw top-N logprobs, then penalties, then s = (logit - max) / T over the vocabulary in
+the order (s descending, id ascending); top-k keeps s >= the k-th largest s, min-p keeps
+s >= log(min_p), top-p keeps a token while the kept mass before it is below top_p times the kept
+mass; the draw inverts the CDF of the kept tokens in that order at a Philox-4x32-10 uniform keyed
+by (seed, position). Tokens with s <= -88 have no mass. Greedy rows (T = 0) take the argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.kernels import MAX_LOGPROBS, SampledRows
+
+MASS_FLOOR = -88.0
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Philox-4x32-10 (Salmon et al., Random123) on arrays of 32-bit words held in uint64."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in counter)
+    k0, k1 = (np.asarray(k, dtype=np.uint64) & _M32 for k in key)
+    with np.errstate(over="ignore"):
+        for round_ in range(10):
+            if round_:
+                k0 = (k0 + np.uint64(0x9E3779B9)) & _M32
+                k1 = (k1 + np.uint64(0xBB67AE85)) & _M32
+            p0 = c0 * np.uint64(0xD2511F53)
+            p1 = c2 * np.uint64(0xCD9E8D57)
+            c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _M32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Philox-4x32-10 of counter (counter, 0) under key seed, as a uniform double in [0, 1) from
+    53 bits of the first two words: per element, identical to sampler.cpp's."""
+    seeds = np.asarray(seeds).astype(np.uint64)
+    counters = np.asarray(counters).astype(np.uint64)
+    zero = np.zeros_like(counters)
+    w0, w1, _, _ = philox4x32((counters, counters >> np.uint64(32), zero, zero), (seeds, seeds >> np.uint64(32)))
+    return ((w0 >> np.uint64(5)).astype(np.float64) * 67108864.0 + (w1 >> np.uint64(6)).astype(np.float64)) / 9007199254740992.0
+
+
+def _column(rows: np.ndarray, name: str, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(rows[name])).to(device)
+
+
+def sample_torch(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> SampledRows:
+    """kernels.sample in torch ops: logits float32 [R, V] (modified in place), rows a
+    SAMPLER_ROW_DTYPE array, penalties as (begin, end) ranges of the flat id/count arrays."""
+    device = logits.device
+    count, vocab = logits.shape
+    out = SampledRows(
+        torch.empty(count, dtype=torch.int64), torch.zeros(count), torch.zeros(count, MAX_LOGPROBS, dtype=torch.int64),
+        torch.zeros(count, MAX_LOGPROBS),
+    )  # fmt: skip
+    num_logprobs = rows["num_logprobs"]
+    logprob_rows = np.nonzero(num_logprobs >= 0)[0]
+    raw = lse = None
+    if logprob_rows.size:
+        index = torch.from_numpy(logprob_rows).to(device)
+        raw = logits.index_select(0, index)
+        lse = torch.logsumexp(raw.double(), dim=1).float()
+        widest = min(int(num_logprobs.max()), vocab)
+        if widest:
+            values, ids = torch.topk(raw, widest, dim=1)
+            out.top_ids[logprob_rows, :widest] = ids.cpu()
+            out.top_logprobs[logprob_rows, :widest] = (values - lse[:, None]).cpu()
+
+    lengths = rows["penalty_end"] - rows["penalty_begin"]
+    if lengths.sum():
+        row_of = torch.from_numpy(np.repeat(np.arange(count), lengths)).to(device)
+        starts = np.repeat(rows["penalty_begin"], lengths)
+        offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        picked = starts + offsets
+        ids = torch.from_numpy(penalty_ids[picked].astype(np.int64)).to(device)
+        counts = torch.from_numpy(penalty_counts[picked].astype(np.float32)).to(device)
+        values = logits[row_of, ids]
+        repetition = _column(rows, "repetition_penalty", device)[row_of]
+        values = torch.where(repetition != 1, torch.where(values > 0, values / repetition, values * repetition), values)
+        additive = _column(rows, "frequency_penalty", device)[row_of] * counts + _column(rows, "presence_penalty", device)[row_of]
+        logits[row_of, ids] = torch.where(counts > 0, values - additive, values)
+
+    tokens = logits.argmax(dim=1)
+    temperature = _column(rows, "temperature", device)
+    sampled = torch.nonzero(temperature > 0).flatten()
+    if sampled.numel():
+        tokens[sampled] = _draw(logits.index_select(0, sampled), rows[sampled.cpu().numpy()], device)
+    out.tokens.copy_(tokens.cpu())
+    if logprob_rows.size:
+        picked = tokens[torch.from_numpy(logprob_rows).to(device)]
+        out.token_logprobs[logprob_rows] = (raw.gather(1, picked[:, None])[:, 0] - lse).cpu()
+    return out
+
+
+def _draw(logits: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    vocab = logits.shape[1]
+    inverse_t = 1.0 / _column(rows, "temperature", device)
+    scores = (logits - logits.max(dim=1, keepdim=True).values) * inverse_t[:, None]
+    scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    mass = torch.where(scores > MASS_FLOOR, torch.exp(scores), torch.zeros_like(scores)).double()
+
+    top_k = _column(rows, "top_k", device).long()
+    kth = scores.gather(1, (top_k - 1).clamp(0, vocab - 1)[:, None])[:, 0]
+    threshold = torch.where((top_k > 0) & (top_k < vocab), kth, torch.full_like(kth, float("-inf")))
+    min_p = rows["min_p"]
+    log_min_p = np.where(min_p > 0, np.log(np.maximum(min_p, 1e-45).astype(np.float64)).astype(np.float32), -np.inf)
+    threshold = torch.maximum(threshold, torch.from_numpy(log_min_p).to(device))
+    mass = mass * (scores >= threshold[:, None])
+
+    top_p = _column(rows, "top_p", device).double()
+    before = mass.cumsum(dim=1) - mass
+    keep = (before < top_p[:, None] * mass.sum(dim=1, keepdim=True)) | (top_p[:, None] >= 1)
+    mass = mass * keep
+
+    cumulative = mass.cumsum(dim=1)
+    u = torch.from_numpy(philox_uniform(rows["seed"], rows["position"].astype(np.uint64))).to(device)
+    target = (u * cumulative[:, -1])[:, None]
+    position = torch.searchsorted(cumulative, target, right=True).clamp(max=vocab - 1)
+    return order.gather(1, position)[:, 0]

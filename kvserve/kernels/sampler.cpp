@@ -1,0 +1,576 @@
+// Sampling from full rows of logits, one row per task: repetition / presence / frequency
+// penalties, temperature, top-k, min-p, top-p, raw top-N logprobs and the draw, exact, without
+// sorting the vocabulary.
+//
+// After the penalties, s = (logit - max) / T. One pass takes exp(s) of every token and files the
+// tokens with s > -16 into bins of 1/8 nat (count and mass); the rest only add to a tail mass
+// (on Gemma 3 270M, 0.05-10% of the 262K tokens lie within 16 nats of the top at T = 1). Bins
+// are ordered by value, so each filter keeps whole bins above one boundary bin and part of that
+// one: only the boundary bin's tokens are gathered (a compare-only pass over a row still in
+// cache) and sorted. A boundary or a draw that falls below -16 files the tail into deeper bins
+// first (one more pass; rare). The draw inverts the CDF of the kept tokens in the order
+// (s descending, id ascending) with one uniform from Philox-4x32-10 keyed by the request's seed
+// and the token's position, so a seeded row draws the same token whatever it is batched with;
+// the torch fallback (kvserve/engine/sampling.py) follows the same definition.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace kvserve;
+
+constexpr int kBinsPerNat = 8;
+constexpr float kBandFloor = -16.f;  // tokens above it are filed by the first pass
+constexpr int kBandBins = 16 * kBinsPerNat;
+constexpr float kMassFloor = -88.f;  // exp underflows below; such tokens (and -inf, NaN) have no mass
+constexpr int kLastBin = 88 * kBinsPerNat;
+constexpr int kMaxLogprobs = 20;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Mirrored by kvserve.kernels.SamplerRow.
+struct SamplerRow {
+  float temperature;  // 0: greedy (argmax after penalties)
+  float top_p;        // 1: off
+  float min_p;        // 0: off
+  float repetition_penalty;
+  float presence_penalty;
+  float frequency_penalty;
+  int32_t top_k;         // 0: off
+  int32_t num_logprobs;  // -1: none; else the raw top-N (N <= 20) and the token's raw logprob
+  uint64_t seed;
+  int64_t position;       // the sampled token's index in its sequence: the Philox counter
+  int64_t penalty_begin;  // this row's entries in penalty_ids / penalty_counts
+  int64_t penalty_end;
+};
+
+// Mirrored by kvserve.kernels.SamplerArgs.
+struct SamplerArgs {
+  float* logits;  // [rows][stride], modified in place (penalties)
+  int64_t stride;
+  int64_t vocab;
+  int64_t rows;
+  const SamplerRow* params;
+  const int64_t* penalty_ids;     // tokens seen in the prompt or the output
+  const int32_t* penalty_counts;  // their count in the output (0: prompt only)
+  int64_t* tokens;                // [rows]
+  float* token_logprobs;          // [rows]
+  int64_t* top_ids;               // [rows][kMaxLogprobs]
+  float* top_logprobs;            // [rows][kMaxLogprobs]
+};
+
+struct Philox {
+  uint32_t out[4];
+
+  Philox(uint64_t seed, uint64_t counter) {
+    uint32_t c[4] = {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0, 0};
+    uint32_t k[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+    for (int round = 0; round < 10; ++round) {
+      if (round) {
+        k[0] += 0x9E3779B9u;
+        k[1] += 0xBB67AE85u;
+      }
+      const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c[0];
+      const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c[2];
+      const uint32_t next[4] = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(p1),
+                                static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(p0)};
+      std::memcpy(c, next, sizeof(c));
+    }
+    std::memcpy(out, c, sizeof(out));
+  }
+
+  // 53 random bits as a double in [0, 1)
+  double uniform() const { return ((out[0] >> 5) * 67108864.0 + (out[1] >> 6)) / 9007199254740992.0; }
+};
+
+struct Entry {
+  float s;
+  float mass;
+  int64_t id;
+};
+
+inline bool before(const Entry& a, const Entry& b) { return a.s > b.s || (a.s == b.s && a.id < b.id); }
+
+// 16 logits starting at v, lanes past the row's end as -inf
+inline f32x16 load_logits(const float* row, int64_t v, int64_t vocab) {
+  f32x16 x;
+  if (v + 16 <= vocab) {
+    std::memcpy(&x, row + v, sizeof(x));
+  } else {
+    for (int i = 0; i < 16; ++i) x[i] = v + i < vocab ? row[v + i] : kNegInf;
+  }
+  return x;
+}
+
+// A place in a bin's order: the tokens before it, and their mass.
+struct Cut {
+  int group;
+  int64_t index;
+  double mass;
+};
+
+// The tokens of one bin in the order (s descending, id ascending), sorted lazily: they are
+// counted into value groups (1/2048 nat each) and a group is sorted only when a walk stops in it,
+// so a dense bin (tens of thousands of tokens at a high temperature) costs one counting pass.
+class OrderedBin {
+ public:
+  static constexpr int kGroups = 256;
+
+  // tokens of the bin whose scores lie in (hi - 1/8, hi], in id order
+  void build(const std::vector<Entry>& tokens, float hi) {
+    hi_ = hi;
+    int64_t count[kGroups] = {};
+    for (const Entry& e : tokens) ++count[group_of(e.s)];
+    begin_[0] = 0;
+    for (int g = 0; g < kGroups; ++g) begin_[g + 1] = begin_[g] + count[g];
+    entries_.resize(tokens.size());
+    int64_t next[kGroups];
+    std::memcpy(next, begin_, sizeof(next));
+    for (const Entry& e : tokens) entries_[next[group_of(e.s)]++] = e;  // stable: id order within a group
+    prefix_[0] = 0.0;
+    for (int g = 0; g < kGroups; ++g) {
+      double m = 0.0;
+      for (int64_t i = begin_[g]; i < begin_[g + 1]; ++i) m += entries_[i].mass;
+      prefix_[g + 1] = prefix_[g] + m;
+      sorted_[g] = begin_[g + 1] - begin_[g] < 2;
+    }
+  }
+
+  Cut whole() const { return Cut{kGroups, static_cast<int64_t>(entries_.size()), prefix_[kGroups]}; }
+  static Cut none() { return Cut{0, 0, 0.0}; }
+
+  // s of the token at place k (0-based)
+  float at(int64_t k) {
+    int g = 0;
+    while (begin_[g + 1] <= k) ++g;
+    sort_group(g);
+    return entries_[k].s;
+  }
+
+  // the first place whose s is below threshold
+  Cut cut_below(float threshold) {
+    const int g = group_of(threshold);
+    sort_group(g);
+    double m = prefix_[g];
+    int64_t i = begin_[g];
+    while (i < begin_[g + 1] && entries_[i].s >= threshold) m += entries_[i++].mass;
+    return Cut{g, i, m};
+  }
+
+  // Walks from the bin's start, which has `start` mass before it, up to `limit`: a token stays
+  // while the mass before it is below target.
+  Cut cut_at_mass(double start, double target, const Cut& limit) {
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t end = g < limit.group ? begin_[g + 1] : (g == limit.group ? limit.index : begin_[g]);
+      const double c = start + prefix_[g];
+      if (c >= target || g > limit.group || (g == limit.group && begin_[g] >= end)) return Cut{g, begin_[g], prefix_[g]};
+      if (begin_[g] >= end || (g < limit.group && c + (prefix_[g + 1] - prefix_[g]) < target)) continue;
+      sort_group(g);
+      double m = prefix_[g];
+      int64_t i = begin_[g];
+      while (i < end && start + m < target) m += entries_[i++].mass;
+      if (i < begin_[g + 1] || g == limit.group) return Cut{g, i, m};
+    }
+    return limit;
+  }
+
+  // The token at which the mass, counted from `start` before the bin, first exceeds target,
+  // among the tokens before `end`; -1 when float rounding leaves target past them.
+  int64_t find(double start, double target, const Cut& end) {
+    for (int g = 0; g <= std::min(end.group, kGroups - 1); ++g) {
+      const int64_t stop = g < end.group ? begin_[g + 1] : end.index;
+      if (begin_[g] >= stop || (g < end.group && start + prefix_[g + 1] <= target)) continue;
+      sort_group(g);
+      double c = start + prefix_[g];
+      for (int64_t i = begin_[g]; i < stop; ++i) {
+        c += entries_[i].mass;
+        if (entries_[i].mass > 0.f && c > target) return entries_[i].id;
+      }
+    }
+    return -1;
+  }
+
+  // the last token with mass before `end`; -1 if none
+  int64_t last(const Cut& end) {
+    for (int g = std::min(end.group, kGroups - 1); g >= 0; --g) {
+      const int64_t stop = g < end.group ? begin_[g + 1] : end.index;
+      if (begin_[g] >= stop) continue;
+      sort_group(g);
+      for (int64_t i = stop - 1; i >= begin_[g]; --i)
+        if (entries_[i].mass > 0.f) return entries_[i].id;
+    }
+    return -1;
+  }
+
+ private:
+  int group_of(float s) const {
+    const int g = static_cast<int>((hi_ - s) * static_cast<float>(kGroups * kBinsPerNat));
+    return std::min(std::max(g, 0), kGroups - 1);
+  }
+
+  void sort_group(int g) {
+    if (sorted_[g]) return;
+    const auto first = entries_.begin() + begin_[g];
+    const auto last = entries_.begin() + begin_[g + 1];
+    if (!std::is_sorted(first, last, before)) std::sort(first, last, before);
+    sorted_[g] = true;
+  }
+
+  float hi_ = 0.f;
+  std::vector<Entry> entries_;
+  int64_t begin_[kGroups + 1] = {};
+  double prefix_[kGroups + 1] = {};  // mass of the groups before each
+  bool sorted_[kGroups] = {};
+};
+
+class RowSampler {
+ public:
+  RowSampler(const float* row, int64_t vocab, float max, float inv_t, std::vector<Entry>& scratch)
+      : row_(row), vocab_(vocab), max_(max), inv_t_(inv_t), scratch_(scratch) {}
+
+  inline f32x16 scores(int64_t v) const { return (load_logits(row_, v, vocab_) - max_) * inv_t_; }
+
+  static inline f32x16 masses(f32x16 s) {
+    const f32x16 e = exp16(s);
+    return s > kMassFloor ? e : f32x16{};
+  }
+
+  // The first pass: every token's mass, the band filed into bins, the rest summed as the tail.
+  void file_band() {
+    f32x16 tail{};
+    for (int64_t v = 0; v < vocab_; v += 16) {
+      const f32x16 s = scores(v);
+      const f32x16 e = masses(s);
+      tail += s > kBandFloor ? f32x16{} : e;
+      for (uint32_t band = mask_gt(s, kBandFloor); band; band &= band - 1) {
+        const int lane = __builtin_ctz(band);
+        const int b = static_cast<int>(-s[lane] * kBinsPerNat);
+        ++count_[b];
+        mass_[b] += e[lane];
+      }
+    }
+    for (int i = 0; i < 16; ++i) tail_mass_ += tail[i];
+  }
+
+  // Files the tail into bins kBandBins .. kLastBin - 1 (once).
+  void file_tail() {
+    if (tail_filed_) return;
+    tail_filed_ = true;
+    for (int64_t v = 0; v < vocab_; v += 16) {
+      const f32x16 s = scores(v);
+      uint32_t deep = mask_gt(s, kMassFloor) & ~mask_gt(s, kBandFloor);
+      if (!deep) continue;
+      const f32x16 e = masses(s);
+      for (; deep; deep &= deep - 1) {
+        const int lane = __builtin_ctz(deep);
+        const int b = static_cast<int>(-s[lane] * kBinsPerNat);
+        ++count_[b];
+        mass_[b] += e[lane];
+      }
+    }
+  }
+
+  int64_t count(int b) {
+    if (b >= kBandBins) file_tail();
+    return count_[b];
+  }
+
+  double mass(int b) {
+    if (b >= kBandBins) file_tail();
+    return mass_[b];
+  }
+
+  // Mass of every token: the band's bins and the tail (summed whole until it is filed).
+  double total_mass() const {
+    double total = tail_filed_ ? 0.0 : tail_mass_;
+    for (int b = 0; b < kLastBin; ++b) total += (b < kBandBins || tail_filed_) ? mass_[b] : 0.0;
+    return total;
+  }
+
+  // The tokens of bin b (scores in (-(b+1)/8, -b/8]) into `out`, ordered.
+  void gather(int b, OrderedBin& out) const {
+    scratch_.clear();
+    const float hi = -static_cast<float>(b) / kBinsPerNat;
+    const float lo = -static_cast<float>(b + 1) / kBinsPerNat;
+    for (int64_t v = 0; v < vocab_; v += 16) {
+      const f32x16 s = scores(v);
+      uint32_t inside = mask_gt(s, lo) & ~mask_gt(s, hi);
+      if (!inside) continue;
+      const f32x16 e = masses(s);
+      for (; inside; inside &= inside - 1) {
+        const int lane = __builtin_ctz(inside);
+        scratch_.push_back(Entry{s[lane], e[lane], v + lane});
+      }
+    }
+    out.build(scratch_, hi);
+  }
+
+  // The k-th largest s (ties at it all stay, as torch.topk's threshold keeps them); -inf when k
+  // reaches into the tokens without mass.
+  float top_k_threshold(int64_t k) {
+    int64_t above = 0;
+    for (int b = 0; b < kLastBin; ++b) {
+      const int64_t c = count(b);
+      if (above + c >= k) {
+        gather(b, view_);
+        return view_.at(k - above - 1);
+      }
+      above += c;
+    }
+    return kNegInf;
+  }
+
+  // Keeps the tokens with s >= threshold: whole bins above the threshold's bin, part of that one.
+  void keep_at_least(float threshold) {
+    if (!(threshold > kMassFloor)) return;
+    partial_bin_ = static_cast<int>(-threshold * kBinsPerNat);
+    gather(partial_bin_, partial_);
+    partial_end_ = partial_.cut_below(threshold);
+  }
+
+  double kept_mass(int b) {
+    if (b < partial_bin_) return mass(b);
+    return b == partial_bin_ ? partial_end_.mass : 0.0;
+  }
+
+  double kept_total() {
+    if (partial_bin_ == kLastBin) return total_mass();
+    double total = 0.0;
+    for (int b = 0; b <= partial_bin_; ++b) total += kept_mass(b);
+    return total;
+  }
+
+  // Top-p over the kept tokens in order: a token stays while the mass before it is below
+  // top_p times the kept mass.
+  void keep_top_p(float top_p) {
+    const double target = static_cast<double>(top_p) * kept_total();
+    double before_bin = 0.0;
+    for (int b = 0; b <= std::min(partial_bin_, kLastBin - 1); ++b) {
+      if (before_bin >= target) {
+        partial_bin_ = b;
+        partial_end_ = OrderedBin::none();
+        return;
+      }
+      const double m = kept_mass(b);
+      if (before_bin + m < target) {
+        before_bin += m;
+        continue;
+      }
+      if (b != partial_bin_) {
+        gather(b, partial_);
+        partial_end_ = partial_.whole();
+      }
+      partial_end_ = partial_.cut_at_mass(before_bin, target, partial_end_);
+      partial_bin_ = b;
+      return;
+    }
+  }
+
+  // Inverse CDF of the kept tokens at u in [0, 1); -1 only for a row without mass.
+  int64_t draw(double u) {
+    const int end = std::min(partial_bin_, kLastBin - 1);
+    const double target = u * kept_total();
+    double c = 0.0;
+    int last_bin = -1;
+    for (int b = 0; b <= end; ++b) {
+      const double m = kept_mass(b);
+      if (m <= 0.0) continue;
+      last_bin = b;
+      if (c + m <= target && b != partial_bin_) {
+        c += m;
+        continue;
+      }
+      const int64_t id = b == partial_bin_ ? partial_.find(c, target, partial_end_) : (gather(b, view_), view_.find(c, target, view_.whole()));
+      if (id >= 0) return id;
+      c += m;  // float rounding: the bin's tokens summed to a little less than its filed mass
+    }
+    if (last_bin < 0) return -1;
+    if (last_bin == partial_bin_) return partial_.last(partial_end_);
+    gather(last_bin, view_);
+    return view_.last(view_.whole());
+  }
+
+ private:
+  const float* row_;
+  int64_t vocab_;
+  float max_;
+  float inv_t_;
+  std::vector<Entry>& scratch_;
+  int32_t count_[kLastBin] = {};
+  double mass_[kLastBin] = {};
+  double tail_mass_ = 0.0;
+  bool tail_filed_ = false;
+  OrderedBin view_;             // a bin looked at once (a threshold, a draw)
+  int partial_bin_ = kLastBin;  // kLastBin: every token with mass is kept
+  OrderedBin partial_;          // the bin in which the kept tokens end
+  Cut partial_end_{};
+};
+
+// The largest logit and the first index holding it; NaN never wins.
+inline void row_argmax(const float* row, int64_t vocab, float* max, int64_t* index) {
+  f32x16 best;
+  i32x16 at{};
+  i32x16 lane;
+  for (int i = 0; i < 16; ++i) {
+    best[i] = kNegInf;
+    lane[i] = i;
+  }
+  for (int64_t v = 0; v < vocab; v += 16) {
+    const f32x16 x = load_logits(row, v, vocab);
+    const i32x16 better = x > best;
+    best = better ? x : best;
+    at = better ? lane + static_cast<int32_t>(v) : at;
+  }
+  const float top = hmax(best);
+  int64_t first = 0;
+  bool found = false;
+  for (int i = 0; i < 16; ++i)
+    if (best[i] == top && (!found || at[i] < first)) {
+      first = at[i];
+      found = true;
+    }
+  *max = top;
+  *index = first;
+}
+
+struct TopN {
+  int n;
+  int have = 0;
+  float value[kMaxLogprobs];
+  int64_t id[kMaxLogprobs];
+
+  explicit TopN(int n) : n(n) {}
+
+  float floor() const { return have < n ? kNegInf : value[n - 1]; }
+
+  void offer(float v, int64_t i) {
+    if (have == n && !(v > value[n - 1])) return;
+    int at = have < n ? have++ : n - 1;
+    while (at > 0 && v > value[at - 1]) {
+      value[at] = value[at - 1];
+      id[at] = id[at - 1];
+      --at;
+    }
+    value[at] = v;
+    id[at] = i;
+  }
+};
+
+// log-sum-exp of a row and its top n logits, for logprobs of the raw (unpenalized) logits
+inline float raw_logprob_stats(const float* row, int64_t vocab, TopN& top) {
+  f32x16 best;
+  for (int i = 0; i < 16; ++i) best[i] = kNegInf;
+  for (int64_t v = 0; v < vocab; v += 16) {
+    const f32x16 x = load_logits(row, v, vocab);
+    best = x > best ? x : best;
+    if (top.n)
+      for (uint32_t bits = mask_gt(x, top.floor()); bits; bits &= bits - 1) {
+        const int lane = __builtin_ctz(bits);
+        top.offer(x[lane], v + lane);
+      }
+  }
+  const float max = hmax(best);
+  if (!std::isfinite(max)) return max;
+  f32x16 sum{};
+  for (int64_t v = 0; v < vocab; v += 16) sum += RowSampler::masses(load_logits(row, v, vocab) - max);
+  double total = 0.0;
+  for (int i = 0; i < 16; ++i) total += sum[i];
+  return max + static_cast<float>(std::log(total));
+}
+
+void apply_penalties(float* row, const SamplerRow& p, const int64_t* ids, const int32_t* counts) {
+  for (int64_t j = p.penalty_begin; j < p.penalty_end; ++j) {
+    float& x = row[ids[j]];
+    if (p.repetition_penalty != 1.f) x = x > 0.f ? x / p.repetition_penalty : x * p.repetition_penalty;
+    if (counts[j] > 0) x -= p.frequency_penalty * static_cast<float>(counts[j]) + p.presence_penalty;
+  }
+}
+
+void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
+  const SamplerRow& p = a.params[r];
+  float* row = a.logits + r * a.stride;
+  const int64_t vocab = a.vocab;
+  const bool logprobs = p.num_logprobs >= 0;
+  TopN top(logprobs ? std::min(p.num_logprobs, kMaxLogprobs) : 0);
+  float lse = 0.f;
+  std::vector<float> raw_penalized;
+  if (logprobs) {
+    lse = raw_logprob_stats(row, vocab, top);
+    for (int64_t j = p.penalty_begin; j < p.penalty_end; ++j) raw_penalized.push_back(row[a.penalty_ids[j]]);
+  }
+  apply_penalties(row, p, a.penalty_ids, a.penalty_counts);
+
+  float max;
+  int64_t token;
+  row_argmax(row, vocab, &max, &token);
+  if (p.temperature > 0.f && std::isfinite(max)) {
+    RowSampler sampler(row, vocab, max, 1.f / p.temperature, scratch);
+    sampler.file_band();
+    float threshold = kNegInf;
+    if (p.top_k > 0 && p.top_k < vocab) threshold = sampler.top_k_threshold(p.top_k);
+    if (p.min_p > 0.f) threshold = std::max(threshold, static_cast<float>(std::log(static_cast<double>(p.min_p))));
+    sampler.keep_at_least(threshold);
+    if (p.top_p < 1.f) sampler.keep_top_p(p.top_p);
+    const int64_t drawn = sampler.draw(Philox(p.seed, static_cast<uint64_t>(p.position)).uniform());
+    if (drawn >= 0) token = drawn;
+  }
+
+  a.tokens[r] = token;
+  if (logprobs) {
+    float raw = row[token];
+    for (int64_t j = p.penalty_begin; j < p.penalty_end; ++j)
+      if (a.penalty_ids[j] == token) raw = raw_penalized[j - p.penalty_begin];
+    a.token_logprobs[r] = raw - lse;
+    for (int i = 0; i < top.have; ++i) {
+      a.top_ids[r * kMaxLogprobs + i] = top.id[i];
+      a.top_logprobs[r * kMaxLogprobs + i] = top.value[i] - lse;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvserve_sampler_abi(int64_t* sizes) {
+  // sizes and offsets the Python mirror checks: row size, args size, then SamplerRow offsets
+  sizes[0] = sizeof(SamplerRow);
+  sizes[1] = sizeof(SamplerArgs);
+  sizes[2] = offsetof(SamplerRow, top_k);
+  sizes[3] = offsetof(SamplerRow, seed);
+  sizes[4] = offsetof(SamplerRow, penalty_end);
+  sizes[5] = offsetof(SamplerArgs, params);
+  sizes[6] = offsetof(SamplerArgs, top_logprobs);
+  return kMaxLogprobs;
+}
+
+int kvserve_sample(const SamplerArgs* args) {
+  const SamplerArgs& a = *args;
+  if (a.rows <= 0 || a.vocab <= 0 || a.stride < a.vocab || !a.logits || !a.params || !a.tokens) return 1;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const SamplerRow& p = a.params[r];
+    if (!(p.temperature >= 0.f) || !(p.top_p > 0.f && p.top_p <= 1.f) || !(p.min_p >= 0.f && p.min_p <= 1.f) ||
+        p.top_k < 0 || p.num_logprobs > kMaxLogprobs || p.penalty_begin > p.penalty_end)
+      return 2;
+    if (p.num_logprobs >= 0 && (!a.token_logprobs || !a.top_ids || !a.top_logprobs)) return 3;
+    if (p.penalty_end > p.penalty_begin && (!a.penalty_ids || !a.penalty_counts)) return 3;
+    for (int64_t j = p.penalty_begin; j < p.penalty_end; ++j)
+      if (a.penalty_ids[j] < 0 || a.penalty_ids[j] >= a.vocab) return 4;
+  }
+#pragma omp parallel
+  {
+    std::vector<Entry> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < a.rows; ++r) sample_row(a, r, scratch);
+  }
+  return 0;
+}
+
+}  // extern "C"
