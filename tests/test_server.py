@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompts
+from server_process import launch_server, stop_server
 from kvserve import LLM, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -23,37 +24,8 @@ CHAT_TEMPLATE = (
 
 
 def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir), "--port", "0", "--dtype", "float32",
-           "--kv-cache-memory", "0.05", "--max-model-len", "256", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
-    url = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("kvserve: serving"):
-            url = line.split(" on ")[1].split()[0]
-            break
-    if url is None:
-        proc.kill()
-        raise RuntimeError("server did not start: " + (proc.stdout.read() or ""))
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server never became healthy")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return launch_server(["--model", str(model_dir), "--port", "0", "--dtype", "float32", "--kv-cache-memory", "0.05",
+                          "--max-model-len", "256", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +214,4 @@ def test_overload_answers_503_at_once(model_dir):
         assert httpx.get(url + "/version").json()["version"]
     finally:
         stop_server(proc)
+
