@@ -13,9 +13,11 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import LLMEngine
     from kvserve.engine.llm import LLM
     from kvserve.engine_args import engine_config_from_args
+    from kvserve.model.tokenizer import read_chat_template
     from kvserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    chat_template = read_chat_template(args.chat_template)
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(config)
     params = SamplingParams(
@@ -28,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], chat_template) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--chat-template", default=None, help="with --chat: Jinja chat template, inline or a file path; overrides the model's own")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 

@@ -215,3 +215,19 @@ def test_overload_answers_503_at_once(model_dir):
     finally:
         stop_server(proc)
 
+
+def test_chat_without_a_template_is_400_naming_the_flag(model_dir):
+    """The tiny models ship no chat template: chat says so, completions still work."""
+    proc, url = start_server(model_dir)
+    try:
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": "Name three planets."}], "max_tokens": 4, "stream": stream}
+            resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            assert resp.status_code == 400, resp.text
+            message = resp.json()["error"]["message"]
+            assert "no chat template" in message and "--chat-template" in message, message
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "Name three planets.", "max_tokens": 4}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+    finally:
+        stop_server(proc)
+
