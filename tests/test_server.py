@@ -231,3 +231,12 @@ def test_chat_without_a_template_is_400_naming_the_flag(model_dir):
     finally:
         stop_server(proc)
 
+
+def test_top_once_prints_only_its_table(server):
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "top", server, "--once"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    assert "kvserve top" in proc.stdout and "KV cache usage" in proc.stdout
+    assert proc.stderr == ""
+    for line in proc.stdout.splitlines():
+        assert not any(word in line for word in ("INFO", "WARNING", "DEBUG", "HTTP Request", "httpx")), line
