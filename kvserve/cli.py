@@ -13,9 +13,11 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import LLMEngine
     from kvserve.engine.llm import LLM
     from kvserve.engine_args import engine_config_from_args
+    from kvserve.model.tokenizer import read_chat_template
     from kvserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    chat_template = read_chat_template(args.chat_template)
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(config)
     params = SamplingParams(
@@ -28,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], chat_template) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -65,6 +67,22 @@ def _top(args: argparse.Namespace) -> int:
     return run_top(args)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="level of kvserve's own log lines (stderr); other libraries log only warnings and worse")
+
+
+def configure_logging(level: str) -> None:
+    """Keep a command's output its own: kvserve logs at `level`, other libraries (httpx logs every
+    request at INFO) at WARNING or above."""
+    kvserve_level = getattr(logging, level.upper())
+    logging.basicConfig(level=max(kvserve_level, logging.WARNING), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvserve").setLevel(kvserve_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.engine_args import add_engine_args
 
@@ -81,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--chat-template", default=None, help="with --chat: Jinja chat template, inline or a file path; overrides the model's own")
+    _add_log_level(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -89,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_server_args(serve)
     add_engine_args(serve)
+    _add_log_level(serve)
     serve.set_defaults(func=_serve)
 
     from kvserve.plan.cli import add_plan_args
@@ -96,12 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="KV capacity planner: bytes per token, capacity, limits, trace replay",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_plan_args(plan)
+    _add_log_level(plan)
     plan.set_defaults(func=_plan)
 
     top = sub.add_parser("top", help="live terminal view of a running server's KV metrics")
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    _add_log_level(top)
     top.set_defaults(func=_top)
     return parser
 
@@ -109,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     try:
         return args.func(args)
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -10,14 +11,15 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.spec import GIB, KVCacheSpec, bytes_per_token
-from kvserve.plan.capacity import KVShape, Workload, plan
+from kvserve.plan.capacity import Budget, KVShape, Workload, plan
 from kvserve.plan.replay import read_trace, replay, trace_params, trace_prompt
 
 MIB = 1024**2
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", *args], capture_output=True, text=True, timeout=120)
+def run_plan(*args: str, columns: int = 80) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": str(columns)}
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def plan_json(*args: str) -> dict:
@@ -145,3 +147,53 @@ def test_engine_and_planner_share_byte_math(tiny_dir):
     llm = LLM(str(tiny_dir("gemma3")), dtype="float32", kv_cache_memory=0.01)
     spec = llm.engine.kv_spec
     assert llm.stats()["bytes_per_token"] == spec.bytes_per_token == KVCacheSpec(3, 2, 32, "float32", 16).bytes_per_token
+
+
+EIGHT_8K = ("--seq-lens", ",".join(["8192"] * 8), "--memory-gib", "24", "--weights-gib", "16")
+
+
+def test_budget_too_small_names_the_memory_needed():
+    proc = run_plan(*LLAMA3_8B, *EIGHT_8K)
+    assert proc.returncode == 1, proc.stderr
+    assert "does NOT hold" in proc.stdout and "--memory-gib 24.5" in proc.stdout  # 8 GiB of KV + 16 + 0.5
+    assert "fp8" in proc.stdout and "--max-num-seqs 7" in proc.stdout  # a smaller KV dtype, or fewer sequences at a time
+    assert "--max-model-len 8192" in proc.stdout
+    proc = run_plan(*LLAMA3_8B, *EIGHT_8K, "--json")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["fits"] is False
+    assert out["required_kv_bytes"] == 8 * GIB and out["required_memory_gib"] == 24.5
+    assert out["recommended"]["max_model_len"] == 8192 and out["recommended"]["max_num_seqs"] == 7
+    assert out["by_dtype"]["int8"]["fits"] and out["by_dtype"]["int8"]["required_memory_gib"] == 20.5
+
+
+def test_no_max_model_len_below_the_workload():
+    """Not even one sequence fits: say what it takes, and suggest no engine flags rather than a useless length."""
+    proc = run_plan(*LLAMA3_8B, "--seq-lens", "100000", "--memory-gib", "24", "--weights-gib", "16", "--json")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert out["recommended"] is None
+    assert out["required_kv_bytes"] == 6250 * 16 * 131_072
+    assert out["required_memory_gib"] == 28.708  # 16 + 0.5 + 12.207..., rounded up
+    text = run_plan(*LLAMA3_8B, "--seq-lens", "100000", "--memory-gib", "24", "--weights-gib", "16").stdout
+    assert "--memory-gib 28.708" in text and "--max-model-len" not in text
+
+
+def test_sliding_windows_still_need_blocks_for_the_whole_length():
+    """The engine's blocks span every layer, so --max-model-len N takes N tokens of blocks even when windows hold less."""
+    shape = KVShape(4, 1, 64, layer_windows=(128, None, 128, None))
+    budget = Budget(memory_gib=1.0, weights_gib=1.0 - 768 * 1024 / GIB, headroom_gib=0.0)  # 768 KiB of KV
+    result = plan(shape, "float16", Workload((1024,), block_size=16), budget)
+    assert result["shared_bytes"] < budget.kv_bytes < result["required_kv_bytes"] == 1024 * 1024
+    assert not result["fits"] and result["recommended"] is None
+
+
+@pytest.mark.parametrize("columns", [80, 50])
+def test_text_output_fits_the_terminal(columns):
+    args = (*LLAMA3_8B, *EIGHT_8K, "--shared-prefix-len", "1000", "--shared-prefix-seqs", "8")
+    proc = run_plan(*args, columns=columns)
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns, proc.stdout
+    for name in ("float32", "bfloat16", "float16 *", "fp8", "int8", "int4"):
+        assert any(line.startswith(name) for line in lines), name

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompts
+from server_process import launch_server, stop_server
 from kvserve import LLM, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -23,37 +24,8 @@ CHAT_TEMPLATE = (
 
 
 def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir), "--port", "0", "--dtype", "float32",
-           "--kv-cache-memory", "0.05", "--max-model-len", "256", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
-    url = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("kvserve: serving"):
-            url = line.split(" on ")[1].split()[0]
-            break
-    if url is None:
-        proc.kill()
-        raise RuntimeError("server did not start: " + (proc.stdout.read() or ""))
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server never became healthy")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return launch_server(["--model", str(model_dir), "--port", "0", "--dtype", "float32", "--kv-cache-memory", "0.05",
+                          "--max-model-len", "256", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +214,29 @@ def test_overload_answers_503_at_once(model_dir):
         assert httpx.get(url + "/version").json()["version"]
     finally:
         stop_server(proc)
+
+
+def test_chat_without_a_template_is_400_naming_the_flag(model_dir):
+    """The tiny models ship no chat template: chat says so, completions still work."""
+    proc, url = start_server(model_dir)
+    try:
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": "Name three planets."}], "max_tokens": 4, "stream": stream}
+            resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            assert resp.status_code == 400, resp.text
+            message = resp.json()["error"]["message"]
+            assert "no chat template" in message and "--chat-template" in message, message
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "Name three planets.", "max_tokens": 4}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+    finally:
+        stop_server(proc)
+
+
+def test_top_once_prints_only_its_table(server):
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "top", server, "--once"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    assert "kvserve top" in proc.stdout and "KV cache usage" in proc.stdout
+    assert proc.stderr == ""
+    for line in proc.stdout.splitlines():
+        assert not any(word in line for word in ("INFO", "WARNING", "DEBUG", "HTTP Request", "httpx")), line

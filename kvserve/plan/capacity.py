@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -92,23 +93,40 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
         "num_tokens": sum(workload.seq_lens),
     }
     if budget is not None:
-        num_blocks = budget.kv_bytes // spec.bytes_per_block
-        mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
-        max_seqs = int(budget.kv_bytes // mean_physical)
-        longest = max(workload.seq_lens)
-        result.update(
-            kv_budget_bytes=budget.kv_bytes,
-            num_blocks=int(num_blocks),
-            token_capacity=int(num_blocks * workload.block_size),
-            max_concurrent_seqs=max_seqs,
-            fits=physical - saved <= budget.kv_bytes,
-            recommended={
-                "max_num_seqs": max(1, max_seqs),
-                "max_num_batched_tokens": int(min(num_blocks * workload.block_size, max(2048, blocks_for_tokens(longest, workload.block_size) * workload.block_size if longest <= 8192 else 8192))),
-                "kv_cache_memory": round(budget.kv_bytes / GIB, 3),
-                "max_model_len": int(min(longest, num_blocks * workload.block_size)),
-            },
-        )
+        result.update(_fit(spec, workload, budget, physical - saved))
+    return result
+
+
+def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> dict:
+    """What the budget holds, and what the workload would need from it."""
+    num_blocks = budget.kv_bytes // spec.bytes_per_block
+    mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
+    max_seqs = int(budget.kv_bytes // mean_physical)
+    longest = max(workload.seq_lens)
+    # the engine admits --max-model-len only if its pool holds that many tokens in blocks that span every layer
+    longest_blocks = blocks_for_tokens(longest, workload.block_size)
+    required = max(needed, longest_blocks * spec.bytes_per_block)
+    required_memory = budget.weights_gib + budget.headroom_gib + required / GIB
+    result = {
+        "kv_budget_bytes": budget.kv_bytes,
+        "num_blocks": int(num_blocks),
+        "token_capacity": int(num_blocks * workload.block_size),
+        "max_concurrent_seqs": max_seqs,
+        "fits": required <= budget.kv_bytes,
+        "required_kv_bytes": required,
+        "required_memory_gib": math.ceil(round(required_memory * 1000, 6)) / 1000,  # rounded up: enough, never short
+        "recommended": None,
+    }
+    if longest_blocks <= num_blocks:
+        # max_seqs counts sequences of the mean size without prefix sharing; a workload that fits runs whole
+        all_at_once = len(workload.seq_lens) if result["fits"] else 1
+        step_tokens = max(2048, longest_blocks * workload.block_size if longest <= 8192 else 8192)
+        result["recommended"] = {
+            "max_num_seqs": max(max_seqs, all_at_once),
+            "max_num_batched_tokens": int(min(num_blocks * workload.block_size, step_tokens)),
+            "kv_cache_memory": round(budget.kv_bytes / GIB, 3),
+            "max_model_len": longest,
+        }
     return result
 
 
@@ -124,6 +142,15 @@ def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | Non
     }
     main["by_dtype"] = {name: plan_dtype(shape, name, workload, budget) for name in KV_DTYPES}
     return main
+
+
+def engine_stores(kv_dtype: str) -> bool:
+    """Whether the engine's paged pool holds this format yet; the planner sizes every format."""
+    try:
+        KVCacheSpec(1, 1, 1, kv_dtype, 1).torch_dtype
+    except ValueError:
+        return False
+    return True
 
 
 def model_weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:

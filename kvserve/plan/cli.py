@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvserve.kv.spec import GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.plan.capacity import Budget, KVShape, Workload, model_weight_bytes, plan
+from kvserve.plan.capacity import Budget, KVShape, Workload, engine_stores, model_weight_bytes, plan
 from kvserve.plan.replay import read_trace, replay
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -86,41 +89,101 @@ def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size, digits in (("GiB", GIB, 2), ("MiB", 1024**2, 1), ("KiB", 1024, 1)):
         if abs(n) >= size:
-            return f"{n / size:.3f} {unit}"
+            return f"{n / size:.{digits}f} {unit}"
     return f"{int(n)} B"
 
 
-def _print_tables(result: dict) -> None:
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _columns(result: dict) -> list[tuple[str, Callable[[dict], str]]]:
+    columns = [
+        ("B/token", lambda r: f"{r['bytes_per_token']:,}"),
+        ("logical", lambda r: _fmt_bytes(r["logical_bytes"])),
+        ("paged", lambda r: _fmt_bytes(r["physical_bytes"])),
+    ]
+    if result["shared_bytes"] != result["physical_bytes"]:
+        columns.append(("shared", lambda r: _fmt_bytes(r["shared_bytes"])))
+    if "kv_budget_bytes" in result:
+        columns += [
+            ("max seqs", lambda r: f"{r['max_concurrent_seqs']:,}"),
+            ("tokens", lambda r: f"{r['token_capacity']:,}"),
+            ("fits", lambda r: "yes" if r["fits"] else "no"),
+        ]
+    return columns
+
+
+def _dtype_table(result: dict, console: Console) -> Table | Text:
+    """One row per KV dtype; a paragraph per dtype when the table is wider than the terminal."""
+    columns = _columns(result)
+    names = {name: name + (" *" if name == result["kv_dtype"] else "") for name in result["by_dtype"]}
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table.add_column("kv dtype")
+    for title, _ in columns:
+        table.add_column(title, justify="right")
+    for name, row in result["by_dtype"].items():
+        table.add_row(names[name], *(cell(row) for _, cell in columns))
+    if console.measure(table, options=console.options.update_width(1 << 16)).maximum <= console.width:
+        return table
+    lines = [f"{names[name]}: " + ", ".join(f"{title} {cell(row)}" for title, cell in columns) for name, row in result["by_dtype"].items()]
+    return Text("\n".join(lines))
+
+
+def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
+    kv_dtype, required = result["kv_dtype"], result["required_kv_bytes"]
+    lines = [
+        f"KV budget {_fmt_bytes(result['kv_budget_bytes'])} = --memory-gib {budget.memory_gib:g} - "
+        f"{budget.weights_gib:.3f} GiB weights - {budget.headroom_gib:g} GiB headroom."
+    ]
+    need = f"{_fmt_bytes(required)} of {kv_dtype} KV"
+    if required > result["shared_bytes"]:
+        blocks = -(-longest // result["shape"]["block_size"])
+        need += (f" (the engine's blocks span every layer, so --max-model-len {longest} takes {blocks:,} blocks "
+                 f"of {_fmt_bytes(result['bytes_per_block'])})")
+    if result["fits"]:
+        lines.append(f"It holds the workload, which needs {need}.")
+    else:
+        lines.append(f"It does NOT hold the workload, which needs {need}: that takes --memory-gib {result['required_memory_gib']:g}.")
+        fitting = [name for name, row in result["by_dtype"].items() if row["fits"]]
+        stored = [name for name in fitting if engine_stores(name)]
+        not_stored = [name for name in fitting if not engine_stores(name)]
+        if stored:
+            lines.append(f"It fits at once with --kv-cache-dtype {' or '.join(stored)}.")
+        if not_stored:
+            lines.append(f"It would fit at once at KV dtype {', '.join(not_stored)}, which the engine does not store yet.")
+        smallest = min((r for r in result["by_dtype"].values() if engine_stores(r["kv_dtype"])), key=lambda r: r["required_kv_bytes"])
+        if not stored and smallest["required_kv_bytes"] < required:
+            lines.append(f"With --kv-cache-dtype {smallest['kv_dtype']} it takes --memory-gib {smallest['required_memory_gib']:g}.")
+        if result["recommended"] is not None:
+            k = result["recommended"]["max_num_seqs"]
+            lines.append(f"{k:,} of its {result['num_seqs']:,} sequences fit at a time: --max-num-seqs {k} (the rest wait).")
+    r = result["recommended"]
+    if r is None:
+        lines.append(f"Not even its longest sequence ({longest:,} tokens) fits, so there are no engine flags to suggest.")
+    else:
+        lines.append(
+            f"Engine flags: --kv-cache-memory {r['kv_cache_memory']:g} --max-num-seqs {r['max_num_seqs']} \\\n"
+            f"  --max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
+        )
+    return lines
+
+
+def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
     console = Console()
     s = result["shape"]
     console.print(
-        f"[bold]KV plan[/bold]: {s['layers']} layers x {s['kv_heads']} KV heads x head_dim {s['head_dim']}"
-        + (f", {s['sliding_layers']} sliding-window layers" if s["sliding_layers"] else "")
-        + f", block size {s['block_size']}, {result['num_seqs']} sequences / {result['num_tokens']} tokens"
+        f"[bold]KV plan[/bold]: {_plural(s['layers'], 'layer')} x {_plural(s['kv_heads'], 'KV head')} x head_dim {s['head_dim']}"
+        + (f" ({s['sliding_layers']} sliding-window)" if s["sliding_layers"] else "")
+        + f", block size {s['block_size']}\nworkload: {_plural(result['num_seqs'], 'sequence')}, {_plural(result['num_tokens'], 'token')}",
+        highlight=False,
     )
-    table = Table(show_header=True)
-    for col in ("kv dtype", "bytes/token", "logical", "physical (paged)", "with prefix sharing", "max concurrent seqs", "token capacity"):
-        table.add_column(col, justify="right")
-    for name, row in result["by_dtype"].items():
-        table.add_row(
-            name + (" *" if name == result["kv_dtype"] else ""),
-            f"{row['bytes_per_token']:,}",
-            _fmt_bytes(row["logical_bytes"]),
-            _fmt_bytes(row["physical_bytes"]),
-            _fmt_bytes(row["shared_bytes"]),
-            f"{row.get('max_concurrent_seqs', '-')}",
-            f"{row.get('token_capacity', '-'):,}" if "token_capacity" in row else "-",
-        )
-    console.print(table)
-    if "recommended" in result:
-        r = result["recommended"]
-        console.print(
-            f"KV budget {_fmt_bytes(result['kv_budget_bytes'])} ({'fits' if result['fits'] else 'does NOT fit'} the workload). "
-            f"Set: --kv-cache-memory {r['kv_cache_memory']} --max-num-seqs {r['max_num_seqs']} "
-            f"--max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
-        )
+    console.print(_dtype_table(result, console))
+    if budget is not None:
+        for line in _advice(result, budget, longest):
+            console.print(line, highlight=False, markup=False)
     if "replay" in result:
         rp = result["replay"]
         qd = rp["queue_delay_steps"]
@@ -133,6 +196,7 @@ def _print_tables(result: dict) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """Exit status 1 when a memory budget is given and the workload does not fit in it at once."""
     kv_dtype = normalize_kv_dtype(args.kv_dtype)
     shape, model_config = _shape(args)
     if args.replay and not (args.seq_lens or args.trace):
@@ -152,8 +216,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        _print_tables(result)
-    return 0
+        _print_plan(result, budget, max(workload.seq_lens))
+    return 1 if budget is not None and not result["fits"] else 0
 
 
 def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | None, budget: Budget | None) -> dict:

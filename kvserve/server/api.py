@@ -11,7 +11,6 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
+from kvserve.model.tokenizer import NoChatTemplateError, read_chat_template
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
@@ -185,6 +185,13 @@ class OpenAIServer:
         template = body.chat_template or self.chat_template
         try:
             ids = self.engine.tokenizer.apply_chat_template(messages, chat_template=template)
+        except NoChatTemplateError as exc:
+            raise APIError(
+                400,
+                f"model {self.model_name!r} has no chat template (base models ship none), so chat messages cannot be "
+                "formatted; start the server with --chat-template (inline Jinja or a file), "
+                "or send a plain prompt to /v1/completions",
+            ) from exc
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
@@ -352,13 +359,6 @@ def create_app(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def _read_template(value: str | None) -> str | None:
-    if value is None:
-        return None
-    path = Path(value)
-    return path.read_text() if path.is_file() else value
-
-
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -366,7 +366,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
     engine = LLMEngine(config)
-    server = OpenAIServer(engine, args.served_model_name or config.model, _read_template(args.chat_template), args.max_waiting_requests)
+    server = OpenAIServer(engine, args.served_model_name or config.model, read_chat_template(args.chat_template), args.max_waiting_requests)
     app = create_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
