@@ -1,10 +1,18 @@
 """Online serving load: Poisson arrivals against a real `kvserve serve`, streaming, several rates.
 
 Prompt and output lengths follow a seeded chat-like distribution (log-normal, clipped), prompts are
-slices of real prose. Reports throughput, TTFT p50/p95 and TPOT p50/p95 per rate.
+slices of real prose. Each rate runs greedy and at the API's default sampling (temperature 1.0,
+top-p 1.0: the request sends no sampling field). Reports throughput, TTFT p50/p95 and TPOT
+p50/p95 per rate and setting.
 
     .venv/bin/python bench/serve.py --rates 0.25,0.5,1 --requests 24
     .venv/bin/python bench/serve.py --url http://127.0.0.1:8000   # against a server already running
+    .venv/bin/python bench/serve.py --stream-overhead 4000          # streaming's host cost per step
+
+--stream-overhead N serves a tiny random model that uses Gemma 3's tokenizer (262K tokens; the
+model's own time stays small, so host work shows) and runs 64 concurrent requests of N output
+tokens streamed, then 64 not streamed: the difference of their mean time per step is what
+streaming (incremental detokenization, SSE chunks) adds to every step.
 """
 
 from __future__ import annotations
@@ -40,16 +48,26 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def one_request(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+SETTINGS = {"greedy": {"temperature": 0}, "API default (temperature 1.0)": {}}
+
+
+async def one_request(
+    http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, sampling: dict, stream: bool = True, light: bool = False
+) -> dict:
+    """One request's timings; `light` skips parsing the chunks' JSON (the client shares the server's cores)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True, **sampling}
     start = time.perf_counter()
     stamps = []
+    if not stream:
+        resp = await http.post(url + "/v1/completions", json=body)
+        end = time.perf_counter()
+        return {"status": resp.status_code, "latency": end - start, "tokens": max_tokens}
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"status": resp.status_code}
         async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"][0]["text"]:
+            if line.startswith("data: ") and line != "data: [DONE]" and (not light or '"text": ""' not in line):
+                if light or json.loads(line[6:])["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
     end = time.perf_counter()
     ttft = stamps[0] - start if stamps else float("nan")
@@ -57,7 +75,7 @@ async def one_request(http: httpx.AsyncClient, url: str, prompt: list[int], max_
     return {"status": 200, "ttft": ttft, "tpot": tpot, "latency": end - start, "tokens": max_tokens}
 
 
-async def run_rate(url: str, rate: float, workload: list[tuple[list[int], int]], seed: int) -> dict:
+async def run_rate(url: str, rate: float, workload: list[tuple[list[int], int]], seed: int, sampling: dict) -> dict:
     rng = random.Random(seed)
     results = []
     bar = tqdm(total=len(workload), desc=f"rate {rate}/s", unit="req")
@@ -65,7 +83,7 @@ async def run_rate(url: str, rate: float, workload: list[tuple[list[int], int]],
         tasks = []
         start = time.perf_counter()
         for prompt, out in workload:
-            task = asyncio.ensure_future(one_request(http, url, prompt, out))
+            task = asyncio.ensure_future(one_request(http, url, prompt, out, sampling))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
             await asyncio.sleep(rng.expovariate(rate))
@@ -83,6 +101,52 @@ async def run_rate(url: str, rate: float, workload: list[tuple[list[int], int]],
         "tpot_p50": percentile([r["tpot"] for r in ok], 50),
         "tpot_p95": percentile([r["tpot"] for r in ok], 95),
     }
+
+
+def tiny_gemma_tokenizer_model(root: Path) -> Path:
+    """A 2-layer random Gemma 3 text model (hidden 64) over Gemma 3 270M's real tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from kvserve.model.registry import resolve_model_path
+    from kvserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path("gemma-3-270m"), "gemma3")
+    config = Gemma3TextConfig(vocab_size=len(tokenizer._tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
+                              sliding_window=512, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root)
+    tokenizer._tok.save_pretrained(root)
+    shutil.rmtree(root / "chat_template.jinja", ignore_errors=True)
+    return root
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def stream_overhead(url: str, pid: int, tokens: int, clients: int = 64) -> dict[bool, tuple[float, float]]:
+    """(wall, server CPU) seconds per step of `clients` concurrent requests of `tokens` output tokens
+    each, streamed and not. The clients run on the same cores, so wall time includes their parsing."""
+    per_step = {}
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=512)) as http:
+        for stream in (True, False):
+            start, cpu = time.perf_counter(), cpu_seconds(pid)
+            results = await asyncio.gather(*(
+                one_request(http, url, [2, 100 + i, 200 + i, 300 + i], tokens, {"temperature": 0}, stream, light=True)
+                for i in range(clients)
+            ))  # fmt: skip
+            elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+            assert all(r["status"] == 200 for r in results), results[:2]
+            per_step[stream] = (elapsed / tokens, cpu / tokens)
+            print(f"{'streamed' if stream else 'not streamed'}: {clients} x {tokens} tokens in {elapsed:.1f} s, "
+                  f"{per_step[stream][0] * 1000:.2f} ms per step, server CPU {per_step[stream][1] * 1000:.2f} ms per step", flush=True)
+    return per_step
 
 
 def _launch(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -109,7 +173,27 @@ def main() -> None:
     parser.add_argument("--rates", default="0.25,0.5,1.0", help="comma-separated request rates (req/s)")
     parser.add_argument("--requests", type=int, default=24, help="requests per rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream-overhead", type=int, default=0, metavar="TOKENS",
+                        help="measure streaming's host cost per step at this many output tokens (tiny model, Gemma tokenizer)")
     args, server_flags = parser.parse_known_args()
+
+    if args.stream_overhead:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = tiny_gemma_tokenizer_model(Path(tmp))
+            flags = ["--max-model-len", str(args.stream_overhead + 64), "--max-num-seqs", "64", *server_flags]
+            proc, url = _launch(str(model), flags)
+            try:
+                per_step = asyncio.run(stream_overhead(url, proc.pid, args.stream_overhead))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        (wall_s, cpu_s), (wall_n, cpu_n) = per_step[True], per_step[False]
+        print(f"\n| 64 requests x {args.stream_overhead} tokens | wall ms per step | server CPU ms per step |\n|---|---:|---:|")
+        print(f"| not streamed | {wall_n * 1000:.2f} | {cpu_n * 1000:.2f} |\n| streamed | {wall_s * 1000:.2f} | {cpu_s * 1000:.2f} |\n"
+              f"| streaming adds | {(wall_s - wall_n) * 1000:.2f} | {(cpu_s - cpu_n) * 1000:.2f} |")
+        return
 
     from kvserve.model.registry import resolve_model_path
     from kvserve.model.tokenizer import load_tokenizer
@@ -130,15 +214,16 @@ def main() -> None:
     if url is None:
         proc, url = _launch(args.model, server_flags)
     try:
-        rows = [asyncio.run(run_rate(url, float(r), workload, args.seed)) for r in args.rates.split(",")]
+        rows = [(name, asyncio.run(run_rate(url, float(r), workload, args.seed, sampling)))
+                for r in args.rates.split(",") for name, sampling in SETTINGS.items()]  # fmt: skip
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
-    print("\n| rate (req/s) | completed | throughput (gen tok/s) | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['rate']} | {r['completed']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50']:.2f} s | {r['ttft_p95']:.2f} s "
+    print("\n| rate (req/s) | sampling | completed | throughput (gen tok/s) | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows:
+        print(f"| {r['rate']} | {name} | {r['completed']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50']:.2f} s | {r['ttft_p95']:.2f} s "
               f"| {r['tpot_p50'] * 1000:.0f} ms | {r['tpot_p95'] * 1000:.0f} ms |")
 
 

@@ -31,6 +31,10 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 
+_SPLICE = "\x00kvserve-splice\x00"
+_SPLICED = json.dumps(_SPLICE)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
@@ -168,8 +172,10 @@ class OpenAIServer:
                 "finish_reason": out.finish_reason if out.finished else None,
             }
 
+        created = int(time.time())
+
         def envelope(choices: list[dict]) -> dict:
-            return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name, "choices": choices}
+            return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "choices": choices}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -205,8 +211,10 @@ class OpenAIServer:
         jobs = [(i, ids, self._params(body, max_tokens, top, i)) for i in range(body.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
+        created = int(time.time())
+
         def envelope(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
-            return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+            return {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": choices}
 
         def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
             return envelope([{
@@ -256,37 +264,64 @@ class OpenAIServer:
         if self.async_engine.num_waiting() + len(jobs) > self.async_engine.max_waiting_requests:
             raise EngineOverloadedError(f"{self.async_engine.num_waiting()} requests are already waiting")
 
-        async def events() -> AsyncIterator[str]:
+        templates: dict[int, tuple[str, str]] = {}
+
+        def event(idx: int, out: RequestOutput) -> str:
+            lps = out.logprobs or []
+            if out.finished or lps:
+                return f"data: {json.dumps(make_chunk(idx, out, out.text, lps))}\n\n"
+            # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
+            if idx not in templates:
+                head, tail = json.dumps(make_chunk(idx, out, _SPLICE, [])).split(_SPLICED, 1)
+                templates[idx] = (f"data: {head}", f"{tail}\n\n")
+            head, tail = templates[idx]
+            return head + json.dumps(out.text) + tail
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            """(choice index, output) as each choice's outputs arrive."""
+            if len(jobs) == 1:
+                idx, ids, params = jobs[0]
+                async for out in self.async_engine.generate(ids, params, cache_salt, stream=True):
+                    yield idx, out
+                return
             merged: asyncio.Queue = asyncio.Queue()
-            finals: dict[int, RequestOutput] = {}
 
             async def pump(idx, ids, params):
                 try:
                     async for out in self.async_engine.generate(ids, params, cache_salt, stream=True):
                         await merged.put((idx, out))
-                except Exception as exc:  # noqa: BLE001 - surfaced as an SSE error event
+                except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
                     await merged.put((idx, exc))
 
             tasks = [asyncio.ensure_future(pump(idx, ids, params)) for idx, ids, params in jobs]
             try:
-                while len(finals) < len(jobs):
+                finished = 0
+                while finished < len(jobs):
                     idx, item = await merged.get()
                     if isinstance(item, Exception):
-                        yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
-                        return
-                    if item.finished:
-                        finals[idx] = item
-                    lps = item.logprobs or []
-                    if item.text or item.finished or lps:
-                        yield f"data: {json.dumps(make_chunk(idx, item, item.text, lps))}\n\n"
-                if include_usage:
-                    outs = [finals[idx] for idx, _, _ in jobs]
-                    usage = self._usage([len(ids) for _, ids, _ in jobs], outs)
-                    yield f"data: {json.dumps({**envelope([]), 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
+                        raise item
+                    finished += item.finished
+                    yield idx, item
             finally:
                 for t in tasks:
                     t.cancel()
+
+        async def events() -> AsyncIterator[str]:
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for idx, out in outputs():
+                    if out.finished:
+                        finals[idx] = out
+                    if out.text or out.finished or out.logprobs:
+                        yield event(idx, out)
+            except Exception as exc:  # noqa: BLE001 - surfaced as an SSE error event
+                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+                return
+            if include_usage:
+                outs = [finals[idx] for idx, _, _ in jobs]
+                usage = self._usage([len(ids) for _, ids, _ in jobs], outs)
+                yield f"data: {json.dumps({**envelope([]), 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
