@@ -48,6 +48,7 @@ class EngineConfig:
     device: str = "cpu"
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
+    disable_hybrid_kv_cache_manager: bool = False  # every layer holds every block (sliding-window layers too)
 
     def __post_init__(self) -> None:
         try:

@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "compiled on first use; torch_sdpa gathers blocks and runs torch SDPA (any device); "
                        "auto takes cpu_paged on CPU when a C++ compiler is present")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="give sliding-window layers blocks for the whole sequence, as full-attention layers get "
+                       "(by default they hold only their window's blocks)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

@@ -33,8 +33,10 @@ def test_batched_equals_alone(tiny_dir, family, alone):
 
 def test_preemption_keeps_outputs(tiny_dir, family, alone):
     prompts, expected = alone
-    # 16 blocks x 8 slots = 128 tokens: one 100-token sequence fits, 18 of them cannot run together
-    llm = LLM(str(tiny_dir(family)), dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=128)
+    # the bytes of 128 tokens in every layer: one 100-token sequence fits, 18 of them cannot run together
+    probe = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.001, block_size=8)
+    memory = 128 * probe.stats()["bytes_per_token"] / 1024**3
+    llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=memory, block_size=8, max_model_len=128)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0

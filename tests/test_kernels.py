@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.engine.engine import resolve_attention_backend
-from kvserve.model.attention import context_mask
+from kvserve.attention.torch_sdpa import context_mask
+from kvserve.kernels.args import STRUCTS, KVView
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (heads, kv heads, head_dim): GQA groups of 4, 3 and 1; head dims on the vector path (256, 64, 32) and off it (24)
@@ -52,7 +53,8 @@ def test_paged_decode_attention_matches_sdpa(dtype, shape, block_size, window):
     g = torch.Generator().manual_seed(2)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths])
     q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
-    out = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lengths, block_size, head_dim**-0.5, window)
+    view = kernels.kv_view(key_cache, value_cache, block_size)
+    out = kernels.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, window)
     for row, length in enumerate(lengths.tolist()):
         ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), window)
         err = (out[row].float() - ref[0]).abs().max().item()
@@ -69,7 +71,7 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
     g = torch.Generator().manual_seed(4)
     table = torch.randperm(num_blocks, generator=g)[: -(-(start + count) // block_size)]
     q = torch.randn(count, heads, head_dim, generator=g).to(dtype)
-    out = kernels.paged_prefill_attention(q, key_cache, value_cache, table, start, block_size, head_dim**-0.5, window)
+    out = kernels.paged_prefill_attention(q, kernels.kv_view(key_cache, value_cache, block_size), table, start, head_dim**-0.5, window)
     ref = reference_attention(q, key_cache, value_cache, table.tolist(), block_size, torch.arange(start, start + count), window)
     err = (out.float() - ref).abs().max().item()
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
@@ -78,10 +80,43 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
 def test_kernels_reject_a_table_that_does_not_cover_the_context():
     key_cache, value_cache = random_pool(4, 16, 1, 32, torch.float32, seed=0)
     q = torch.randn(1, 2, 32)
+    view = kernels.kv_view(key_cache, value_cache, 16)
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_decode_attention(q, key_cache, value_cache, torch.tensor([[0]]), torch.tensor([17]), 16, 0.1, None)
+        kernels.paged_decode_attention(q, view, torch.tensor([[0]]), torch.tensor([17]), 0.1, None)
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_prefill_attention(torch.randn(17, 2, 32), key_cache, value_cache, torch.tensor([0]), 0, 16, 0.1, None)
+        kernels.paged_prefill_attention(torch.randn(17, 2, 32), view, torch.tensor([0]), 0, 0.1, None)
+
+
+def test_argument_structs_match_the_c_layout():
+    from kvserve.kernels.args import layout_mismatches
+    from kvserve.kernels.build import load_kernels
+
+    assert len(STRUCTS) == 12
+    assert layout_mismatches(load_kernels()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_any_layout_the_view_describes(dtype):
+    """Blocks that interleave K and V ([block][K|V][token][head][dim]): the view's strides alone tell
+    the kernels where each row is."""
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 64, 8, 12
+    g = torch.Generator().manual_seed(9)
+    blocks = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    key_cache = blocks[:, 0].reshape(-1, kv_heads, head_dim)  # copies, in the plain layout, for the reference
+    value_cache = blocks[:, 1].reshape(-1, kv_heads, head_dim)
+    view = KVView(blocks[:, 0].data_ptr(), blocks[:, 1].data_ptr(), None, None, 2 * block_size * kv_heads * head_dim,
+                  kv_heads * head_dim, kernels._DTYPE_CODES[dtype], block_size, kv_heads, head_dim)  # fmt: skip
+    lengths = torch.tensor([5, 40, 61])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lengths])
+    q = torch.randn(3, heads, head_dim, generator=g).to(dtype)
+    out = kernels.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, None)
+    for row, length in enumerate(lengths.tolist()):
+        ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), None)
+        assert (out[row].float() - ref[0]).abs().max().item() < TOLERANCE[dtype]
+    chunk = torch.randn(20, heads, head_dim, generator=g).to(dtype)
+    out = kernels.paged_prefill_attention(chunk, view, tables[1], 25, head_dim**-0.5, 16)
+    ref = reference_attention(chunk, key_cache, value_cache, tables[1].tolist(), block_size, torch.arange(25, 45), 16)
+    assert (out.float() - ref).abs().max().item() < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,13 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.sampling_params import SamplingParams
+
+
+def manager(num_blocks: int, block_size: int, windows: tuple = (), layers: int = 1) -> KVCacheManager:
+    spec = KVCacheSpec(len(windows) or layers, 1, 8, "float32", block_size, tuple(windows))
+    return KVCacheManager(spec, num_blocks, max_blocks_per_seq=256)
 
 
 def test_pool_ref_counts_and_lru_order():
@@ -34,14 +40,15 @@ def test_touch_revives_a_free_block():
 
 
 def test_manager_grows_tables_on_demand_and_frees():
-    kv = KVCacheManager(num_blocks=5, block_size=4)
-    assert kv.allocate_slots("r", 5)  # 2 blocks
+    kv = manager(num_blocks=5, block_size=4)
+    assert kv.allocate_slots("r", 0, 5)  # 2 blocks
     assert len(kv.block_table("r")) == 2
-    assert kv.allocate_slots("r", 8)  # still 2
+    assert kv.allocate_slots("r", 5, 8)  # still 2
     assert len(kv.block_table("r")) == 2
-    assert kv.allocate_slots("r", 9)
-    assert kv.slots("r", 7, 9) == [kv.block_table("r")[1] * 4 + 3, kv.block_table("r")[2] * 4]
-    assert not kv.allocate_slots("s", 13)  # needs 4, 2 free: nothing taken
+    assert kv.allocate_slots("r", 8, 9)
+    table = kv.block_table("r")
+    assert kv.block_id_rows(["r"], 3)[0].tolist() == [table]
+    assert not kv.allocate_slots("s", 0, 13)  # needs 4, 2 free: nothing taken
     assert kv.num_free_blocks == 2
     kv.free("r")
     assert kv.num_free_blocks == 5
@@ -52,7 +59,7 @@ def _seq(rid: str, n: int) -> Sequence:
 
 
 def test_scheduler_chunks_prefill_within_budget():
-    kv = KVCacheManager(num_blocks=32, block_size=4)
+    kv = manager(num_blocks=32, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, max_model_len=64), kv)
     sched.add(_seq("a", 10))
     sched.add(_seq("b", 3))
@@ -65,7 +72,7 @@ def test_scheduler_chunks_prefill_within_budget():
 
 
 def test_scheduler_preempts_newest_when_blocks_run_out():
-    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv = manager(num_blocks=4, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16), kv)
     a, b = _seq("a", 8), _seq("b", 8)
     sched.add(a)
@@ -84,7 +91,7 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
 
 
 def test_scheduler_respects_max_num_seqs():
-    kv = KVCacheManager(num_blocks=64, block_size=4)
+    kv = manager(num_blocks=64, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
     for i in range(3):
         sched.add(_seq(str(i), 4))

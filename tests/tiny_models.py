@@ -23,7 +23,7 @@ def _config(family: str):
         num_attention_heads=6,
         num_key_value_heads=2,  # GQA with groups of three
         # llama/qwen2: 24, not a power of two (the kernels' scalar paths); qwen3/gemma3: 32 (their vector paths)
-        head_dim=32 if family in ("qwen3", "gemma3") else 24,
+        head_dim=32 if family.startswith(("qwen3", "gemma3")) else 24,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         bos_token_id=1,
@@ -41,6 +41,14 @@ def _config(family: str):
             **common,
             sliding_window=12,  # shorter than the test prompts
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=32,
+        )
+    if family.startswith("gemma3-w"):  # gemma3-w4, gemma3-w8: 4 sliding and 2 full layers, KV groups of two layers
+        sliding, full = "sliding_attention", "full_attention"
+        return tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6},
+            sliding_window=int(family.removeprefix("gemma3-w")),
+            layer_types=[sliding, sliding, full, sliding, sliding, full],
             query_pre_attn_scalar=32,
         )
     raise ValueError(family)
@@ -78,10 +86,10 @@ def tiny_model_dir(family: str, root: str) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(0.0 if family == "gemma3" else 1.0, 0.1)
+                p.normal_(0.0 if family.startswith("gemma3") else 1.0, 0.1)
             elif p.dim() == 1:
                 p.normal_(0.0, 0.1)
-        if family == "gemma3":
+        if family.startswith("gemma3"):
             # tied embeddings times sqrt(hidden) would make the model echo its last token
             model.get_input_embeddings().weight.mul_(0.1)
     model.save_pretrained(out)

@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvserve import kernels
+from kvserve.attention.backend import create_backend
 from kvserve.config import EngineConfig
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
@@ -19,7 +20,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
-from kvserve.kv.spec import GIB, KVCacheSpec
+from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint
 from kvserve.model.registry import resolve_model_path
@@ -40,18 +41,33 @@ def resolve_attention_backend(requested: str, device: torch.device, kv_dtype: to
     return requested
 
 
+def kv_cache_spec(config: EngineConfig, model_config: ModelConfig) -> KVCacheSpec:
+    """The engine's KV layout for a model: what the planner computes with, too."""
+    windows = tuple(model_config.layer_window(i) for i in range(model_config.num_layers))
+    return KVCacheSpec(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        kv_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
+        layer_windows=windows if any(w is not None for w in windows) else (),
+        hybrid=not config.disable_hybrid_kv_cache_manager,
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
         tokenizer = load_tokenizer(path, checkpoint.config.architecture)
         self._setup(config, checkpoint.config, tokenizer)
+        backend = resolve_attention_backend(config.attention_backend, self.device, self.kv_spec.torch_dtype)
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
-        backend = resolve_attention_backend(config.attention_backend, self.device, self.pool.kv.dtype)
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
-        self.runner = ModelRunner(self.model, self.pool, self.kv, self.device, Sampler(native=backend == "cpu_paged"), backend)
+        attention = create_backend(backend, self.pool)
+        self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
@@ -71,32 +87,28 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.kv_spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            kv_dtype=config.kv_cache_dtype,
-            block_size=config.block_size,
-        )
+        self.kv_spec = kv_cache_spec(config, model_config)
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
         if num_blocks <= 0:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes"
             )
-        capacity = num_blocks * config.block_size
         limit = model_config.max_position_embeddings
+        capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
         if config.max_model_len is None:
-            self.max_model_len = min(limit, capacity)
+            self.max_model_len = capacity
         else:
             self.max_model_len = config.max_model_len
             if self.max_model_len > limit:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length {limit}")
             if self.max_model_len > capacity:
                 raise ValueError(
-                    f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+                    f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens for one sequence "
                     f"({num_blocks} blocks); raise kv_cache_memory or lower max_model_len"
                 )
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        if self.max_model_len < 2:
+            raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; raise kv_cache_memory")
+        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -197,6 +209,7 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens)
         outputs = []
         if sampled:
             now = time.monotonic()
@@ -273,6 +286,11 @@ class LLMEngine:
             "model": self.config.model,
             "num_blocks": self.kv.num_blocks,
             "num_free_blocks": self.kv.num_free_blocks,
+            "kv_cache_groups": [
+                {"layers": list(group.layers), "attention": group.attention, "num_blocks": self.kv.num_blocks,
+                 "num_free_blocks": self.kv.num_free_blocks, "num_used_blocks": used}
+                for group, used in zip(self.kv.groups, self.kv.num_used_blocks)
+            ],  # fmt: skip
             "block_size": self.kv_spec.block_size,
             "bytes_per_token": self.kv_spec.bytes_per_token,
             "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block,

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.pool import PagedKVPool
-from kvserve.model.attention import AttentionMetadata, PrefillSpan
 from kvserve.model.transformer import CausalLM
 
 
 class ModelRunner:
-    def __init__(
-        self, model: CausalLM, pool: PagedKVPool, kv: KVCacheManager, device: torch.device, sampler: Sampler, attention_backend: str
-    ) -> None:
+    def __init__(self, model: CausalLM, attention: AttentionBackend, kv: KVCacheManager, device: torch.device, sampler: Sampler) -> None:
         self.model = model
+        self.attention = attention
         self.sampler = sampler
-        self.pool = pool
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self.attention_backend = attention_backend
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
@@ -58,53 +56,59 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden]."""
-        decodes = [(s, n) for s, n in batch.entries if n == 1]
+        meta, input_ids, sample_rows, samplers = self.prepare(batch)
+        ids = torch.from_numpy(input_ids).to(self.device)
+        rows = torch.from_numpy(sample_rows).to(self.device)
+        return samplers, self.model(ids, self.attention, meta, output_rows=rows)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[Sequence]]:
+        """The step's attention metadata, flat input ids, the rows that sample and their sequences:
+        decode rows first (one token per sequence), then each prefill chunk."""
+        bs = self.block_size
+        groups = len(self.kv.groups)
+        decodes = [s for s, n in batch.entries if n == 1]
         prefills = [(s, n) for s, n in batch.entries if n > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[torch.Tensor] = []
+        ids_parts, position_parts = [], []
+        slot_parts: list[list[np.ndarray]] = [[] for _ in range(groups)]
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), attention_backend=self.attention_backend)
+        meta = AttentionMetadata(positions=torch.empty(0), slot_mappings=[])
 
         if decodes:
-            lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
-            max_blocks = -(-int(lengths.max()) // self.block_size)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for row, (seq, _) in enumerate(decodes):
-                pos = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                table = self.kv.block_table(seq.request_id)[:max_blocks]
-                tables[row, : len(table)] = torch.tensor(table)
-                if pos + 1 == seq.num_tokens:
+            positions = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=len(decodes))
+            ids_parts.append(np.fromiter((s.token_ids[s.num_computed_tokens] for s in decodes), dtype=np.int64, count=len(decodes)))
+            position_parts.append(positions)
+            lengths = positions + 1
+            tables = self.kv.block_id_rows([s.request_id for s in decodes], -(-int(lengths.max()) // bs))
+            rows = np.arange(len(decodes))
+            for g, table in enumerate(tables):
+                slot_parts[g].append(table[rows, positions // bs] * bs + positions % bs)
+            for row, seq in enumerate(decodes):
+                if seq.num_computed_tokens + 1 == seq.num_tokens:
                     sample_rows.append(row)
                     samplers.append(seq)
-            query_pos = lengths - 1
-            rows = torch.arange(len(decodes))
-            slot_mapping.append(tables[rows, query_pos // self.block_size] * self.block_size + query_pos % self.block_size)
             meta.num_decode_tokens = len(decodes)
-            meta.decode_block_tables = tables.to(self.device)
-            meta.decode_context_lens = lengths.to(self.device)
+            meta.decode_kv_lens = torch.from_numpy(lengths).to(self.device)
+            meta.decode_block_tables = [torch.from_numpy(t).to(self.device) for t in tables]
 
+        row = len(decodes)
         for seq, n in prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = torch.tensor(self.kv.block_table(seq.request_id)[: -(-end // self.block_size)], dtype=torch.long)
-            positions_new = torch.arange(start, end)
-            slot_mapping.append(blocks[positions_new // self.block_size] * self.block_size + positions_new % self.block_size)
-            meta.prefills.append(PrefillSpan(row, row + n, start, blocks.to(self.device)))
+            positions = np.arange(start, end, dtype=np.int64)
+            ids_parts.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+            position_parts.append(positions)
+            tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-end // bs))]
+            for g, table in enumerate(tables):
+                slot_parts[g].append(table[positions // bs] * bs + positions % bs)
+            meta.prefills.append(PrefillSpan(row, row + n, start, [torch.from_numpy(t).to(self.device) for t in tables]))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
                 samplers.append(seq)
+            row += n
 
-        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return samplers, self.model(ids, pos, self.pool, meta, output_rows=rows)
+        meta.positions = torch.from_numpy(np.concatenate(position_parts)).to(self.device)
+        meta.slot_mappings = [torch.from_numpy(np.concatenate(parts)).to(self.device) for parts in slot_parts]
+        return meta, np.concatenate(ids_parts), np.asarray(sample_rows, dtype=np.int64), samplers
 
 
 class SimulatedRunner:

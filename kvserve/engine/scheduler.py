@@ -61,7 +61,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + n):
+            while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -76,10 +76,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
-            if not self.kv.can_allocate(seq.request_id, seq.num_tokens):
+            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens):
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + n)
+            self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvserve.kernels import args
 from kvserve.kernels.build import load_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -22,71 +22,66 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPE_CODES and cpu_kernels_available()
 
 
+def kv_view(key: torch.Tensor, value: torch.Tensor, block_size: int) -> args.KVView:
+    """The view of one layer's K and V caches [slots, kv_heads, head_dim] (contiguous, slot =
+    block * block_size + offset). The caller keeps the tensors alive as long as the view."""
+    if key.shape != value.shape or key.dim() != 3 or not (key.is_contiguous() and value.is_contiguous()) or key.dtype != value.dtype:
+        raise ValueError("kv_view: key and value must be contiguous [slots, kv_heads, head_dim] tensors of one shape and dtype")
+    _, num_kv_heads, head_dim = key.shape
+    token_stride = num_kv_heads * head_dim
+    return args.KVView(
+        key.data_ptr(), value.data_ptr(), None, None, block_size * token_stride, token_stride, _DTYPE_CODES[key.dtype], block_size,
+        num_kv_heads, head_dim,
+    )  # fmt: skip
+
+
 def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    window: int | None,
+    query: torch.Tensor, kv: args.KVView, block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, H, D]; key/value cache [slots, KVH, D]; block_tables [B, nb] int64; context_lens [B] int64.
-
-    Returns [B, H, D] in the query's dtype (written into ``out`` when given, which must be
-    contiguous): each query (the last token of its sequence) attends to positions
-    max(0, len - window) .. len - 1 of its context.
-    """
+    """query [B, H, D]; kv the layer's view; block_tables [B, nb] int64; kv_lens [B] int64 (cached
+    slots, the query's own included). Returns [B, H, D] in the query's dtype (written into
+    ``out`` when given, which must be contiguous): each query attends to slots
+    max(0, len - window) .. len - 1 of its sequence."""
     library = _require()
     query = query.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
-    context_lens = context_lens.to(torch.int64).contiguous()
+    kv_lens = kv_lens.to(torch.int64).contiguous()
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[1]
-    _check_caches(key_cache, value_cache, head_dim)
+    if head_dim != kv.head_dim or block_tables.shape[0] != num_seqs or kv_lens.shape[0] != num_seqs:
+        raise ValueError("paged_decode_attention: query, block tables and lengths disagree with the KV view")
     out = _output_for(query, out)
-    status = library.kvserve_paged_decode_attention(
-        out.data_ptr(), query.data_ptr(), _DTYPE_CODES[query.dtype],
-        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype],
-        block_tables.data_ptr(), context_lens.data_ptr(),
-        num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim, block_size,
-        window or 0, scale,
+    call = args.DecodeAttentionArgs(
+        out.data_ptr(), query.data_ptr(), ctypes.addressof(kv), block_tables.data_ptr(), kv_lens.data_ptr(), num_seqs,
+        block_tables.shape[1], _DTYPE_CODES[query.dtype], num_heads, window or 0, scale,
     )  # fmt: skip
+    status = library.kvserve_paged_decode_attention(ctypes.byref(call))
     if status:
         raise ValueError(f"paged_decode_attention: bad arguments (status {status}): a context is empty or longer than its block table")
     return out
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_start: int,
-    block_size: int,
-    scale: float,
-    window: int | None,
+    query: torch.Tensor, kv: args.KVView, block_table: torch.Tensor, kv_start: int, scale: float, window: int | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence's prefill chunk. query [n, H, D] holds positions context_start .. context_start + n - 1,
-    whose K/V are already in the pool; block_table [nb] covers every position up to the chunk's end.
+    """One sequence's prefill chunk. query [n, H, D] holds slots kv_start .. kv_start + n - 1,
+    whose K/V are already in the pool; block_table [nb] covers every slot up to the chunk's end.
     Causal, with an optional sliding window. Returns [n, H, D] in the query's dtype."""
     library = _require()
     query = query.contiguous()
     block_table = block_table.to(torch.int64).contiguous()
     num_tokens, num_heads, head_dim = query.shape
-    _check_caches(key_cache, value_cache, head_dim)
-    if -(-(context_start + num_tokens) // block_size) > block_table.numel():
-        raise ValueError("paged_prefill_attention: the block table does not cover the chunk")
+    if head_dim != kv.head_dim:
+        raise ValueError("paged_prefill_attention: the query's head_dim differs from the KV view's")
     out = _output_for(query, out)
-    status = library.kvserve_paged_prefill_attention(
-        out.data_ptr(), query.data_ptr(), _DTYPE_CODES[query.dtype],
-        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype],
-        block_table.data_ptr(), context_start, num_tokens,
-        num_heads, key_cache.shape[1], head_dim, block_size, window or 0, scale,
+    call = args.PrefillAttentionArgs(
+        out.data_ptr(), query.data_ptr(), ctypes.addressof(kv), block_table.data_ptr(), block_table.numel(), kv_start, num_tokens,
+        _DTYPE_CODES[query.dtype], num_heads, window or 0, scale,
     )  # fmt: skip
+    status = library.kvserve_paged_prefill_attention(ctypes.byref(call))
+    if status == 2:
+        raise ValueError("paged_prefill_attention: the block table does not cover the chunk")
     _check(status, "paged_prefill_attention")
     return out
 
@@ -107,8 +102,9 @@ def skinny_matmul(
     staged = torch.zeros(padded, dim, dtype=torch.float32)
     staged[:rows] = x
     n = weight.shape[0]
-    out, argmax, out_args = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax)
-    status = library.kvserve_skinny_matmul(weight.data_ptr(), _DTYPE_CODES[weight.dtype], staged.data_ptr(), rows, n, dim, *out_args)
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax)
+    call = args.SkinnyMatmulArgs(weight.data_ptr(), staged.data_ptr(), *out_args, n, _DTYPE_CODES[weight.dtype], rows, dim, out_dtype_code)
+    status = library.kvserve_skinny_matmul(ctypes.byref(call))
     _check(status, "skinny_matmul")
     return out, argmax
 
@@ -159,8 +155,9 @@ def packed_matmul(
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
         raise ValueError(f"packed_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
     rows = x.shape[0]
-    out, argmax, out_args = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax)
-    status = library.kvserve_packed_matmul(weight.data.data_ptr(), weight.n, weight.k, x.data_ptr(), x.stride(0), rows, *out_args)
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax)
+    call = args.PackedMatmulArgs(weight.data.data_ptr(), x.data_ptr(), *out_args, weight.n, x.stride(0), weight.k, rows, out_dtype_code, 0)
+    status = library.kvserve_packed_matmul(ctypes.byref(call))
     _check(status, "packed_matmul")
     return out, argmax
 
@@ -240,33 +237,26 @@ def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tens
     slack, tile_bound = slack.contiguous(), tile_bound.contiguous()
     argmax = torch.empty(rows, dtype=torch.int64)
     rescored = torch.empty(rows, dtype=torch.int64)
-    status = library.kvserve_screened_argmax(
+    call = args.ScreenedArgmaxArgs(
         weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
-        weight.bf16.data.data_ptr(), weight.bf16.n, k, xq.data_ptr(), k, group_scale.data_ptr(), delta.data_ptr(), group,
-        correction.data_ptr(), l1.data_ptr(), slack.data_ptr(), tile_bound.data_ptr(),
-        x.data_ptr(), k, rows, argmax.data_ptr(), rescored.data_ptr(),
+        weight.bf16.data.data_ptr(), xq.data_ptr(), group_scale.data_ptr(), delta.data_ptr(), correction.data_ptr(), l1.data_ptr(),
+        slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), argmax.data_ptr(), rescored.data_ptr(), weight.bf16.n, k, k, k,
+        group, rows, 0,
     )  # fmt: skip
+    status = library.kvserve_screened_argmax(ctypes.byref(call))
     _check(status, "screened_argmax")
     return argmax, rescored
 
 
 def _product_outputs(
     rows: int, n: int, dtype: torch.dtype, want_output: bool, want_argmax: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple, int]:
     """The output [rows, n] and row-wise argmax [rows] a product kernel fills (None where not
-    wanted), and the kernel's trailing arguments for them: (out pointer, out dtype code, argmax pointer)."""
+    wanted), their pointers (out, argmax) and the output's dtype code."""
     out = torch.empty(rows, n, dtype=dtype) if want_output else None
     argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
-    args = (out.data_ptr() if out is not None else None, _DTYPE_CODES[dtype] if out is not None else 0,
-            argmax.data_ptr() if argmax is not None else None)  # fmt: skip
-    return out, argmax, args
-
-
-def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key and value caches must be contiguous")
-    if key_cache.dtype != value_cache.dtype or key_cache.shape[-1] != head_dim:
-        raise ValueError("key/value cache dtype or head_dim does not match the query")
+    pointers = (out.data_ptr() if out is not None else None, argmax.data_ptr() if argmax is not None else None)
+    return out, argmax, pointers, _DTYPE_CODES[dtype] if out is not None else 0
 
 
 def _output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -285,10 +275,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_after_cast
     if rows2d.stride(-1) != 1:
         raise ValueError("rms_norm: the last dimension must be contiguous")
     out = torch.empty(rows2d.shape, dtype=x.dtype, device=x.device)
-    _check(library.kvserve_rms_norm(
-        out.data_ptr(), rows2d.data_ptr(), _DTYPE_CODES[x.dtype], rows2d.stride(0), _float_weight(weight).data_ptr(),
-        rows2d.shape[0], dim, eps, int(scale_after_cast),
-    ), "rms_norm")  # fmt: skip
+    call = args.RmsNormArgs(
+        out.data_ptr(), rows2d.data_ptr(), _float_weight(weight).data_ptr(), rows2d.stride(0), rows2d.shape[0], _DTYPE_CODES[x.dtype],
+        dim, eps, int(scale_after_cast),
+    )  # fmt: skip
+    _check(library.kvserve_rms_norm(ctypes.byref(call)), "rms_norm")
     return out.view(x.shape)
 
 
@@ -302,11 +293,13 @@ def add_rms_norm(
         raise ValueError("add_rms_norm: residual and addend must be contiguous, of one shape and dtype")
     rows, dim = residual.shape
     out = torch.empty_like(residual) if weight is not None else None
-    _check(library.kvserve_add_rms_norm(
-        out.data_ptr() if out is not None else residual.data_ptr(), residual.data_ptr(), addend.data_ptr(), _DTYPE_CODES[residual.dtype],
+    call = args.AddRmsNormArgs(
+        out.data_ptr() if out is not None else residual.data_ptr(), residual.data_ptr(), addend.data_ptr(),
         _float_weight(addend_weight).data_ptr() if addend_weight is not None else None,
-        _float_weight(weight).data_ptr() if weight is not None else None, rows, dim, eps, int(scale_after_cast),
-    ), "add_rms_norm")  # fmt: skip
+        _float_weight(weight).data_ptr() if weight is not None else None, rows, _DTYPE_CODES[residual.dtype], dim, eps,
+        int(scale_after_cast),
+    )  # fmt: skip
+    _check(library.kvserve_add_rms_norm(ctypes.byref(call)), "add_rms_norm")
     return out
 
 
@@ -323,13 +316,12 @@ def qk_norm_rope(
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype)
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     positions = positions.to(torch.int64).contiguous()
-    _check(library.kvserve_qk_norm_rope(
-        q.data_ptr(), k.data_ptr(), qkv.data_ptr(), _DTYPE_CODES[qkv.dtype], tokens, qkv.stride(0),
-        num_heads, num_kv_heads, head_dim,
-        _float_weight(q_weight).data_ptr() if q_weight is not None else None,
-        _float_weight(k_weight).data_ptr() if k_weight is not None else None,
-        eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-    ), "qk_norm_rope")  # fmt: skip
+    call = args.QkNormRopeArgs(
+        q.data_ptr(), k.data_ptr(), qkv.data_ptr(), _float_weight(q_weight).data_ptr() if q_weight is not None else None,
+        _float_weight(k_weight).data_ptr() if k_weight is not None else None, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        tokens, qkv.stride(0), _DTYPE_CODES[qkv.dtype], num_heads, num_kv_heads, head_dim, eps, 0,
+    )  # fmt: skip
+    _check(library.kvserve_qk_norm_rope(ctypes.byref(call)), "qk_norm_rope")
     return q, k
 
 
@@ -343,63 +335,13 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         raise ValueError("gated_activation: gate_up must be contiguous")
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _check(library.kvserve_gated_activation(
-        out.data_ptr(), gate_up.data_ptr(), _DTYPE_CODES[gate_up.dtype], rows, width // 2, ACTIVATIONS[activation],
-    ), "gated_activation")  # fmt: skip
+    call = args.GatedActivationArgs(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype], ACTIVATIONS[activation])
+    _check(library.kvserve_gated_activation(ctypes.byref(call)), "gated_activation")
     return out
 
 
-class SamplerRow(ctypes.Structure):
-    """One row's sampling parameters; mirrors `SamplerRow` in sampler.cpp."""
-
-    _fields_ = [
-        ("temperature", ctypes.c_float),
-        ("top_p", ctypes.c_float),
-        ("min_p", ctypes.c_float),
-        ("repetition_penalty", ctypes.c_float),
-        ("presence_penalty", ctypes.c_float),
-        ("frequency_penalty", ctypes.c_float),
-        ("top_k", ctypes.c_int32),
-        ("num_logprobs", ctypes.c_int32),
-        ("seed", ctypes.c_uint64),
-        ("position", ctypes.c_int64),
-        ("penalty_begin", ctypes.c_int64),
-        ("penalty_end", ctypes.c_int64),
-    ]
-
-
-class SamplerArgs(ctypes.Structure):
-    """Mirrors `SamplerArgs` in sampler.cpp."""
-
-    _fields_ = [
-        ("logits", ctypes.c_void_p),
-        ("stride", ctypes.c_int64),
-        ("vocab", ctypes.c_int64),
-        ("rows", ctypes.c_int64),
-        ("params", ctypes.c_void_p),
-        ("penalty_ids", ctypes.c_void_p),
-        ("penalty_counts", ctypes.c_void_p),
-        ("tokens", ctypes.c_void_p),
-        ("token_logprobs", ctypes.c_void_p),
-        ("top_ids", ctypes.c_void_p),
-        ("top_logprobs", ctypes.c_void_p),
-    ]
-
-
-SAMPLER_ROW_DTYPE = np.dtype(SamplerRow)
+SAMPLER_ROW_DTYPE = np.dtype(args.SamplerRow)
 MAX_LOGPROBS = 20
-
-
-@functools.lru_cache(maxsize=None)
-def sampler_layout_matches() -> bool:
-    """True when the Python mirrors have the C structs' sizes and offsets."""
-    sizes = (ctypes.c_int64 * 7)()
-    max_logprobs = _require().kvserve_sampler_abi(sizes)
-    expected = (
-        ctypes.sizeof(SamplerRow), ctypes.sizeof(SamplerArgs), SamplerRow.top_k.offset, SamplerRow.seed.offset,
-        SamplerRow.penalty_end.offset, SamplerArgs.params.offset, SamplerArgs.top_logprobs.offset,
-    )  # fmt: skip
-    return tuple(sizes) == expected and max_logprobs == MAX_LOGPROBS
 
 
 @dataclass
@@ -414,8 +356,6 @@ def sample(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, pena
     """Draw one token per row of float32 logits [R, V] (modified in place: penalties) with the
     per-row parameters ``rows`` (a SAMPLER_ROW_DTYPE array); see sampler.cpp."""
     library = _require()
-    if not sampler_layout_matches():
-        raise RuntimeError("the sampler's C structs and their Python mirrors disagree; rebuild the kernels")
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
         raise ValueError("sample: logits must be float32 CPU [rows, vocab] with contiguous rows")
     count = logits.shape[0]
@@ -428,12 +368,12 @@ def sample(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, pena
         torch.empty(count, dtype=torch.int64), torch.zeros(count), torch.zeros(count, MAX_LOGPROBS, dtype=torch.int64),
         torch.zeros(count, MAX_LOGPROBS),
     )  # fmt: skip
-    args = SamplerArgs(
+    call = args.SamplerArgs(
         logits.data_ptr(), logits.stride(0), logits.shape[1], count, rows.ctypes.data,
         penalty_ids.ctypes.data if penalty_ids.size else None, penalty_counts.ctypes.data if penalty_counts.size else None,
         out.tokens.data_ptr(), out.token_logprobs.data_ptr(), out.top_ids.data_ptr(), out.top_logprobs.data_ptr(),
     )  # fmt: skip
-    _check(library.kvserve_sample(ctypes.byref(args)), "sample")
+    _check(library.kvserve_sample(ctypes.byref(call)), "sample")
     return out
 
 

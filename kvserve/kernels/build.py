@@ -20,11 +20,12 @@ from pathlib import Path
 import torch  # noqa: F401  -- loads torch's OpenMP runtime first, so the kernels share its threads
 
 from kvserve.cache_dir import cache_root
+from kvserve.kernels.args import layout_mismatches
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp"]
-HEADERS = ["simd.h"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp", "abi.cpp"]
+HEADERS = ["simd.h", "args.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -77,38 +78,29 @@ def load_kernels() -> ctypes.CDLL | None:
             os.replace(partial, target)  # atomic: concurrent builders never see half a file
     library = ctypes.CDLL(str(target))
     library.path = target
-    c_int, c_int64, c_float, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     signatures = {
-        # out, query, query dtype, key cache, value cache, kv dtype, block tables, context lens,
-        # seqs, max blocks, heads, kv heads, head dim, block size, window, scale
-        "kvserve_paged_decode_attention": [ptr, ptr, c_int, ptr, ptr, c_int, ptr, ptr, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_float],
-        # out, query, query dtype, key cache, value cache, kv dtype, block table, context start, tokens,
-        # heads, kv heads, head dim, block size, window, scale
-        "kvserve_paged_prefill_attention": [ptr, ptr, c_int, ptr, ptr, c_int, ptr, c_int64, c_int64, c_int, c_int, c_int, c_int, c_int, c_float],
-        # weight, weight dtype, x, rows, n, dim, out, out dtype, argmax
-        "kvserve_skinny_matmul": [ptr, c_int, ptr, c_int, c_int64, c_int, ptr, c_int, ptr],
+        # the compute kernels take one pointer to their argument struct (args.h / args.py)
+        **{name: [ptr] for name in (
+            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_skinny_matmul", "kvserve_packed_matmul",
+            "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
+            "kvserve_sample",
+        )},  # fmt: skip
+        "kvserve_struct_layout": [ctypes.c_char_p, ptr, c_int],
         "kvserve_has_bf16_dot": [],
+        "kvserve_has_int8_screen": [],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
-        # packed, n, k, x, x row stride, rows, out, out dtype, argmax
-        "kvserve_packed_matmul": [ptr, c_int64, c_int, ptr, c_int64, c_int, ptr, c_int, ptr],
-        "kvserve_has_int8_screen": [],
         # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
         "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
-        # int8 packed, row scale, row error, row |q|, bf16 packed, n, k, xq, xq stride, group scale,
-        # group delta, group, correction, x l1, slack, tile bound, x, x stride, rows, argmax, rescored
-        "kvserve_screened_argmax": [ptr, ptr, ptr, ptr, ptr, c_int64, c_int, ptr, c_int64, ptr, ptr, c_int, ptr, ptr, ptr, ptr, ptr, c_int64, c_int, ptr, ptr],
-        "kvserve_rms_norm": [ptr, ptr, c_int, c_int64, ptr, c_int64, c_int, c_float, c_int],
-        "kvserve_add_rms_norm": [ptr, ptr, ptr, c_int, ptr, ptr, c_int64, c_int, c_float, c_int],
-        "kvserve_qk_norm_rope": [ptr, ptr, ptr, c_int, c_int64, c_int64, c_int, c_int, c_int, ptr, ptr, c_float, ptr, ptr, ptr],
-        "kvserve_gated_activation": [ptr, ptr, c_int, c_int64, c_int64, c_int],
-        "kvserve_sampler_abi": [ptr],
-        "kvserve_sample": [ptr],  # const SamplerArgs*
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
+    mismatches = layout_mismatches(library)
+    if mismatches:
+        raise RuntimeError("the kernels' argument structs and their Python mirrors disagree: " + "; ".join(mismatches))
     return library
 
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "args.h"
 #include "simd.h"
 
 namespace {
@@ -201,11 +202,11 @@ extern "C" {
 
 // out[r] = norm(x[r]) * weight for rows of `dim` elements at x + r * x_stride; out is contiguous.
 // scale_after_cast: Llama's order (round the normed row, then multiply by the weight).
-int kvserve_rms_norm(void* out, const void* x, int dtype, int64_t x_stride, const float* weight, int64_t rows, int dim,
-                     float eps, int scale_after_cast) {
-  if (rows < 0 || dim <= 0) return 1;
-#define CALL(DT) rms_norm<DT>(out, x, x_stride, weight, rows, dim, eps, scale_after_cast != 0)
-  KVSERVE_DISPATCH(dtype, CALL)
+int kvserve_rms_norm(const kvserve::RmsNormArgs* args) {
+  const kvserve::RmsNormArgs& a = *args;
+  if (a.rows < 0 || a.dim <= 0) return 1;
+#define CALL(DT) rms_norm<DT>(a.out, a.x, a.x_stride, a.weight, a.rows, a.dim, a.eps, a.scale_after_cast != 0)
+  KVSERVE_DISPATCH(a.dtype, CALL)
 #undef CALL
 }
 
@@ -214,11 +215,11 @@ int kvserve_rms_norm(void* out, const void* x, int dtype, int64_t x_stride, cons
 //   out = norm(residual) * weight
 // Gemma's sandwich norms pass addend_weight (post-attention / post-feedforward norm); Llama null.
 // A null weight skips out (the last layer's residual needs no norm).
-int kvserve_add_rms_norm(void* out, void* residual, const void* addend, int dtype, const float* addend_weight,
-                         const float* weight, int64_t rows, int dim, float eps, int scale_after_cast) {
-  if (rows < 0 || dim <= 0) return 1;
-#define CALL(DT) add_rms_norm<DT>(out, residual, addend, addend_weight, weight, rows, dim, eps, scale_after_cast != 0)
-  KVSERVE_DISPATCH(dtype, CALL)
+int kvserve_add_rms_norm(const kvserve::AddRmsNormArgs* args) {
+  const kvserve::AddRmsNormArgs& a = *args;
+  if (a.rows < 0 || a.dim <= 0) return 1;
+#define CALL(DT) add_rms_norm<DT>(a.out, a.residual, a.addend, a.addend_weight, a.weight, a.rows, a.dim, a.eps, a.scale_after_cast != 0)
+  KVSERVE_DISPATCH(a.dtype, CALL)
 #undef CALL
 }
 
@@ -226,22 +227,22 @@ int kvserve_add_rms_norm(void* out, void* residual, const void* addend, int dtyp
 // heads): optional per-head RMS norm (rounded to dtype, as HF holds it), then half-rotation RoPE
 // at each token's position into contiguous q_out [tokens, q_heads, head_dim] and k_out
 // [tokens, kv_heads, head_dim]. cos/sin: float32 [max_positions, head_dim].
-int kvserve_qk_norm_rope(void* q_out, void* k_out, const void* qkv, int dtype, int64_t tokens, int64_t qkv_width,
-                         int q_heads, int kv_heads, int head_dim, const float* q_weight, const float* k_weight, float eps,
-                         const int64_t* positions, const float* cos_table, const float* sin_table) {
-  if (tokens < 0 || head_dim <= 0 || head_dim % 2) return 1;
-#define CALL(DT)                                                                                                   \
-  qk_norm_rope<DT>(q_out, k_out, qkv, tokens, qkv_width, q_heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, \
-                   cos_table, sin_table)
-  KVSERVE_DISPATCH(dtype, CALL)
+int kvserve_qk_norm_rope(const kvserve::QkNormRopeArgs* args) {
+  const kvserve::QkNormRopeArgs& a = *args;
+  if (a.tokens < 0 || a.head_dim <= 0 || a.head_dim % 2) return 1;
+#define CALL(DT)                                                                                                              \
+  qk_norm_rope<DT>(a.q_out, a.k_out, a.qkv, a.tokens, a.qkv_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.q_weight, \
+                   a.k_weight, a.eps, a.positions, a.cos, a.sin)
+  KVSERVE_DISPATCH(a.dtype, CALL)
 #undef CALL
 }
 
 // out[r] = act(gate_up[r, :inter]) * gate_up[r, inter:]; act 0 = tanh-approximated GELU, 1 = SiLU.
-int kvserve_gated_activation(void* out, const void* gate_up, int dtype, int64_t rows, int64_t inter, int act) {
-  if (rows < 0 || inter <= 0 || act < 0 || act > 1) return 1;
-#define CALL(DT) gated_activation<DT>(out, gate_up, rows, inter, act)
-  KVSERVE_DISPATCH(dtype, CALL)
+int kvserve_gated_activation(const kvserve::GatedActivationArgs* args) {
+  const kvserve::GatedActivationArgs& a = *args;
+  if (a.rows < 0 || a.inter <= 0 || a.activation < 0 || a.activation > 1) return 1;
+#define CALL(DT) gated_activation<DT>(a.out, a.gate_up, a.rows, a.inter, a.activation)
+  KVSERVE_DISPATCH(a.dtype, CALL)
 #undef CALL
 }
 

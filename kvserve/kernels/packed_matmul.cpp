@@ -16,6 +16,7 @@
 
 #include <omp.h>
 
+#include "args.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -143,9 +144,14 @@ int kvserve_pack_bf16_weight(const uint16_t* weight, int64_t n, int k, uint16_t*
 
 // x: bf16 [rows, k] (row stride ldx). out ([rows, n] in out_dtype) and argmax (int64 [rows]) may
 // each be null.
-int kvserve_packed_matmul(const uint16_t* packed, int64_t n, int k, const uint16_t* x, int64_t ldx, int rows, void* out,
-                          int out_dtype, int64_t* argmax) {
+int kvserve_packed_matmul(const kvserve::PackedMatmulArgs* a) {
 #if KVSERVE_HAS_BF16_DOT
+  const uint16_t* packed = a->packed;
+  const uint16_t* x = a->x;
+  void* out = a->out;
+  int64_t* argmax = a->argmax;
+  const int64_t n = a->n, ldx = a->ldx;
+  const int k = a->k, rows = a->rows, out_dtype = a->out_dtype;
   if (n <= 0 || k <= 0 || k % 2 || rows <= 0 || ldx < k || out_dtype < 0 || out_dtype > 2) return 1;
   constexpr int NT = 3;
   const int pairs = k / 2;

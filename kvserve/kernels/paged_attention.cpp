@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "args.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -66,6 +67,12 @@ struct NextRun {
   int64_t run = 0;     // its length (0 at the end)
 };
 
+// Element offset of slot `position` of a sequence (block table `table`), kv head `kv_head`.
+inline int64_t kv_offset(const KVView& kv, const int64_t* table, int64_t position, int kv_head) {
+  return table[position / kv.block_size] * kv.block_stride + (position % kv.block_size) * kv.token_stride +
+         static_cast<int64_t>(kv_head) * kv.head_dim;
+}
+
 // Calls fn(i, offset, run, next) for each run of consecutive positions inside one block: i is the
 // index of the run's first position relative to `first`, offset the element offset of its first
 // K/V row, next the run after it. Blocks are scattered through the pool, so the hardware
@@ -73,15 +80,16 @@ struct NextRun {
 // next run is too, all at once before each call, otherwise fn spreads those prefetches over its
 // own loop (measured better where fn computes much per row).
 template <bool kBulkPrefetch, typename Fn>
-inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads,
-                               int head_dim, int block_size, const void* cache, int elem_bytes, Fn fn) {
-  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const int64_t row_bytes = static_cast<int64_t>(head_dim) * elem_bytes;
+inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, const KVView& kv,
+                               const void* cache, int elem_bytes, Fn fn) {
+  const int64_t row_stride = kv.token_stride;
+  const int64_t row_bytes = static_cast<int64_t>(kv.head_dim) * elem_bytes;
+  const int block_size = kv.block_size;
   auto run_at = [&](int64_t i, int64_t& offset) {
     const int64_t position = first + i;
     const int64_t block = position / block_size;
     const int64_t within = position - block * block_size;
-    offset = ((table[block] * block_size + within) * num_kv_heads + kv_head) * head_dim;
+    offset = table[block] * kv.block_stride + within * kv.token_stride + static_cast<int64_t>(kv_head) * kv.head_dim;
     return std::min<int64_t>(block_size - within, count - i);
   };
   auto prefetch = [&](int64_t offset, int64_t run) {
@@ -106,11 +114,13 @@ inline void for_each_block_run(const int64_t* table, int64_t first, int64_t coun
 }
 
 template <int G, int DT>
-void decode_task_fast(float* out_rows, const float* queries, const void* key_cache, const void* value_cache,
-                      const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads, int head_dim,
-                      int block_size, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  const void* key_cache = kv.key;
+  const void* value_cache = kv.value;
+  const int head_dim = kv.head_dim;
   const int chunks = head_dim / 16;
-  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t row_stride = kv.token_stride;
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
@@ -120,7 +130,7 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
     const char* row = static_cast<const char*>(cache) + offset * kElemBytes;
     for (int64_t byte = from; byte < to; byte += 64) __builtin_prefetch(row + byte, 0, 2);
   };
-  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, spread over this run's keys
     for (int64_t j = run; j < next.run; ++j) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
     for (int64_t j = 0; j < run; ++j) {
@@ -175,7 +185,7 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
   }
 
   acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
-  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     for (int c = 0; c < chunks; ++c) {
       // the next run's rows, this chunk's bytes of each
       for (int64_t j = 0; j < next.run; ++j)
@@ -209,37 +219,30 @@ void decode_task_fast(float* out_rows, const float* queries, const void* key_cac
 }
 
 template <int G>
-bool decode_task_dispatch_dtype(int kv_dtype, float* out_rows, const float* queries, const void* key_cache,
-                                const void* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
-                                int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
-                                std::vector<float>& acc) {
-  switch (kv_dtype) {
+bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
+                                int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  switch (kv.dtype) {
     case kFloat32:
-      decode_task_fast<G, kFloat32>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
-                                    head_dim, block_size, scale, scores, acc);
+      decode_task_fast<G, kFloat32>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
       return true;
     case kBFloat16:
-      decode_task_fast<G, kBFloat16>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
-                                     head_dim, block_size, scale, scores, acc);
+      decode_task_fast<G, kBFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
       return true;
     case kFloat16:
-      decode_task_fast<G, kFloat16>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads,
-                                    head_dim, block_size, scale, scores, acc);
+      decode_task_fast<G, kFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
       return true;
   }
   return false;
 }
 
 // true when a vectorized specialization handled the task
-bool decode_task_fast_dispatch(int group, int kv_dtype, float* out_rows, const float* queries, const void* key_cache,
-                               const void* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
-                               int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
+bool decode_task_fast_dispatch(int group, float* out_rows, const float* queries, const KVView& kv, const int64_t* table,
+                               int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<float>& acc) {
-  if (head_dim % 16 != 0) return false;
-#define KVSERVE_GROUP_CASE(G)                                                                                             \
-  case G:                                                                                                                 \
-    return decode_task_dispatch_dtype<G>(kv_dtype, out_rows, queries, key_cache, value_cache, table, first, count, kv_head, \
-                                         num_kv_heads, head_dim, block_size, scale, scores, acc);
+  if (kv.head_dim % 16 != 0) return false;
+#define KVSERVE_GROUP_CASE(G) \
+  case G:                     \
+    return decode_task_dispatch_dtype<G>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
   switch (group) {
     KVSERVE_GROUP_CASE(1)
     KVSERVE_GROUP_CASE(2)
@@ -288,12 +291,14 @@ inline __m512 reduce16(__m512* v) {
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p)); }
 
 template <int G>
-void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* key_cache, const uint16_t* value_cache,
-                      const int64_t* table, int64_t first, int64_t count, int kv_head, int num_kv_heads, int head_dim,
-                      int block_size, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
+void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv, const int64_t* table, int64_t first,
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
                       std::vector<float>& acc) {
+  const uint16_t* key_cache = static_cast<const uint16_t*>(kv.key);
+  const uint16_t* value_cache = static_cast<const uint16_t*>(kv.value);
+  const int head_dim = kv.head_dim;
   const int chunks = head_dim / 32;
-  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t row_stride = kv.token_stride;
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
@@ -302,7 +307,7 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* 
     if (j < next.run)
       for (int line = 0; line < row_lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(cache + next.offset + j * row_stride) + line * 64, _MM_HINT_T1);
   };
-  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, one per key scored here (and the rest after)
     for (int64_t j = run; j < next.run; ++j) prefetch_row(key_cache, next, j);
     for (int64_t j0 = 0; j0 < run; j0 += 16) {
@@ -373,7 +378,7 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* 
   // acc: [G][chunks][2][16] float, dims in unpack order
   acc.assign(static_cast<size_t>(G) * chunks * 32, 0.f);
   const __m512i zero = _mm512_setzero_si512();
-  for_each_block_run<false>(table, first, count, kv_head, num_kv_heads, head_dim, block_size, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     for (int c = 0; c < chunks; ++c) {
       // the next run's rows, this chunk's 64 bytes of each
       for (int64_t j = 0; j < next.run; ++j)
@@ -417,15 +422,13 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const uint16_t* 
 }
 
 // true when the bf16 dot-product path handled the task
-bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const uint16_t* key_cache,
-                               const uint16_t* value_cache, const int64_t* table, int64_t first, int64_t count, int kv_head,
-                               int num_kv_heads, int head_dim, int block_size, float scale, std::vector<float>& scores,
+bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const KVView& kv, const int64_t* table,
+                               int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<uint16_t>& probs, std::vector<float>& acc) {
-  if (head_dim % 32 != 0) return false;
-#define KVSERVE_GROUP_CASE(G)                                                                                              \
-  case G:                                                                                                                  \
-    decode_task_bf16<G>(out_rows, queries, key_cache, value_cache, table, first, count, kv_head, num_kv_heads, head_dim, \
-                        block_size, scale, scores, probs, acc);                                                            \
+  if (kv.head_dim % 32 != 0) return false;
+#define KVSERVE_GROUP_CASE(G)                                                                         \
+  case G:                                                                                             \
+    decode_task_bf16<G>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); \
     return true;
   switch (group) {
     KVSERVE_GROUP_CASE(1)
@@ -460,8 +463,10 @@ struct PrefillBuffers {
 };
 
 // head_pad: head_dim rounded up to 16; the padding is zero in keys, values and queries alike.
-void unpack_context(PrefillBuffers& buf, const void* key_cache, const void* value_cache, int kv_dtype, const int64_t* table,
-                    int64_t key_base, int64_t context_end, int num_kv_heads, int head_dim, int head_pad, int block_size) {
+void unpack_context(PrefillBuffers& buf, const KVView& kv, const int64_t* table, int64_t key_base, int64_t context_end,
+                    int head_pad) {
+  const int num_kv_heads = kv.num_kv_heads;
+  const int head_dim = kv.head_dim;
   const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
   const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_pad;
   buf.keys_t.resize(per_head * num_kv_heads);
@@ -484,11 +489,10 @@ void unpack_context(PrefillBuffers& buf, const void* key_cache, const void* valu
           for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = 0.f;
           continue;
         }
-        const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
-        load_row(key_cache, kv_dtype, offset, head_dim, key_row.data());
+        const int64_t offset = kv_offset(kv, table, position, kv_head);
+        load_row(kv.key, kv.dtype, offset, head_dim, key_row.data());
         for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = key_row[d];
-        load_row(value_cache, kv_dtype, offset, head_dim, v_row);
+        load_row(kv.value, kv.dtype, offset, head_dim, v_row);
       }
     }
   }
@@ -586,8 +590,11 @@ void prefill_rows(const PrefillBuffers& buf, float* out_rows, const float* queri
 // instruction adds q[2p] k[2p] + q[2p+1] k[2p+1] for 16 keys. Values: a tile is [key pair][d],
 // so one instruction adds p_i v_i + p_{i+1} v_{i+1} for 16 dims, with the probabilities rounded to
 // bf16 (as flash attention does for P @ V). Half the instructions of the float path, half the bytes.
-void unpack_context_bf16(PrefillBuffers& buf, const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* table,
-                         int64_t key_base, int64_t context_end, int num_kv_heads, int head_dim, int block_size) {
+void unpack_context_bf16(PrefillBuffers& buf, const KVView& kv, const int64_t* table, int64_t key_base, int64_t context_end) {
+  const uint16_t* key_cache = static_cast<const uint16_t*>(kv.key);
+  const uint16_t* value_cache = static_cast<const uint16_t*>(kv.value);
+  const int num_kv_heads = kv.num_kv_heads;
+  const int head_dim = kv.head_dim;
   const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
   const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_dim / 2;  // in 32-bit pairs
   buf.keys_pairs.resize(per_head * num_kv_heads);
@@ -608,8 +615,7 @@ void unpack_context_bf16(PrefillBuffers& buf, const uint16_t* key_cache, const u
         for (int d = 0; d < head_dim; ++d) v_out[2 * d] = 0;
         continue;
       }
-      const int64_t slot = table[position / block_size] * block_size + position % block_size;
-      const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+      const int64_t offset = kv_offset(kv, table, position, kv_head);
       const uint32_t* k_row = reinterpret_cast<const uint32_t*>(key_cache + offset);
       for (int p = 0; p < pairs; ++p) kt[p * kKeyTile + j] = k_row[p];
       const uint16_t* v_row = value_cache + offset;
@@ -740,17 +746,18 @@ void for_each_query_tile(int64_t rows_per_head, int group, int num_heads, int nu
 
 extern "C" {
 
-// out, query: [num_seqs, num_heads, head_dim] in query_dtype (contiguous).
-// key_cache, value_cache: [slots, num_kv_heads, head_dim] in kv_dtype (contiguous).
-// block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] (the query is the last token).
-// window > 0 keeps only the last `window` keys.
-int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype, const void* key_cache,
-                                   const void* value_cache, int kv_dtype, const int64_t* block_tables,
-                                   const int64_t* context_lens, int num_seqs, int max_blocks, int num_heads,
-                                   int num_kv_heads, int head_dim, int block_size, int window, float scale) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+// Decode: see DecodeAttentionArgs. Each query attends to slots max(0, len - window) .. len - 1.
+int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
+  const DecodeAttentionArgs& a = *args;
+  const KVView& kv = *a.kv;
+  const int num_heads = a.num_heads, num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim, window = a.window;
+  const int query_dtype = a.query_dtype, kv_dtype = kv.dtype;
+  const float scale = a.scale;
+  void* out = a.out;
+  const void* query = a.query;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || kv.block_size <= 0 || kv_dtype < 0 || kv_dtype > 2) return 1;
   const int group = num_heads / num_kv_heads;
-  const int64_t tasks = static_cast<int64_t>(num_seqs) * num_kv_heads;
+  const int64_t tasks = a.num_seqs * num_kv_heads;
   int status = 0;
 
 #pragma omp parallel
@@ -764,25 +771,23 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int seq = static_cast<int>(task / num_kv_heads);
+      const int64_t seq = task / num_kv_heads;
       const int kv_head = static_cast<int>(task % num_kv_heads);
-      const int64_t context = context_lens[seq];
+      const int64_t context = a.kv_lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
       const int64_t count = context - first;
-      if (count <= 0 || (context + block_size - 1) / block_size > max_blocks) {
+      if (count <= 0 || (context + kv.block_size - 1) / kv.block_size > a.max_blocks) {
 #pragma omp atomic write
         status = 2;
         continue;
       }
-      const int64_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
+      const int64_t* table = a.block_tables + seq * a.max_blocks;
 #if KVSERVE_DECODE_BF16_DOT
       if (query_dtype == kBFloat16 && kv_dtype == kBFloat16) {
-        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
-        if (decode_task_bf16_dispatch(group, group_queries, result.data(), static_cast<const uint16_t*>(key_cache),
-                                      static_cast<const uint16_t*>(value_cache), table, first, count, kv_head, num_kv_heads,
-                                      head_dim, block_size, scale, scores, probs, acc)) {
+        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
+        if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc)) {
           for (int g = 0; g < group; ++g) {
-            const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+            const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
             store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
           }
           continue;
@@ -790,13 +795,12 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
       }
 #endif
       for (int g = 0; g < group; ++g) {
-        const int64_t q_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+        const int64_t q_offset = (seq * num_heads + kv_head * group + g) * head_dim;
         load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
       }
-      if (decode_task_fast_dispatch(group, kv_dtype, result.data(), queries.data(), key_cache, value_cache, table, first,
-                                    count, kv_head, num_kv_heads, head_dim, block_size, scale, scores, acc)) {
+      if (decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) {
         for (int g = 0; g < group; ++g) {
-          const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
           store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
         }
         continue;
@@ -804,9 +808,7 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
       scores.resize(static_cast<size_t>(group) * count);
 
       for (int64_t i = 0; i < count; ++i) {
-        const int64_t position = first + i;
-        const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        load_row(key_cache, kv_dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, row.data());
+        load_row(kv.key, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
         for (int g = 0; g < group; ++g)
           scores[g * count + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
       }
@@ -826,18 +828,16 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
 
       acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
       for (int64_t i = 0; i < count; ++i) {
-        const int64_t position = first + i;
-        const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        load_row(value_cache, kv_dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, row.data());
+        load_row(kv.value, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
         for (int g = 0; g < group; ++g) {
           const float weight = scores[g * count + i];
-          float* a = acc.data() + static_cast<size_t>(g) * head_dim;
+          float* acc_row = acc.data() + static_cast<size_t>(g) * head_dim;
 #pragma omp simd
-          for (int d = 0; d < head_dim; ++d) a[d] += weight * row[d];
+          for (int d = 0; d < head_dim; ++d) acc_row[d] += weight * row[d];
         }
       }
       for (int g = 0; g < group; ++g) {
-        const int64_t o_offset = (static_cast<int64_t>(seq) * num_heads + kv_head * group + g) * head_dim;
+        const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
         store_row(out, query_dtype, o_offset, head_dim, acc.data() + static_cast<size_t>(g) * head_dim, inv_sum[g]);
       }
     }
@@ -846,14 +846,18 @@ int kvserve_paged_decode_attention(void* out, const void* query, int query_dtype
 }
 
 
-// One prefill chunk of one sequence. query/out: [num_tokens, num_heads, head_dim]; the chunk's
-// tokens sit at positions context_start .. context_start + num_tokens - 1 and their K/V are
-// already stored in the pool. block_table covers every position up to the chunk's end.
-int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtype, const void* key_cache,
-                                    const void* value_cache, int kv_dtype, const int64_t* block_table,
-                                    int64_t context_start, int64_t num_tokens, int num_heads, int num_kv_heads,
-                                    int head_dim, int block_size, int window, float scale) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_tokens <= 0 || kv_dtype < 0 || kv_dtype > 2) return 1;
+// One prefill chunk of one sequence: see PrefillAttentionArgs.
+int kvserve_paged_prefill_attention(const PrefillAttentionArgs* args) {
+  const PrefillAttentionArgs& a = *args;
+  const KVView& kv = *a.kv;
+  const int num_heads = a.num_heads, num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim, window = a.window;
+  const int query_dtype = a.query_dtype;
+  const int64_t num_tokens = a.num_tokens, context_start = a.kv_start;
+  const float scale = a.scale;
+  void* out = a.out;
+  const void* query = a.query;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_tokens <= 0 || kv.dtype < 0 || kv.dtype > 2 || kv.block_size <= 0) return 1;
+  if ((context_start + num_tokens + kv.block_size - 1) / kv.block_size > a.num_blocks) return 2;
   const int group = num_heads / num_kv_heads;
   const int64_t context_end = context_start + num_tokens;
   const int64_t oldest = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
@@ -863,9 +867,8 @@ int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtyp
   PrefillBuffers& buf = caller_buffers;  // a plain reference, so the worker threads share the caller's buffers
   const int64_t rows_per_head = num_tokens * group;
 #if KVSERVE_DECODE_BF16_DOT
-  if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && head_dim % 32 == 0) {
-    unpack_context_bf16(buf, static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), block_table,
-                        key_base, context_end, num_kv_heads, head_dim, block_size);
+  if (query_dtype == kBFloat16 && kv.dtype == kBFloat16 && head_dim % 32 == 0) {
+    unpack_context_bf16(buf, kv, a.block_table, key_base, context_end);
     for_each_query_tile<kRowTileBf16>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
       thread_local std::vector<uint16_t> queries;
       thread_local std::vector<float> result;
@@ -881,7 +884,7 @@ int kvserve_paged_prefill_attention(void* out, const void* query, int query_dtyp
   }
 #endif
   const int head_pad = (head_dim + 15) / 16 * 16;
-  unpack_context(buf, key_cache, value_cache, kv_dtype, block_table, key_base, context_end, num_kv_heads, head_dim, head_pad, block_size);
+  unpack_context(buf, kv, a.block_table, key_base, context_end, head_pad);
   for_each_query_tile<kRowTile>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
     thread_local std::vector<float> queries;
     thread_local std::vector<float> result;

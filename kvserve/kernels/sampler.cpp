@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "args.h"
 #include "simd.h"
 
 namespace {
@@ -34,37 +35,6 @@ constexpr float kMassFloor = -88.f;  // exp underflows below; such tokens (and -
 constexpr int kLastBin = 88 * kBinsPerNat;
 constexpr int kMaxLogprobs = 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Mirrored by kvserve.kernels.SamplerRow.
-struct SamplerRow {
-  float temperature;  // 0: greedy (argmax after penalties)
-  float top_p;        // 1: off
-  float min_p;        // 0: off
-  float repetition_penalty;
-  float presence_penalty;
-  float frequency_penalty;
-  int32_t top_k;         // 0: off
-  int32_t num_logprobs;  // -1: none; else the raw top-N (N <= 20) and the token's raw logprob
-  uint64_t seed;
-  int64_t position;       // the sampled token's index in its sequence: the Philox counter
-  int64_t penalty_begin;  // this row's entries in penalty_ids / penalty_counts
-  int64_t penalty_end;
-};
-
-// Mirrored by kvserve.kernels.SamplerArgs.
-struct SamplerArgs {
-  float* logits;  // [rows][stride], modified in place (penalties)
-  int64_t stride;
-  int64_t vocab;
-  int64_t rows;
-  const SamplerRow* params;
-  const int64_t* penalty_ids;     // tokens seen in the prompt or the output
-  const int32_t* penalty_counts;  // their count in the output (0: prompt only)
-  int64_t* tokens;                // [rows]
-  float* token_logprobs;          // [rows]
-  int64_t* top_ids;               // [rows][kMaxLogprobs]
-  float* top_logprobs;            // [rows][kMaxLogprobs]
-};
 
 struct Philox {
   uint32_t out[4];
@@ -538,18 +508,6 @@ void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
 }  // namespace
 
 extern "C" {
-
-int kvserve_sampler_abi(int64_t* sizes) {
-  // sizes and offsets the Python mirror checks: row size, args size, then SamplerRow offsets
-  sizes[0] = sizeof(SamplerRow);
-  sizes[1] = sizeof(SamplerArgs);
-  sizes[2] = offsetof(SamplerRow, top_k);
-  sizes[3] = offsetof(SamplerRow, seed);
-  sizes[4] = offsetof(SamplerRow, penalty_end);
-  sizes[5] = offsetof(SamplerArgs, params);
-  sizes[6] = offsetof(SamplerArgs, top_logprobs);
-  return kMaxLogprobs;
-}
 
 int kvserve_sample(const SamplerArgs* args) {
   const SamplerArgs& a = *args;

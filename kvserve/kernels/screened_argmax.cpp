@@ -26,6 +26,7 @@
 
 #include <omp.h>
 
+#include "args.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -225,16 +226,20 @@ int kvserve_pack_int8_weight(const uint16_t* weight, int64_t n, int k, int group
 // [rows] (128 * sum_g t_g * sum(r_g)); bound: float [rows, ceil(n/16)]. x: bf16 [rows, k] for
 // the exact rescoring. argmax: int64 [rows]. rescored (may be null): int64 [rows], the tiles
 // recomputed in bf16 per row.
-int kvserve_screened_argmax(const uint8_t* qpacked, const float* row_scale, const float* row_error, const float* row_abs_q,
-                            const uint16_t* bf16_packed, int64_t n, int k, const int8_t* xq, int64_t ldxq,
-                            const float* group_scale, const float* group_delta, int group, const float* correction,
-                            const float* x_l1, const float* slack, const float* tile_bound, const uint16_t* x, int64_t ldx, int rows, int64_t* argmax,
-                            int64_t* rescored) {
+int kvserve_screened_argmax(const kvserve::ScreenedArgmaxArgs* a) {
 #if KVSERVE_HAS_SCREEN
+  const uint8_t* qpacked = a->qpacked;
+  const uint16_t* bf16_packed = a->bf16_packed;
+  const int64_t n = a->n, ldxq = a->ldxq, ldx = a->ldx;
+  const int k = a->k, group = a->group, rows = a->rows;
+  const uint16_t* x = a->x;
+  int64_t* argmax = a->argmax;
+  int64_t* rescored = a->rescored;
   if (n <= 0 || k <= 0 || k % 4 || group <= 0 || group % 4 || rows <= 0 || ldxq < k || ldx < k) return 1;
   const int groups = (k + group - 1) / group;
   if (groups > kMaxGroups) return 1;
-  const ScreenArgs args{qpacked, row_scale, row_error, row_abs_q, n, k, xq, ldxq, group_scale, group_delta, groups, group / 4, correction, x_l1, slack, tile_bound, (n + kTile - 1) / kTile};
+  const ScreenArgs args{qpacked, a->row_scale, a->row_error, a->row_abs_q, n, k, a->xq, ldxq, a->group_scale, a->group_delta, groups,
+                        group / 4, a->correction, a->x_l1, a->slack, a->tile_bound, (n + kTile - 1) / kTile};
   const int64_t tiles = args.tiles;
   constexpr int NT = 3;
   constexpr int MR = 4;

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "args.h"
 #include "simd.h"
 
 namespace {
@@ -131,8 +132,13 @@ extern "C" {
 // weight: [n, dim] in weight_dtype; x: float32 [rows_padded, dim] where rows_padded is rows
 // rounded up to 1, 2, 4, 8 or 16 (extra rows zero). out ([rows, n] in out_dtype) and argmax
 // (int64 [rows]) may each be null.
-int kvserve_skinny_matmul(const void* weight, int weight_dtype, const float* x, int rows, int64_t n, int dim, void* out,
-                          int out_dtype, int64_t* argmax) {
+int kvserve_skinny_matmul(const kvserve::SkinnyMatmulArgs* a) {
+  const void* weight = a->weight;
+  const float* x = a->x;
+  void* out = a->out;
+  int64_t* argmax = a->argmax;
+  const int64_t n = a->n;
+  const int weight_dtype = a->weight_dtype, rows = a->rows, dim = a->dim, out_dtype = a->out_dtype;
   if (rows <= 0 || rows > 16 || dim % 16 != 0 || n <= 0 || out_dtype < 0 || out_dtype > 2) return 1;
   if (rows == 1) return dispatch_dtype<1>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);
   if (rows <= 2) return dispatch_dtype<2>(weight_dtype, weight, x, rows, n, dim, out, out_dtype, argmax);

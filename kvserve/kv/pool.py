@@ -1,8 +1,12 @@
-"""The paged KV pool: the one place that stores and loads K/V.
+"""The paged KV pool: the one place that owns the bytes of K/V and their layout.
 
-Every layer's keys and values live in one preallocated tensor of ``num_blocks * block_size``
-slots. A token's slot is ``block_id * block_size + offset``. Quantized dtypes and tier transfers
-plug in here: nothing else touches the tensor.
+The pool is one tensor [layers_per_group, 2 (K, V), num_blocks * block_size, kv_heads, head_dim].
+A block id names the same slots in each of the layers_per_group slices; the block belongs to one
+KV cache group at a time, whose i-th layer uses slice i. So every group draws from one pool, and
+a layer's K (or V) is a contiguous [slots, kv_heads, head_dim] array in which a token's slot is
+block_id * block_size + offset. The pool hands each layer a `LayerKV`: those arrays and the
+kernels' `KVView` of them (addresses, strides, block size, element format, scale slots); nothing
+else computes an offset into the pool.
 """
 
 from __future__ import annotations
@@ -10,11 +14,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from kvserve import kernels
+from kvserve.kernels.args import KVView
 from kvserve.kv.spec import KVCacheSpec
-
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
@@ -38,56 +44,43 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's K and V: [slots, kv_heads, head_dim] each, slot = block_id * block_size + offset."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    view: KVView  # the same, described for the native kernels
+    group: int  # the KV cache group whose block tables address it
+    block_size: int
+
+
 class PagedKVPool:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
-        shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.layers_per_group, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.empty(shape, dtype=spec.torch_dtype, device=device)
         if device.type == "cpu":
             advise_huge_pages(self.kv)
         # zeroed, not left empty: padded gathers read arbitrary slots, and 0 * NaN would poison attention
         self.kv.zero_()
-        self._workspace: torch.Tensor | None = None
+        self.layers = tuple(self._layer(group, index) for group, index in spec.layer_slots)
+
+    def _layer(self, group: int, index: int) -> LayerKV:
+        key, value = self.kv[index, 0], self.kv[index, 1]
+        view = kernels.kv_view(key, value, self.block_size) if kernels.supports(key.device, key.dtype) else KVView()
+        return LayerKV(key, value, view, group, self.block_size)
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def store(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write new tokens' K/V ([T, kv_heads, head_dim]) into their slots."""
-        self.kv[layer, 0].index_copy_(0, slot_mapping, key.to(self.kv.dtype))
-        self.kv[layer, 1].index_copy_(0, slot_mapping, value.to(self.kv.dtype))
-
-    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key and value slots in place, [slots, kv_heads, head_dim] each, for kernels that read through block tables."""
-        return self.kv[layer, 0], self.kv[layer, 1]
-
-    def load(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather whole blocks' K/V for block tables of shape [..., n]: returns [..., n * block_size, kv_heads, head_dim].
-
-        The result lives in a workspace reused by the next call (gathering into fresh memory costs
-        more in page faults than the copy itself), so consume it before loading again.
-        """
-        count = block_ids.numel()
-        per_block = self.block_size * self.spec.num_kv_heads * self.spec.head_dim
-        if self._workspace is None or self._workspace.shape[1] < count * per_block:
-            self._workspace = torch.empty(2, count * per_block, dtype=self.kv.dtype, device=self.kv.device)
-        shape = (*block_ids.shape[:-1], block_ids.shape[-1] * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        flat = block_ids.reshape(-1)
-        out = []
-        for which in (0, 1):
-            blocks = self.kv[layer, which].view(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-            target = self._workspace[which, : count * per_block].view(count, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-            torch.index_select(blocks, 0, flat, out=target)
-            out.append(target.view(shape))
-        return out[0], out[1]
-
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A block's K/V for every layer: [layers, 2, block_size, kv_heads, head_dim] (a copy)."""
+        """One block, every layer of its group: [layers_per_group, 2, block_size, kv_heads, head_dim] (a contiguous copy)."""
         start = block_id * self.block_size
-        return self.kv[:, :, start : start + self.block_size].clone()
+        return self.kv[:, :, start : start + self.block_size].contiguous()
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         start = block_id * self.block_size

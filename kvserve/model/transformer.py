@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.kv.pool import PagedKVPool
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_skinny_matmul, residual_add_norm
 
@@ -43,10 +43,11 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, rows: torch.Tensor | None = None
+        self, x: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Stores every token's K/V; returns the output of ``rows`` only when given (else of all)."""
         tokens = x.shape[0]
+        positions = meta.positions
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -63,7 +64,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.layer, pool, meta, self.scale, self.window).view(tokens, self.q_size)
+        out = attention.forward(self.layer, q, k, v, meta, self.scale, self.window).view(tokens, self.q_size)
         if rows is not None:
             out = out.index_select(0, rows)
             if out.shape[0] == 0:  # a step in which no sequence samples still stores its K/V
@@ -89,8 +90,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         normed: torch.Tensor,
-        positions: torch.Tensor,
-        pool: PagedKVPool,
+        attention: AttentionBackend,
         meta: AttentionMetadata,
         next_norm: RMSNorm | None,
         rows: torch.Tensor | None = None,
@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
         next_norm of it (the next layer's input norm, fused with this layer's last residual add).
         With ``rows``, everything after the attention runs for those rows only (the last layer of a
         prefill: no later layer reads the other rows, and their K/V are already stored)."""
-        attn = self.self_attn(normed, positions, pool, meta, rows)
+        attn = self.self_attn(normed, attention, meta, rows)
         if rows is not None:
             x = x.index_select(0, rows)
             if x.shape[0] == 0:
@@ -150,7 +150,7 @@ class CausalLM(nn.Module):
                 module.native = True
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: PagedKVPool, meta: AttentionMetadata, output_rows: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, output_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Returns the last layer's hidden states [T, hidden], or only those of ``output_rows`` (the
         rows that sample); norm and logits run only where sampled."""
@@ -163,7 +163,7 @@ class CausalLM(nn.Module):
             output_rows = None  # every row is wanted (a decode step): no selection
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i < last else None
-            x, normed = layer(x, normed, positions, pool, meta, next_norm, output_rows if i == last else None)
+            x, normed = layer(x, normed, attention, meta, next_norm, output_rows if i == last else None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

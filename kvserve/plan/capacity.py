@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec, blocks_for_tokens
+from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec
 from kvserve.model.config import ModelConfig
 
 
@@ -31,12 +31,17 @@ class KVShape:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size, self.layer_windows)
 
 
+NO_LIMIT = 1 << 30  # tokens: no model context known
+
+
 @dataclass(frozen=True)
 class Workload:
     seq_lens: tuple[int, ...]
     block_size: int = 16
     shared_prefix_len: int = 0
     shared_prefix_seqs: int = 0
+    max_num_batched_tokens: int = 2048  # the engine's prefill chunk: a sliding-window group holds a chunk and its window
+    max_model_len: int = NO_LIMIT  # the model's context, when known
 
     def __post_init__(self) -> None:
         if not self.seq_lens:
@@ -51,6 +56,8 @@ class Workload:
             raise ValueError(f"shared-prefix-seqs ({self.shared_prefix_seqs}) exceeds the {len(self.seq_lens)} sequences")
         if self.shared_prefix_len > min(self.seq_lens):
             raise ValueError(f"shared-prefix-len ({self.shared_prefix_len}) exceeds the shortest sequence ({min(self.seq_lens)})")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -79,13 +86,13 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
     spec = shape.spec(kv_dtype, workload.block_size)
     logical = sum(spec.logical_bytes(n) for n in workload.seq_lens)
     physical = sum(spec.physical_bytes(n) for n in workload.seq_lens)
-    # only whole blocks of a shared prefix can be shared; every sharer after the first saves them
-    shared_tokens = (workload.shared_prefix_len // workload.block_size) * workload.block_size
-    saved = max(workload.shared_prefix_seqs - 1, 0) * spec.physical_bytes(shared_tokens) if shared_tokens else 0
+    # only whole blocks of a shared prefix that full-attention layers keep can be shared; every sharer after the first saves them
+    saved = max(workload.shared_prefix_seqs - 1, 0) * spec.shared_prefix_bytes(workload.shared_prefix_len)
     result = {
         "kv_dtype": spec.kv_dtype,
         "bytes_per_token": spec.bytes_per_token,
         "bytes_per_block": spec.bytes_per_block,
+        "kv_cache_groups": [{"layers": list(g.layers), "attention": g.attention} for g in spec.groups],
         "logical_bytes": logical,
         "physical_bytes": physical,
         "shared_bytes": physical - saved,
@@ -103,14 +110,17 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
     max_seqs = int(budget.kv_bytes // mean_physical)
     longest = max(workload.seq_lens)
-    # the engine admits --max-model-len only if its pool holds that many tokens in blocks that span every layer
-    longest_blocks = blocks_for_tokens(longest, workload.block_size)
+    chunk = workload.max_num_batched_tokens
+    # the engine admits --max-model-len only if its pool holds one sequence of that length at its peak
+    # (a sliding-window group holds a whole prefill chunk and the window before it)
+    longest_blocks = spec.peak_blocks(longest, chunk)
     required = max(needed, longest_blocks * spec.bytes_per_block)
     required_memory = budget.weights_gib + budget.headroom_gib + required / GIB
     result = {
         "kv_budget_bytes": budget.kv_bytes,
         "num_blocks": int(num_blocks),
-        "token_capacity": int(num_blocks * workload.block_size),
+        # the longest sequence the engine admits from this budget: its default --max-model-len
+        "token_capacity": spec.max_tokens(int(num_blocks), chunk, workload.max_model_len),
         "max_concurrent_seqs": max_seqs,
         "fits": required <= budget.kv_bytes,
         "required_kv_bytes": required,
@@ -120,10 +130,9 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     if longest_blocks <= num_blocks:
         # max_seqs counts sequences of the mean size without prefix sharing; a workload that fits runs whole
         all_at_once = len(workload.seq_lens) if result["fits"] else 1
-        step_tokens = max(2048, longest_blocks * workload.block_size if longest <= 8192 else 8192)
         result["recommended"] = {
             "max_num_seqs": max(max_seqs, all_at_once),
-            "max_num_batched_tokens": int(min(num_blocks * workload.block_size, step_tokens)),
+            "max_num_batched_tokens": chunk,
             "kv_cache_memory": round(budget.kv_bytes / GIB, 3),
             "max_model_len": longest,
         }

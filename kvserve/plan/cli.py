@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvserve.kv.spec import GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.plan.capacity import Budget, KVShape, Workload, engine_stores, model_weight_bytes, plan
+from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, engine_stores, model_weight_bytes, plan
 from kvserve.plan.replay import read_trace, replay
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -43,7 +43,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--kv-cache-memory", type=float, default=None, help="replay: GiB of KV pool (default: the planned budget, else 2)")
     rep.add_argument("--num-kv-blocks", type=int, default=None, help="replay: exact number of KV blocks")
     rep.add_argument("--max-num-seqs", type=int, default=64, help="replay: sequences per step")
-    rep.add_argument("--max-num-batched-tokens", type=int, default=2048, help="replay: token budget per step")
+    rep.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="token budget per step: the prefill chunk a sliding-window layer holds with its window (and replay's)")
     rep.add_argument("--max-model-len", type=int, default=None, help="replay: longest sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -140,9 +141,9 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     ]
     need = f"{_fmt_bytes(required)} of {kv_dtype} KV"
     if required > result["shared_bytes"]:
-        blocks = -(-longest // result["shape"]["block_size"])
-        need += (f" (the engine's blocks span every layer, so --max-model-len {longest} takes {blocks:,} blocks "
-                 f"of {_fmt_bytes(result['bytes_per_block'])})")
+        blocks = required // result["bytes_per_block"]
+        need += (f" (one sequence of --max-model-len {longest} takes {blocks:,} blocks of {_fmt_bytes(result['bytes_per_block'])} "
+                 "at its peak: a prefill chunk and the window before it in each sliding-window group, the whole length in the rest)")
     if result["fits"]:
         lines.append(f"It holds the workload, which needs {need}.")
     else:
@@ -180,6 +181,17 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         + f", block size {s['block_size']}\nworkload: {_plural(result['num_seqs'], 'sequence')}, {_plural(result['num_tokens'], 'token')}",
         highlight=False,
     )
+    groups = result["kv_cache_groups"]
+    if len(groups) > 1:
+        kinds: dict[str, int] = {}
+        for g in groups:
+            kinds[g["attention"]] = kinds.get(g["attention"], 0) + 1
+        console.print(
+            f"hybrid KV cache: {' + '.join(f'{n} {kind}' for kind, n in kinds.items())} groups of {len(groups[0]['layers'])} layers; "
+            f"a block is {s['block_size']} tokens of one group ({_fmt_bytes(result['bytes_per_block'])}); sliding-window groups "
+            "hold only their window's blocks",
+            highlight=False,
+        )
     console.print(_dtype_table(result, console))
     if budget is not None:
         for line in _advice(result, budget, longest):
@@ -201,7 +213,10 @@ def run_plan(args: argparse.Namespace) -> int:
     shape, model_config = _shape(args)
     if args.replay and not (args.seq_lens or args.trace):
         args.trace = args.replay
-    workload = Workload(_seq_lens(args), args.block_size, args.shared_prefix_len, args.shared_prefix_seqs)
+    workload = Workload(
+        _seq_lens(args), args.block_size, args.shared_prefix_len, args.shared_prefix_seqs, args.max_num_batched_tokens,
+        model_config.max_position_embeddings if model_config is not None else NO_LIMIT,
+    )  # fmt: skip
     budget = None
     if args.memory_gib is not None:
         weights = args.weights_gib

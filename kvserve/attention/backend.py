@@ -1,0 +1,55 @@
+"""The one interface the model calls for attention, and the registry of its implementations.
+
+A backend owns how K/V are stored into and read from the paged pool; the model hands it each
+layer's queries, keys and values and gets the attention output back. Adding a backend (a CUDA
+one, a quantized-KV path) is one class registered here; no model file changes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvserve.kv.pool import PagedKVPool
+
+
+class AttentionBackend(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, pool: "PagedKVPool") -> None:
+        self.pool = pool
+        self.layers = pool.layers
+
+    @abc.abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, KVH, D] of the step's tokens. Stores k/v in the layer's slots and
+        returns the attention output [T, H, D]; a sliding-window layer sees the last `window` slots."""
+
+    def store(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        kv = self.layers[layer]
+        slots = meta.slot_mappings[kv.group]
+        kv.key.index_copy_(0, slots, k.to(kv.key.dtype))
+        kv.value.index_copy_(0, slots, v.to(kv.value.dtype))
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def create_backend(name: str, pool: "PagedKVPool") -> AttentionBackend:
+    from kvserve.attention import cpu_paged, torch_sdpa  # noqa: F401  -- registers the implementations
+
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; choose one of {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](pool)

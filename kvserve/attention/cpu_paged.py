@@ -1,0 +1,31 @@
+"""`cpu_paged`: the native CPU kernels read K/V in place through each group's block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve import kernels
+from kvserve.attention.backend import AttentionBackend, register
+from kvserve.attention.metadata import AttentionMetadata
+
+
+@register
+class CpuPagedBackend(AttentionBackend):
+    name = "cpu_paged"
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
+    ) -> torch.Tensor:
+        self.store(layer, meta, k, v)
+        kv = self.layers[layer]
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            kernels.paged_decode_attention(
+                q[:num_decode], kv.view, meta.decode_block_tables[kv.group], meta.decode_kv_lens, scale, window, out=out[:num_decode]
+            )
+        for span in meta.prefills:
+            kernels.paged_prefill_attention(
+                q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_start, scale, window, out=out[span.start : span.end]
+            )
+        return out

@@ -1,0 +1,35 @@
+"""What attention needs to know about one step's flat batch, built once per step by the runner.
+
+Positions (for RoPE) and cached slots are different numbers: a token's position is its index in
+its sequence; `decode_kv_lens` counts the slots a sequence holds in the cache. Every KV cache group
+has its own block tables and slot mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this chunk in the flat batch
+    end: int
+    kv_start: int  # slot of the chunk's first token
+    block_tables: list[torch.Tensor]  # per group: [nb] blocks covering every slot up to the chunk's end
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] each token's position in its sequence
+    slot_mappings: list[torch.Tensor]  # per group: [T] where each token's K/V goes
+    num_decode_tokens: int = 0  # decode rows come first, one per sequence
+    decode_kv_lens: torch.Tensor | None = None  # [B] cached slots, the new token's included
+    decode_block_tables: list[torch.Tensor] = field(default_factory=list)  # per group: [B, nb]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    cache: dict = field(default_factory=dict)  # a backend's per-step derived data (masks), shared by its layers

@@ -1,0 +1,106 @@
+// Sizes and field offsets of the argument structs in args.h, for the layout test against their
+// ctypes mirrors (kvserve/kernels/args.py).
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "args.h"
+
+using namespace kvserve;
+
+#define KVSERVE_FIELD(S, f) static_cast<int64_t>(offsetof(S, f))
+
+extern "C" {
+
+// out: sizeof(name), then the offset of each field in declaration order. Returns the count
+// written, or -1 for an unknown struct or too little room.
+int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
+  if (!std::strcmp(name, "KVView")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVView)), KVSERVE_FIELD(KVView, key), KVSERVE_FIELD(KVView, value), KVSERVE_FIELD(KVView, key_scale), KVSERVE_FIELD(KVView, value_scale), KVSERVE_FIELD(KVView, block_stride), KVSERVE_FIELD(KVView, token_stride), KVSERVE_FIELD(KVView, dtype), KVSERVE_FIELD(KVView, block_size), KVSERVE_FIELD(KVView, num_kv_heads), KVSERVE_FIELD(KVView, head_dim)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "DecodeAttentionArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(DecodeAttentionArgs)), KVSERVE_FIELD(DecodeAttentionArgs, out), KVSERVE_FIELD(DecodeAttentionArgs, query), KVSERVE_FIELD(DecodeAttentionArgs, kv), KVSERVE_FIELD(DecodeAttentionArgs, block_tables), KVSERVE_FIELD(DecodeAttentionArgs, kv_lens), KVSERVE_FIELD(DecodeAttentionArgs, num_seqs), KVSERVE_FIELD(DecodeAttentionArgs, max_blocks), KVSERVE_FIELD(DecodeAttentionArgs, query_dtype), KVSERVE_FIELD(DecodeAttentionArgs, num_heads), KVSERVE_FIELD(DecodeAttentionArgs, window), KVSERVE_FIELD(DecodeAttentionArgs, scale)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "PrefillAttentionArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(PrefillAttentionArgs)), KVSERVE_FIELD(PrefillAttentionArgs, out), KVSERVE_FIELD(PrefillAttentionArgs, query), KVSERVE_FIELD(PrefillAttentionArgs, kv), KVSERVE_FIELD(PrefillAttentionArgs, block_table), KVSERVE_FIELD(PrefillAttentionArgs, num_blocks), KVSERVE_FIELD(PrefillAttentionArgs, kv_start), KVSERVE_FIELD(PrefillAttentionArgs, num_tokens), KVSERVE_FIELD(PrefillAttentionArgs, query_dtype), KVSERVE_FIELD(PrefillAttentionArgs, num_heads), KVSERVE_FIELD(PrefillAttentionArgs, window), KVSERVE_FIELD(PrefillAttentionArgs, scale)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "SkinnyMatmulArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(SkinnyMatmulArgs)), KVSERVE_FIELD(SkinnyMatmulArgs, weight), KVSERVE_FIELD(SkinnyMatmulArgs, x), KVSERVE_FIELD(SkinnyMatmulArgs, out), KVSERVE_FIELD(SkinnyMatmulArgs, argmax), KVSERVE_FIELD(SkinnyMatmulArgs, n), KVSERVE_FIELD(SkinnyMatmulArgs, weight_dtype), KVSERVE_FIELD(SkinnyMatmulArgs, rows), KVSERVE_FIELD(SkinnyMatmulArgs, dim), KVSERVE_FIELD(SkinnyMatmulArgs, out_dtype)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "PackedMatmulArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(PackedMatmulArgs)), KVSERVE_FIELD(PackedMatmulArgs, packed), KVSERVE_FIELD(PackedMatmulArgs, x), KVSERVE_FIELD(PackedMatmulArgs, out), KVSERVE_FIELD(PackedMatmulArgs, argmax), KVSERVE_FIELD(PackedMatmulArgs, n), KVSERVE_FIELD(PackedMatmulArgs, ldx), KVSERVE_FIELD(PackedMatmulArgs, k), KVSERVE_FIELD(PackedMatmulArgs, rows), KVSERVE_FIELD(PackedMatmulArgs, out_dtype), KVSERVE_FIELD(PackedMatmulArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "ScreenedArgmaxArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(ScreenedArgmaxArgs)), KVSERVE_FIELD(ScreenedArgmaxArgs, qpacked), KVSERVE_FIELD(ScreenedArgmaxArgs, row_scale), KVSERVE_FIELD(ScreenedArgmaxArgs, row_error), KVSERVE_FIELD(ScreenedArgmaxArgs, row_abs_q), KVSERVE_FIELD(ScreenedArgmaxArgs, bf16_packed), KVSERVE_FIELD(ScreenedArgmaxArgs, xq), KVSERVE_FIELD(ScreenedArgmaxArgs, group_scale), KVSERVE_FIELD(ScreenedArgmaxArgs, group_delta), KVSERVE_FIELD(ScreenedArgmaxArgs, correction), KVSERVE_FIELD(ScreenedArgmaxArgs, x_l1), KVSERVE_FIELD(ScreenedArgmaxArgs, slack), KVSERVE_FIELD(ScreenedArgmaxArgs, tile_bound), KVSERVE_FIELD(ScreenedArgmaxArgs, x), KVSERVE_FIELD(ScreenedArgmaxArgs, argmax), KVSERVE_FIELD(ScreenedArgmaxArgs, rescored), KVSERVE_FIELD(ScreenedArgmaxArgs, n), KVSERVE_FIELD(ScreenedArgmaxArgs, ldxq), KVSERVE_FIELD(ScreenedArgmaxArgs, ldx), KVSERVE_FIELD(ScreenedArgmaxArgs, k), KVSERVE_FIELD(ScreenedArgmaxArgs, group), KVSERVE_FIELD(ScreenedArgmaxArgs, rows), KVSERVE_FIELD(ScreenedArgmaxArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "RmsNormArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(RmsNormArgs)), KVSERVE_FIELD(RmsNormArgs, out), KVSERVE_FIELD(RmsNormArgs, x), KVSERVE_FIELD(RmsNormArgs, weight), KVSERVE_FIELD(RmsNormArgs, x_stride), KVSERVE_FIELD(RmsNormArgs, rows), KVSERVE_FIELD(RmsNormArgs, dtype), KVSERVE_FIELD(RmsNormArgs, dim), KVSERVE_FIELD(RmsNormArgs, eps), KVSERVE_FIELD(RmsNormArgs, scale_after_cast)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "AddRmsNormArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(AddRmsNormArgs)), KVSERVE_FIELD(AddRmsNormArgs, out), KVSERVE_FIELD(AddRmsNormArgs, residual), KVSERVE_FIELD(AddRmsNormArgs, addend), KVSERVE_FIELD(AddRmsNormArgs, addend_weight), KVSERVE_FIELD(AddRmsNormArgs, weight), KVSERVE_FIELD(AddRmsNormArgs, rows), KVSERVE_FIELD(AddRmsNormArgs, dtype), KVSERVE_FIELD(AddRmsNormArgs, dim), KVSERVE_FIELD(AddRmsNormArgs, eps), KVSERVE_FIELD(AddRmsNormArgs, scale_after_cast)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "QkNormRopeArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(QkNormRopeArgs)), KVSERVE_FIELD(QkNormRopeArgs, q_out), KVSERVE_FIELD(QkNormRopeArgs, k_out), KVSERVE_FIELD(QkNormRopeArgs, qkv), KVSERVE_FIELD(QkNormRopeArgs, q_weight), KVSERVE_FIELD(QkNormRopeArgs, k_weight), KVSERVE_FIELD(QkNormRopeArgs, positions), KVSERVE_FIELD(QkNormRopeArgs, cos), KVSERVE_FIELD(QkNormRopeArgs, sin), KVSERVE_FIELD(QkNormRopeArgs, tokens), KVSERVE_FIELD(QkNormRopeArgs, qkv_stride), KVSERVE_FIELD(QkNormRopeArgs, dtype), KVSERVE_FIELD(QkNormRopeArgs, num_heads), KVSERVE_FIELD(QkNormRopeArgs, num_kv_heads), KVSERVE_FIELD(QkNormRopeArgs, head_dim), KVSERVE_FIELD(QkNormRopeArgs, eps), KVSERVE_FIELD(QkNormRopeArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "GatedActivationArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(GatedActivationArgs)), KVSERVE_FIELD(GatedActivationArgs, out), KVSERVE_FIELD(GatedActivationArgs, gate_up), KVSERVE_FIELD(GatedActivationArgs, rows), KVSERVE_FIELD(GatedActivationArgs, inter), KVSERVE_FIELD(GatedActivationArgs, dtype), KVSERVE_FIELD(GatedActivationArgs, activation)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "SamplerRow")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(SamplerRow)), KVSERVE_FIELD(SamplerRow, temperature), KVSERVE_FIELD(SamplerRow, top_p), KVSERVE_FIELD(SamplerRow, min_p), KVSERVE_FIELD(SamplerRow, repetition_penalty), KVSERVE_FIELD(SamplerRow, presence_penalty), KVSERVE_FIELD(SamplerRow, frequency_penalty), KVSERVE_FIELD(SamplerRow, top_k), KVSERVE_FIELD(SamplerRow, num_logprobs), KVSERVE_FIELD(SamplerRow, seed), KVSERVE_FIELD(SamplerRow, position), KVSERVE_FIELD(SamplerRow, penalty_begin), KVSERVE_FIELD(SamplerRow, penalty_end)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "SamplerArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(SamplerArgs)), KVSERVE_FIELD(SamplerArgs, logits), KVSERVE_FIELD(SamplerArgs, stride), KVSERVE_FIELD(SamplerArgs, vocab), KVSERVE_FIELD(SamplerArgs, rows), KVSERVE_FIELD(SamplerArgs, params), KVSERVE_FIELD(SamplerArgs, penalty_ids), KVSERVE_FIELD(SamplerArgs, penalty_counts), KVSERVE_FIELD(SamplerArgs, tokens), KVSERVE_FIELD(SamplerArgs, token_logprobs), KVSERVE_FIELD(SamplerArgs, top_ids), KVSERVE_FIELD(SamplerArgs, top_logprobs)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  return -1;
+}
+
+}  // extern "C"

@@ -1,0 +1,198 @@
+// Every kernel's arguments, declared once. kvserve/kernels/args.py mirrors each struct with
+// ctypes; abi.cpp reports each struct's size and field offsets, and a test compares the two
+// layouts field by field, so a mismatch fails loudly instead of reading garbage.
+//
+// Field order keeps every member naturally aligned (8-byte members first), so the layout is the
+// same under every compiler the kernels build with.
+
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve {
+
+// Where one layer's K and V live in the paged pool, as the pool lays them out: token t of
+// block b, kv head h starts at element  b * block_stride + t * token_stride + h * head_dim
+// of `key` (and of `value`), in elements of `dtype`.
+struct KVView {
+  void* key;
+  void* value;
+  void* key_scale;    // per-token scales of a quantized format; null for float formats
+  void* value_scale;
+  int64_t block_stride;
+  int64_t token_stride;
+  int32_t dtype;
+  int32_t block_size;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+};
+
+// One query token per sequence (decode).
+struct DecodeAttentionArgs {
+  void* out;                    // [num_seqs, num_heads, head_dim] in query_dtype
+  const void* query;            // [num_seqs, num_heads, head_dim] in query_dtype
+  const KVView* kv;
+  const int64_t* block_tables;  // [num_seqs, max_blocks]
+  const int64_t* kv_lens;       // [num_seqs]: cached slots, the query's own included
+  int64_t num_seqs;
+  int64_t max_blocks;
+  int32_t query_dtype;
+  int32_t num_heads;
+  int32_t window;  // > 0: only the last `window` slots
+  float scale;
+};
+
+// One prefill chunk of one sequence: queries at slots kv_start .. kv_start + num_tokens - 1,
+// whose K/V are in the pool already; causal.
+struct PrefillAttentionArgs {
+  void* out;                   // [num_tokens, num_heads, head_dim] in query_dtype
+  const void* query;           // [num_tokens, num_heads, head_dim] in query_dtype
+  const KVView* kv;
+  const int64_t* block_table;  // covers every slot up to kv_start + num_tokens
+  int64_t num_blocks;
+  int64_t kv_start;
+  int64_t num_tokens;
+  int32_t query_dtype;
+  int32_t num_heads;
+  int32_t window;
+  float scale;
+};
+
+// x @ weight^T for 1..16 rows (skinny_matmul.cpp)
+struct SkinnyMatmulArgs {
+  const void* weight;  // [n, dim] in weight_dtype
+  const float* x;      // float32 [rows rounded up to 1, 2, 4, 8 or 16, dim], extra rows zero
+  void* out;           // [rows, n] in out_dtype, or null
+  int64_t* argmax;     // [rows], or null
+  int64_t n;
+  int32_t weight_dtype;
+  int32_t rows;
+  int32_t dim;
+  int32_t out_dtype;
+};
+
+// x @ weight^T on a weight packed by kvserve_pack_bf16_weight (packed_matmul.cpp)
+struct PackedMatmulArgs {
+  const uint16_t* packed;  // bf16 [ceil(n/16) * 16 * k]
+  const uint16_t* x;       // bf16 [rows, k], row stride ldx
+  void* out;               // [rows, n] in out_dtype, or null
+  int64_t* argmax;         // [rows], or null
+  int64_t n;
+  int64_t ldx;
+  int32_t k;
+  int32_t rows;
+  int32_t out_dtype;
+  int32_t pad_;
+};
+
+// The int8-screened exact greedy argmax (screened_argmax.cpp)
+struct ScreenedArgmaxArgs {
+  const uint8_t* qpacked;    // int8 weight, + 128, [tiles][k/4][16][4]
+  const float* row_scale;    // [tiles * 16]
+  const float* row_error;    // [tiles * 16]
+  const float* row_abs_q;    // [tiles][groups][16]
+  const uint16_t* bf16_packed;
+  const int8_t* xq;          // [rows, k] int8 hidden rows, row stride ldxq
+  const float* group_scale;  // [rows][groups]
+  const float* group_delta;  // [rows][groups]
+  const float* correction;   // [rows]
+  const float* x_l1;         // [rows]
+  const float* slack;        // [rows]
+  const float* tile_bound;   // [rows][tiles]
+  const uint16_t* x;         // bf16 [rows, k], row stride ldx
+  int64_t* argmax;           // [rows]
+  int64_t* rescored;         // [rows]: tiles recomputed exactly
+  int64_t n;
+  int64_t ldxq;
+  int64_t ldx;
+  int32_t k;
+  int32_t group;
+  int32_t rows;
+  int32_t pad_;
+};
+
+struct RmsNormArgs {
+  void* out;            // [rows, dim]
+  const void* x;        // rows with stride x_stride
+  const float* weight;  // [dim]
+  int64_t x_stride;
+  int64_t rows;
+  int32_t dtype;
+  int32_t dim;
+  float eps;
+  int32_t scale_after_cast;
+};
+
+// residual += norm(addend) * addend_weight (or + addend); out = norm(residual) * weight
+struct AddRmsNormArgs {
+  void* out;                   // [rows, dim], or null without weight
+  void* residual;              // [rows, dim], updated in place
+  const void* addend;          // [rows, dim]
+  const float* addend_weight;  // or null
+  const float* weight;         // or null
+  int64_t rows;
+  int32_t dtype;
+  int32_t dim;
+  float eps;
+  int32_t scale_after_cast;
+};
+
+struct QkNormRopeArgs {
+  void* q_out;             // [tokens, num_heads, head_dim]
+  void* k_out;             // [tokens, num_kv_heads, head_dim]
+  const void* qkv;         // [tokens, width], row stride qkv_stride
+  const float* q_weight;   // [head_dim], or null
+  const float* k_weight;   // [head_dim], or null
+  const int64_t* positions;
+  const float* cos;        // [positions, head_dim / 2]
+  const float* sin;
+  int64_t tokens;
+  int64_t qkv_stride;
+  int32_t dtype;
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  float eps;
+  int32_t pad_;
+};
+
+struct GatedActivationArgs {
+  void* out;            // [rows, inter]
+  const void* gate_up;  // [rows, 2 * inter]
+  int64_t rows;
+  int64_t inter;
+  int32_t dtype;
+  int32_t activation;   // 0 gelu_tanh, 1 silu
+};
+
+// Sampling from full logits rows (sampler.cpp): one SamplerRow per row.
+struct SamplerRow {
+  float temperature;  // 0: greedy (argmax after penalties)
+  float top_p;        // 1: off
+  float min_p;        // 0: off
+  float repetition_penalty;
+  float presence_penalty;
+  float frequency_penalty;
+  int32_t top_k;         // 0: off
+  int32_t num_logprobs;  // -1: none; else the raw top-N (N <= 20) and the token's raw logprob
+  uint64_t seed;
+  int64_t position;       // the sampled token's index in its sequence: the Philox counter
+  int64_t penalty_begin;  // this row's entries in penalty_ids / penalty_counts
+  int64_t penalty_end;
+};
+
+struct SamplerArgs {
+  float* logits;  // [rows][stride], modified in place (penalties)
+  int64_t stride;
+  int64_t vocab;
+  int64_t rows;
+  const SamplerRow* params;
+  const int64_t* penalty_ids;     // tokens seen in the prompt or the output
+  const int32_t* penalty_counts;  // their count in the output (0: prompt only)
+  int64_t* tokens;                // [rows]
+  float* token_logprobs;          // [rows]
+  int64_t* top_ids;               // [rows][20]
+  float* top_logprobs;            // [rows][20]
+};
+
+}  // namespace kvserve

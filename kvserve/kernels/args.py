@@ -1,0 +1,118 @@
+"""ctypes mirrors of the kernels' argument structs (kernels/args.h), each declared once here.
+
+`layout_mismatches()` compares every mirror's size and field offsets with what the compiled
+library reports (abi.cpp), so a struct changed on one side only fails loudly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+_f32 = ctypes.c_float
+
+
+class KVView(ctypes.Structure):
+    _fields_ = [
+        ("key", _p), ("value", _p), ("key_scale", _p), ("value_scale", _p), ("block_stride", _i64), ("token_stride", _i64),
+        ("dtype", _i32), ("block_size", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
+    ]  # fmt: skip
+
+
+class DecodeAttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("query", _p), ("kv", _p), ("block_tables", _p), ("kv_lens", _p), ("num_seqs", _i64), ("max_blocks", _i64),
+        ("query_dtype", _i32), ("num_heads", _i32), ("window", _i32), ("scale", _f32),
+    ]  # fmt: skip
+
+
+class PrefillAttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("query", _p), ("kv", _p), ("block_table", _p), ("num_blocks", _i64), ("kv_start", _i64), ("num_tokens", _i64),
+        ("query_dtype", _i32), ("num_heads", _i32), ("window", _i32), ("scale", _f32),
+    ]  # fmt: skip
+
+
+class SkinnyMatmulArgs(ctypes.Structure):
+    _fields_ = [
+        ("weight", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("weight_dtype", _i32), ("rows", _i32), ("dim", _i32),
+        ("out_dtype", _i32),
+    ]  # fmt: skip
+
+
+class PackedMatmulArgs(ctypes.Structure):
+    _fields_ = [
+        ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
+        ("out_dtype", _i32), ("pad_", _i32),
+    ]  # fmt: skip
+
+
+class ScreenedArgmaxArgs(ctypes.Structure):
+    _fields_ = [
+        ("qpacked", _p), ("row_scale", _p), ("row_error", _p), ("row_abs_q", _p), ("bf16_packed", _p), ("xq", _p), ("group_scale", _p),
+        ("group_delta", _p), ("correction", _p), ("x_l1", _p), ("slack", _p), ("tile_bound", _p), ("x", _p), ("argmax", _p),
+        ("rescored", _p), ("n", _i64), ("ldxq", _i64), ("ldx", _i64), ("k", _i32), ("group", _i32), ("rows", _i32), ("pad_", _i32),
+    ]  # fmt: skip
+
+
+class RmsNormArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("x", _p), ("weight", _p), ("x_stride", _i64), ("rows", _i64), ("dtype", _i32), ("dim", _i32), ("eps", _f32),
+        ("scale_after_cast", _i32),
+    ]  # fmt: skip
+
+
+class AddRmsNormArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("residual", _p), ("addend", _p), ("addend_weight", _p), ("weight", _p), ("rows", _i64), ("dtype", _i32),
+        ("dim", _i32), ("eps", _f32), ("scale_after_cast", _i32),
+    ]  # fmt: skip
+
+
+class QkNormRopeArgs(ctypes.Structure):
+    _fields_ = [
+        ("q_out", _p), ("k_out", _p), ("qkv", _p), ("q_weight", _p), ("k_weight", _p), ("positions", _p), ("cos", _p), ("sin", _p),
+        ("tokens", _i64), ("qkv_stride", _i64), ("dtype", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
+        ("eps", _f32), ("pad_", _i32),
+    ]  # fmt: skip
+
+
+class GatedActivationArgs(ctypes.Structure):
+    _fields_ = [("out", _p), ("gate_up", _p), ("rows", _i64), ("inter", _i64), ("dtype", _i32), ("activation", _i32)]
+
+
+class SamplerRow(ctypes.Structure):
+    """One row's sampling parameters."""
+
+    _fields_ = [
+        ("temperature", _f32), ("top_p", _f32), ("min_p", _f32), ("repetition_penalty", _f32), ("presence_penalty", _f32),
+        ("frequency_penalty", _f32), ("top_k", _i32), ("num_logprobs", _i32), ("seed", ctypes.c_uint64), ("position", _i64),
+        ("penalty_begin", _i64), ("penalty_end", _i64),
+    ]  # fmt: skip
+
+
+class SamplerArgs(ctypes.Structure):
+    _fields_ = [
+        ("logits", _p), ("stride", _i64), ("vocab", _i64), ("rows", _i64), ("params", _p), ("penalty_ids", _p), ("penalty_counts", _p),
+        ("tokens", _p), ("token_logprobs", _p), ("top_ids", _p), ("top_logprobs", _p),
+    ]  # fmt: skip
+
+
+STRUCTS = (
+    KVView, DecodeAttentionArgs, PrefillAttentionArgs, SkinnyMatmulArgs, PackedMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
+    AddRmsNormArgs, QkNormRopeArgs, GatedActivationArgs, SamplerRow, SamplerArgs,
+)  # fmt: skip
+
+
+def layout_mismatches(library: ctypes.CDLL) -> list[str]:
+    """Every struct whose size or field offsets differ between this file and the library."""
+    problems = []
+    for struct in STRUCTS:
+        expected = [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
+        out = (ctypes.c_int64 * 64)()
+        count = library.kvserve_struct_layout(struct.__name__.encode(), out, 64)
+        if count < 0 or list(out[:count]) != expected:
+            problems.append(f"{struct.__name__}: C {list(out[:max(count, 0)])} vs Python {expected}")
+    return problems
