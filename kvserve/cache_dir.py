@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import xxhash
+
+
+def tree_digest(paths: list[Path]) -> str:
+    """One digest over several files' names and contents (an HF checkpoint directory)."""
+    digest = xxhash.xxh3_128()
+    for path in sorted(paths):
+        digest.update(path.name.encode() + b"\0" + file_digest(path).encode())
+    return digest.hexdigest()
 
 
 def cache_root() -> Path:
@@ -15,7 +24,13 @@ def cache_root() -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """xxh3-128 of a file's bytes: the key of everything derived from it."""
+    """xxh3-128 of a file's bytes: the key of everything derived from it (computed once per file version)."""
+    stat = path.stat()
+    return _digest(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
     digest = xxhash.xxh3_128()
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):

@@ -11,6 +11,7 @@ import torch
 from kvserve.model.registry import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
+PREFIX_CACHES = ("hash", "radix")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,6 +50,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
     disable_hybrid_kv_cache_manager: bool = False  # every layer holds every block (sliding-window layers too)
+    enable_prefix_caching: bool = True
+    prefix_cache: str = "hash"  # hash: whole blocks by chained hash; radix: token-granular radix tree
 
     def __post_init__(self) -> None:
         try:
@@ -59,6 +62,8 @@ class EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {self.prefix_cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
         if self.kv_cache_dtype == "auto":

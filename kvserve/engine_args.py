@@ -31,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "compiled on first use; torch_sdpa gathers blocks and runs torch SDPA (any device); "
                        "auto takes cpu_paged on CPU when a C++ compiler is present")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the K/V of prompt prefixes already computed (system prompts, documents, earlier turns); "
+                       "--no-enable-prefix-caching turns it off")
+    group.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
+                       help="hash: whole blocks matched by chained hash; radix: a radix tree that also reuses the shared "
+                       "part of a block (copied into a fresh one)")
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="give sliding-window layers blocks for the whole sequence, as full-attention layers get "
                        "(by default they hold only their window's blocks)")

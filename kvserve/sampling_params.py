@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
@@ -12,6 +12,7 @@ MAX_SEED = 2**63
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    n: int = 1  # samples of the prompt (the prompt is computed once; sample i draws with seed + i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -31,6 +32,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 64:
+            raise ValueError(f"n must be an integer in [1, 64], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -56,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    def samples(self) -> list["SamplingParams"]:
+        """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""
+        return [
+            replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % MAX_SEED) for i in range(self.n)
+        ]
 
     @property
     def greedy(self) -> bool:

@@ -46,11 +46,13 @@ def reference(model_dir):
 
 
 def metrics(url: str) -> dict[str, float]:
+    """Samples by name (a labelled metric's series summed, histogram buckets left out)."""
     text = httpx.get(url + "/metrics").text
-    out = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            out[sample.name] = sample.value
+            if "le" not in sample.labels:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
@@ -165,6 +167,40 @@ def test_metrics_count_exact_tokens(server, reference):
         assert f"kvserve:{name}" in after, name
     body = httpx.get(server + "/metrics").text
     assert "Everyone" not in body and 'model_name="tiny"' in body
+
+
+def test_prefix_cache_over_http(server, reference):
+    """cached_tokens in usage, tenants kept apart by cache_salt, n > 1 computing the prompt once,
+    honest counters, and POST /reset_prefix_cache."""
+    system = random_prompts(1, 70, 70, seed=31)[0]
+    c = client(server)
+
+    def ask(question: list[int], salt: str | None = None, **kw):
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
+        return c.completions.create(model="tiny", prompt=system + question, max_tokens=4, temperature=0, extra_body=extra, **kw)
+
+    before = metrics(server)
+    first = ask([11, 12], salt="alice")
+    second = ask([13, 14, 15], salt="alice")
+    other = ask([13, 14, 15], salt="bob")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64  # four whole blocks of the shared system prompt
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's blocks are never reused
+    expected = reference.generate([system + [13, 14, 15]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert second.choices[0].text == other.choices[0].text == expected[0].text
+    after = metrics(server)
+    assert after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"] == 64
+    assert after["kvserve:prefix_cache_requests_total"] - before["kvserve:prefix_cache_requests_total"] == 3
+    assert after["kvserve:prefix_cache_requests_hit_total"] - before["kvserve:prefix_cache_requests_hit_total"] == 1
+    assert after["kvserve:prefix_cache_misses_total"] - before["kvserve:prefix_cache_misses_total"] == 2  # summed over reasons
+    samples = ask([16], salt="carol", n=4, seed=5).choices
+    assert len({ch.text for ch in samples}) >= 1 and sorted(ch.index for ch in samples) == [0, 1, 2, 3]
+    assert metrics(server)["kvserve:prompt_tokens_total"] - after["kvserve:prompt_tokens_total"] == len(system) + 1  # once for n = 4
+    usage = ask([17], salt="carol", n=3, seed=5).usage
+    assert usage.prompt_tokens == len(system) + 1 and usage.prompt_tokens_details.cached_tokens == 64
+    reset = httpx.post(server + "/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["blocks_forgotten"] > 0
+    assert ask([13, 14, 15], salt="alice").usage.prompt_tokens_details.cached_tokens == 0
 
 
 BAD_REQUESTS = [

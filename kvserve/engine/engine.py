@@ -6,20 +6,25 @@ import itertools
 import logging
 import random
 import time
+from pathlib import Path
 from collections.abc import Sequence as Seq
 
 import torch
 
 from kvserve import kernels
 from kvserve.attention.backend import create_backend
-from kvserve.config import EngineConfig
+from kvserve.cache_dir import file_digest, tree_digest
+from kvserve.config import DTYPES, EngineConfig
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.hashing import CacheIdentity, root_hash
+from kvserve.kv.prefix import HashPrefixCache
+from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint
@@ -55,13 +60,26 @@ def kv_cache_spec(config: EngineConfig, model_config: ModelConfig) -> KVCacheSpe
     )
 
 
+def checkpoint_digests(path: Path) -> tuple[str, str]:
+    """(weights, tokenizer) content digests of a GGUF file (both inside it) or an HF directory."""
+    if path.is_file():
+        digest = file_digest(path)
+        return digest, digest
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and not p.name.startswith("tokenizer")]
+    tokenizer = [p for p in path.iterdir() if p.name.startswith(("tokenizer", "special_tokens")) or p.suffix in (".model", ".jinja")]
+    return tree_digest(weights), tree_digest(tokenizer)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
         tokenizer = load_tokenizer(path, checkpoint.config.architecture)
-        self._setup(config, checkpoint.config, tokenizer)
-        backend = resolve_attention_backend(config.attention_backend, self.device, self.kv_spec.torch_dtype)
+        backend = resolve_attention_backend(config.attention_backend, torch.device(config.device), DTYPES[config.kv_cache_dtype]
+                                            if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
+        weights, tokenizer_digest = checkpoint_digests(path)
+        self._setup(config, checkpoint.config, tokenizer,
+                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, backend)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
         if backend == "cpu_paged":
@@ -77,12 +95,19 @@ class LLMEngine:
         (prefix reuse, quantized dtypes, sliding-window groups) shows up in the replay as well.
         """
         engine = cls.__new__(cls)
-        engine._setup(config, model_config, tokenizer=None)
+        engine._setup(config, model_config, None, CacheIdentity(model=config.model, **cls._identity_fields(config, "simulated")))
         engine.model = engine.pool = None
         engine.runner = SimulatedRunner()
         return engine
 
-    def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer) -> None:
+    @staticmethod
+    def _identity_fields(config: EngineConfig, backend: str) -> dict:
+        return {
+            "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
+            "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
+        }  # fmt: skip
+
+    def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = model_config
@@ -108,7 +133,12 @@ class LLMEngine:
                 )
         if self.max_model_len < 2:
             raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; raise kv_cache_memory")
-        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size))
+        self.cache_identity = identity
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            kind = RadixPrefixCache if config.prefix_cache == "radix" else HashPrefixCache
+            prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity))
+        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -125,8 +155,6 @@ class LLMEngine:
         self.peak_num_blocks_used = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.prefix_cache_queries_total = 0
-        self.prefix_cache_hits_total = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -136,6 +164,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         stream: bool = False,
+        queue: bool = True,
     ) -> Sequence:
         """Queue a request. With ``stream``, step() hands out an output for it every step holding
         only what is new; otherwise only its finished output."""
@@ -157,8 +186,29 @@ class LLMEngine:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if queue:
+            self.scheduler.add(seq)
         return seq
+
+    def add_request_group(
+        self, prompt: str | list[int], params: Seq[SamplingParams], request_ids: Seq[str] | None = None, cache_salt: str | None = None,
+        stream: bool = False,
+    ) -> list[Sequence]:
+        """n samples of one prompt (parallel sampling): the prompt is computed once, by the first;
+        the others share its blocks from there, the partly filled last block copied per sample."""
+        if not params:
+            raise ValueError("a request group needs at least one SamplingParams")
+        ids = list(request_ids) if request_ids is not None else [None] * len(params)
+        if len(ids) != len(params):
+            raise ValueError(f"got {len(ids)} request ids for {len(params)} samples")
+        first = self.add_request(prompt, params[0], ids[0], cache_salt, stream)
+        seqs = [first]
+        for sp, rid in zip(params[1:], ids[1:]):
+            seq = self.add_request(first.prompt_token_ids, sp, rid, cache_salt, stream, queue=False)
+            seq.prompt = first.prompt
+            self.scheduler.add_fork(first, seq)
+            seqs.append(seq)
+        return seqs
 
     def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:
         if len(token_ids) == 0:
@@ -206,14 +256,22 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 self.prompt_tokens_total += seq.prompt_len
+        copies = self.kv.take_copies()
+        if copies and self.pool is not None:
+            for source, target, slots in copies:
+                self.pool.copy_slots(source.block_id, target.block_id, slots)
+        self.kv.release_copy_sources(copies)
         sampled = self.runner.execute(batch)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens)
         outputs = []
         if sampled:
             now = time.monotonic()
             for seq, result in sampled:
+                if seq.status is SequenceStatus.FORKING:
+                    self.scheduler.start_fork(seq)
                 self._append_token(seq, result.token_id, now)
                 if result.logprobs is not None:
                     seq.logprobs.append(result.logprobs)
@@ -281,6 +339,25 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ introspection
+    def prefix_cache_stats(self) -> dict:
+        p = self.kv.prefix_stats
+        return {
+            "prefix_cache": self.kv.prefix_cache.name if self.kv.prefix_cache is not None else None,
+            "prefix_cache_queries_total": p.queries,
+            "prefix_cache_hits_total": p.hits,
+            "prefix_cache_eligible_tokens_total": p.eligible,
+            "prefix_cache_requests_total": p.requests,
+            "prefix_cache_requests_hit_total": p.requests_hit,
+            "prefix_cache_request_hit_rate": p.requests_hit / p.requests if p.requests else 0.0,
+            "prefix_cache_reused_token_ratio": p.hits / p.eligible if p.eligible else 0.0,
+            "prefix_cache_misses_total": dict(p.misses),
+            "prefix_cache_evictions_total": self.kv.pool.num_evictions,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks); returns the blocks forgotten."""
+        return self.kv.reset_prefix_cache()
+
     def stats(self) -> dict:
         return {
             "model": self.config.model,
@@ -305,6 +382,5 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
-            "prefix_cache_queries_total": self.prefix_cache_queries_total,
-            "prefix_cache_hits_total": self.prefix_cache_hits_total,
+            **self.prefix_cache_stats(),
         }

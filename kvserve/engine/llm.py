@@ -31,7 +31,11 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
+        """Complete every prompt; one output per prompt and sample (n of them in a row for
+        SamplingParams(n=...)), in order. Requests with different `cache_salt`s never share
+        prefix-cache blocks."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,7 +52,7 @@ class LLM:
                     raise ValueError("prompt must not be empty")
             else:
                 engine.validate_prompt_tokens(prompt)
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [seq for p, sp in zip(prompts, params) for seq in engine.add_request_group(p, sp.samples(), cache_salt=cache_salt)]
         results: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)
         tokens_before = engine.generation_tokens_total
@@ -70,3 +74,7 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        return self.engine.reset_prefix_cache()

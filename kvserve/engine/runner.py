@@ -85,8 +85,9 @@ class ModelRunner:
                 slot_parts[g].append(table[rows, positions // bs] * bs + positions % bs)
             for row, seq in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
-                    sample_rows.append(row)
-                    samplers.append(seq)
+                    for sampler in (seq, *seq.forks):  # forks sample their first token from the parent's logits
+                        sample_rows.append(row)
+                        samplers.append(sampler)
             meta.num_decode_tokens = len(decodes)
             meta.decode_kv_lens = torch.from_numpy(lengths).to(self.device)
             meta.decode_block_tables = [torch.from_numpy(t).to(self.device) for t in tables]
@@ -102,8 +103,9 @@ class ModelRunner:
                 slot_parts[g].append(table[positions // bs] * bs + positions % bs)
             meta.prefills.append(PrefillSpan(row, row + n, start, [torch.from_numpy(t).to(self.device) for t in tables]))
             if end == seq.num_tokens:
-                sample_rows.append(row + n - 1)
-                samplers.append(seq)
+                for sampler in (seq, *seq.forks):
+                    sample_rows.append(row + n - 1)
+                    samplers.append(sampler)
             row += n
 
         meta.positions = torch.from_numpy(np.concatenate(position_parts)).to(self.device)
@@ -116,7 +118,8 @@ class SimulatedRunner:
 
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
         return [
-            (seq, SampleResult(0, None))
+            (sampler, SampleResult(0, None))
             for seq, n in batch.entries
             if seq.num_computed_tokens + n == seq.num_tokens
+            for sampler in (seq, *seq.forks)
         ]

@@ -76,8 +76,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
-            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens):
+            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt)
+            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
                 break
+            self.kv.take_hit(seq.request_id, hit)
+            seq.num_computed_tokens = hit.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = hit.num_tokens
+                self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = min(seq.num_uncomputed_tokens, budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
@@ -88,7 +94,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq.request_id)
+        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -101,5 +107,33 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.kv.free(seq.request_id)
+        elif seq.status is SequenceStatus.FORKING:
+            seq.fork_parent.forks.remove(seq)
+        for fork in seq.forks:  # the prompt will not be computed here: they compute it themselves
+            fork.fork_parent = None
+            self.add(fork)
+        seq.forks = []
+        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.status = SequenceStatus.FINISHED
+
+    def add_fork(self, parent: Sequence, fork: Sequence) -> None:
+        """`fork` waits for `parent`'s prompt, then shares its blocks (n > 1 prefills once)."""
+        fork.status = SequenceStatus.FORKING
+        fork.fork_parent = parent
+        parent.forks.append(fork)
+
+    def start_fork(self, fork: Sequence) -> None:
+        """The parent's prompt is computed: the fork takes its blocks and runs from there (or, with
+        no free block for its copy of the partly filled last one, waits to compute the prompt itself)."""
+        parent = fork.fork_parent
+        parent.forks.remove(fork)
+        fork.fork_parent = None
+        if parent.num_computed_tokens % self.kv.block_size and self.kv.num_free_blocks < len(self.kv.groups):
+            self.add(fork)
+            return
+        self.kv.fork(parent.request_id, fork.request_id, parent.num_computed_tokens)
+        fork.num_computed_tokens = parent.num_computed_tokens
+        fork.num_cached_tokens = parent.num_cached_tokens
+        fork.first_scheduled_time = parent.first_scheduled_time  # its prompt was computed (and counted) once
+        fork.status = SequenceStatus.RUNNING
+        self.running.append(fork)

@@ -15,6 +15,7 @@ from kvserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    FORKING = "forking"  # a sibling of an n > 1 request: takes its parent's prompt blocks once those are computed
     FINISHED = "finished"
 
 
@@ -42,6 +43,8 @@ class Sequence:
     text: OutputText | None = None  # None without a tokenizer (token ids only)
     stream: bool = False  # outputs carry what is new since the previous one, every step
     num_sent_tokens: int = 0  # output tokens already handed out (stream)
+    forks: list["Sequence"] = field(default_factory=list)  # siblings that start from this sequence's prompt
+    fork_parent: "Sequence | None" = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     seed: int = 0  # of this request's draws (its own, or one the engine derived from its seed)
     penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)

@@ -1,13 +1,15 @@
 """Physical KV blocks with reference counts and an LRU free queue.
 
 A block whose ref count drops to zero goes to the tail of the free queue; allocation takes from
-the head, so the least recently freed block is reused first. Blocks keep their ``block_hash``
-while free, so a later prefix-cache lookup can revive them (O(1) removal from the queue).
+the head, so the least recently freed block is reused first. A block the prefix cache published
+keeps its hash while free, so a later lookup can revive it (O(1) removal from the queue); when
+allocation reuses such a block the cache is told it was evicted.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -15,7 +17,9 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: int | None = None  # set while the prefix cache knows this block
+    token_ids: tuple[int, ...] = ()  # the tokens it holds, to confirm a hash hit
+    group: int = 0  # the KV cache group it was last allocated to
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -28,6 +32,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
+        self.num_evictions = 0
+        self._used: dict[int, int] = {}  # group -> blocks some request holds
 
     @property
     def num_blocks(self) -> int:
@@ -35,27 +42,38 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included (they are evicted when taken)."""
         return len(self._free)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def allocate(self, count: int) -> list[KVBlock]:
+    def num_used_blocks(self, group: int) -> int:
+        return self._used.get(group, 0)
+
+    def allocate(self, count: int, group: int = 0) -> list[KVBlock]:
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         taken = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
+                self.num_evictions += 1
+                forget(block)
             block.ref_count = 1
-            block.block_hash = None
+            block.group = group
             taken.append(block)
+        self._used[group] = self._used.get(group, 0) + count
         return taken
 
     def touch(self, block: KVBlock) -> None:
         """Take one more reference to a block (a shared prefix); revive it if it was free."""
         if block.ref_count == 0:
             self._free.pop(block.block_id)
+            self._used[block.group] = self._used.get(block.group, 0) + 1
         block.ref_count += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
@@ -66,3 +84,9 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                self._used[block.group] -= 1
+
+
+def forget(block: KVBlock) -> None:
+    block.block_hash = None
+    block.token_ids = ()

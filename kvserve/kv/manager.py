@@ -4,18 +4,49 @@ A table maps a sequence's block index (position // block_size) to a block. A sli
 group frees the blocks that no future query can read, leaving None in their place, so it holds
 about window / block_size blocks whatever the sequence's length. Block ids are mirrored in one
 numpy array per group, a row per request, from which the runner slices a step's tables.
+
+With a prefix cache, a request's full blocks are published as they are computed (they keep their
+hash in the free queue after the request ends), and an admitted request starts from the longest
+cached prefix: it takes references to those blocks and computes only the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.hashing import block_hash, chain_hashes
+from kvserve.kv.prefix import MISS_REASONS, PrefixCache, PrefixHit
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
 
 
+@dataclass
+class PrefixCacheStats:
+    """Counted once per request, at its first admission (a preempted request's own prefix coming
+    back is not a hit). Tokens, as vLLM counts them."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from the cache
+    eligible: int = 0  # prompt tokens a cache could serve at most (all but the last)
+    requests: int = 0
+    requests_hit: int = 0
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+
+    def record(self, hit: PrefixHit, prompt_len: int) -> None:
+        self.queries += prompt_len
+        self.hits += hit.num_tokens
+        self.eligible += prompt_len - 1
+        self.requests += 1
+        self.requests_hit += hit.num_tokens > 0
+        if hit.miss_reason is not None:
+            self.misses[hit.miss_reason] += 1
+
+
 class KVCacheManager:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int, prefix_cache: PrefixCache | None = None) -> None:
         self.spec = spec
         self.groups = spec.groups
         self.block_size = spec.block_size
@@ -25,7 +56,14 @@ class KVCacheManager:
         self._rows: dict[str, int] = {}
         self._free_rows: list[int] = []
         self._ids = [np.zeros((0, max_blocks_per_seq), dtype=np.int64) for _ in self.groups]
-        self.num_used_blocks = [0] * len(self.groups)
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            self.pool.on_evict = prefix_cache.evicted
+        self.prefix_stats = PrefixCacheStats()
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self._published: dict[str, int] = {}  # leading blocks already offered to the cache
+        self._salts: dict[str, str | None] = {}
+        self.pending_copies: list[tuple[KVBlock, KVBlock, int]] = []  # (source, target, slots) before the next step
 
     @property
     def num_blocks(self) -> int:
@@ -38,6 +76,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def num_used_blocks(self) -> list[int]:
+        """Per group, the blocks some request holds (a block shared by several counts once)."""
+        return [self.pool.num_used_blocks(g) for g in range(len(self.groups))]
 
     # ------------------------------------------------------------------ reading
     def block_table(self, request_id: str, group: int = 0) -> list[int | None]:
@@ -69,13 +112,108 @@ class KVCacheManager:
     def num_blocks_needed(self, request_id: str, start: int, end: int) -> int:
         return sum(max(0, hi - lo) for lo, hi in self._new_blocks(request_id, start, end))
 
-    def can_admit(self, request_id: str, num_tokens: int, chunk: int) -> bool:
-        """The request can reach num_tokens, `chunk` tokens per step, with what is free now."""
+    def can_admit(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None = None) -> bool:
+        """The request can reach num_tokens, `chunk` tokens per step, with what is free now (a hit's
+        blocks need no new ones, but those no request holds leave the free queue when taken)."""
         need = sum(
-            max(0, group.peak_blocks(num_tokens, self.block_size, chunk) - self.num_held_blocks(request_id, g))
+            max(0, group.peak_blocks(num_tokens, self.block_size, chunk) - self.num_held_blocks(request_id, g)
+                - (hit.held(g) if hit is not None else 0))
             for g, group in enumerate(self.groups)
-        )
+        )  # fmt: skip
+        if hit is not None:
+            taken = {id(b): b for row in hit.blocks for b in row if b is not None}
+            taken.update({id(src): src for _, src, _ in hit.copies})
+            need += sum(1 for b in taken.values() if b.ref_count == 0) + len(hit.copies)
         return need <= self.pool.num_free_blocks
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None) -> PrefixHit:
+        """The cached prefix a request could start from (all but its last token at most); no side effects."""
+        empty = PrefixHit(blocks=[[] for _ in self.groups])
+        if self.prefix_cache is None or self._tables.get(request_id):
+            return empty
+        self._salts[request_id] = salt
+        hashes = self._hashes[request_id] = chain_hashes(self.prefix_cache.root, token_ids, self.block_size, salt, self._hashes.get(request_id))
+        return self.prefix_cache.lookup(token_ids, hashes, len(token_ids) - 1, salt)
+
+    def take_hit(self, request_id: str, hit: PrefixHit) -> None:
+        """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""
+        if not hit.num_tokens:
+            return
+        tables = self._tables[request_id] = [[] for _ in self.groups]
+        row = self._rows[request_id] = self._take_row()
+        for g, blocks in enumerate(hit.blocks):
+            for i, block in enumerate(blocks):
+                tables[g].append(block)
+                if block is not None:
+                    self.pool.touch(block)
+                    self._ids[g][row, i] = block.block_id
+        for g, source, slots in hit.copies:
+            self.pool.touch(source)  # until the copy is made
+            (target,) = self.pool.allocate(1, g)
+            self._ids[g][row, len(tables[g])] = target.block_id
+            tables[g].append(target)
+            self.pending_copies.append((source, target, slots))
+        self._published[request_id] = hit.num_tokens // self.block_size
+
+    def fork(self, parent_id: str, child_id: str, num_computed: int) -> None:
+        """The child shares the parent's blocks for its first num_computed tokens; the partly filled
+        last block, which both will write next, is copied (at the next step) into a fresh one."""
+        parent = self._tables[parent_id]
+        tables = self._tables[child_id] = [[] for _ in self.groups]
+        row = self._rows[child_id] = self._take_row()
+        whole = num_computed // self.block_size
+        for g, table in enumerate(parent):
+            for i, block in enumerate(table[:whole]):
+                tables[g].append(block)
+                if block is not None:
+                    self.pool.touch(block)
+                    self._ids[g][row, i] = block.block_id
+            if num_computed % self.block_size:
+                source = table[whole]
+                self.pool.touch(source)
+                (target,) = self.pool.allocate(1, g)
+                self._ids[g][row, whole] = target.block_id
+                tables[g].append(target)
+                self.pending_copies.append((source, target, num_computed % self.block_size))
+        self._published[child_id] = whole
+        self._salts[child_id] = self._salts.get(parent_id)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))[:whole]
+
+    def take_copies(self) -> list[tuple[KVBlock, KVBlock, int]]:
+        """The slot copies partial hits need before the next step; the caller makes them, then releases the sources."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def release_copy_sources(self, copies: list[tuple[KVBlock, KVBlock, int]]) -> None:
+        self.pool.free([source for source, _, _ in copies])
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish the request's blocks that became full of computed tokens."""
+        cache, tables = self.prefix_cache, self._tables.get(request_id)
+        if cache is None or tables is None:
+            return
+        bs = self.block_size
+        done = self._published.get(request_id, 0)
+        full = num_computed // bs
+        if full <= done:
+            return
+        salt = self._salts.get(request_id)
+        hashes = self._hashes[request_id] = chain_hashes(cache.root, token_ids[: full * bs], bs, salt, self._hashes.get(request_id))
+        for i in range(done, full):
+            parent = hashes[i - 1] if i else cache.parent_of_first(salt)
+            for g, table in enumerate(tables):
+                if i < len(table) and table[i] is not None:
+                    cache.publish(g, table[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+        self._published[request_id] = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; requests keep the blocks they hold. Returns how many were forgotten."""
+        if self.prefix_cache is None:
+            return 0
+        for request_id in self._published:
+            self._published[request_id] = 0
+        return self.prefix_cache.reset()
 
     # ------------------------------------------------------------------ changing
     def allocate_slots(self, request_id: str, start: int, end: int) -> bool:
@@ -96,10 +234,9 @@ class KVCacheManager:
                 continue
             table = tables[g]
             table.extend([None] * (lo - len(table)))
-            blocks = self.pool.allocate(hi - lo)
+            blocks = self.pool.allocate(hi - lo, g)
             table.extend(blocks)
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
-            self.num_used_blocks[g] += hi - lo
         return True
 
     def free_unreachable(self, request_id: str, num_computed: int) -> None:
@@ -119,20 +256,35 @@ class KVCacheManager:
             for i in range(first):
                 table[i] = None
             self._ids[g][row, :first] = 0
-            self.num_used_blocks[g] -= len(gone)
             self.pool.free(list(reversed(gone)))
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
+        """Return the request's blocks. A radix cache keeps its last, partly filled block too."""
         tables = self._tables.pop(request_id, None)
+        hashes = self._hashes.pop(request_id, None)
+        salt = self._salts.pop(request_id, None)
+        self._published.pop(request_id, None)
         if tables is None:
             return
+        if self.prefix_cache is not None and self.prefix_cache.name == "radix" and num_computed % self.block_size:
+            self._publish_partial(tables, token_ids, num_computed, hashes or [], salt)
         row = self._rows.pop(request_id)
         for g, table in enumerate(tables):
             held = [b for b in table if b is not None]
-            self.num_used_blocks[g] -= len(held)
             self.pool.free(list(reversed(held)))
             self._ids[g][row, : len(table)] = 0
         self._free_rows.append(row)
+
+    def _publish_partial(self, tables, token_ids: Sequence[int], num_computed: int, hashes: list[int], salt: str | None) -> None:
+        cache, bs = self.prefix_cache, self.block_size
+        k = num_computed // bs
+        if len(hashes) < k or any(len(t) <= k or t[k] is None for t in tables):
+            return
+        parent = hashes[k - 1] if k else cache.parent_of_first(salt)
+        tokens = token_ids[k * bs : num_computed]
+        key = block_hash(parent, tokens)
+        for g, table in enumerate(tables):
+            cache.publish(g, table[k], key, parent, tokens, salt)
 
     def _take_row(self) -> int:
         if not self._free_rows:

@@ -77,6 +77,11 @@ class PagedKVPool:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def copy_slots(self, source: int, target: int, slots: int) -> None:
+        """Copy the first `slots` tokens of block `source` into block `target`, every layer (a partial prefix hit)."""
+        bs = self.block_size
+        self.kv[:, :, target * bs : target * bs + slots].copy_(self.kv[:, :, source * bs : source * bs + slots])
+
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block, every layer of its group: [layers_per_group, 2, block_size, kv_heads, head_dim] (a contiguous copy)."""
         start = block_id * self.block_size

@@ -117,14 +117,16 @@ class OpenAIServer:
             param = message.split(" ", 1)[0] if message else None
             raise APIError(400, message, param) from exc
 
-    def _usage(self, prompt_lens: list[int], outs: list[RequestOutput]) -> dict:
-        prompt_tokens = sum(prompt_lens)
-        completion = sum(o.num_output_tokens for o in outs)
+    def _usage(self, jobs, outs: dict[int, RequestOutput]) -> dict:
+        """Each prompt counted once, however many choices (n) it has; outs by choice index."""
+        groups = _groups(jobs)
+        prompt_tokens = sum(len(ids) for _, ids, _ in groups)
+        completion = sum(o.num_output_tokens for o in outs.values())
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+            "prompt_tokens_details": {"cached_tokens": sum(outs[indices[0]].num_cached_tokens for indices, _, _ in groups)},
         }
 
     def _token_text(self, token_id: int) -> str:
@@ -183,7 +185,7 @@ class OpenAIServer:
                                 envelope, include_usage)
         outs = await self._collect(jobs, body.cache_salt, request)
         choices = [choice(idx, out, out.text, out.logprobs or []) for (idx, _, _), out in zip(jobs, outs)]
-        return {**envelope(choices), "usage": self._usage([len(ids) for _, ids, _ in jobs], outs)}
+        return {**envelope(choices), "usage": self._usage(jobs, {idx: out for (idx, _, _), out in zip(jobs, outs)})}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
@@ -237,23 +239,26 @@ class OpenAIServer:
             }
             for (idx, _, _), out in zip(jobs, outs)
         ]
-        return {**envelope(choices, "chat.completion"), "usage": self._usage([len(ids) for _, ids, _ in jobs], outs)}
+        return {**envelope(choices, "chat.completion"), "usage": self._usage(jobs, {idx: out for (idx, _, _), out in zip(jobs, outs)})}
 
     async def _collect(self, jobs, cache_salt: str | None, request: Request) -> list[RequestOutput]:
-        async def one(ids, params) -> RequestOutput:
-            last = None
-            async for out in self.async_engine.generate(ids, params, cache_salt):
-                last = out
-            return last
+        results: dict[int, RequestOutput] = {}
 
-        tasks = [asyncio.ensure_future(one(ids, params)) for _, ids, params in jobs]
+        async def run(indices, ids, params) -> None:
+            async for i, out in self.async_engine.generate_group(ids, params, cache_salt):
+                if out.finished:
+                    results[indices[i]] = out
+
+        tasks = [asyncio.ensure_future(run(*group)) for group in _groups(jobs)]
         try:
             pending = set(tasks)
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=0.5)
                 if pending and await request.is_disconnected():
                     raise asyncio.CancelledError("client disconnected")
-            return [t.result() for t in tasks]
+            for t in tasks:
+                t.result()
+            return [results[idx] for idx, _, _ in jobs]
         finally:
             for t in tasks:
                 if not t.done():
@@ -279,21 +284,22 @@ class OpenAIServer:
 
         async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
             """(choice index, output) as each choice's outputs arrive."""
-            if len(jobs) == 1:
-                idx, ids, params = jobs[0]
-                async for out in self.async_engine.generate(ids, params, cache_salt, stream=True):
-                    yield idx, out
+            groups = _groups(jobs)
+            if len(groups) == 1:
+                indices, ids, params = groups[0]
+                async for i, out in self.async_engine.generate_group(ids, params, cache_salt, stream=True):
+                    yield indices[i], out
                 return
             merged: asyncio.Queue = asyncio.Queue()
 
-            async def pump(idx, ids, params):
+            async def pump(indices, ids, params):
                 try:
-                    async for out in self.async_engine.generate(ids, params, cache_salt, stream=True):
-                        await merged.put((idx, out))
+                    async for i, out in self.async_engine.generate_group(ids, params, cache_salt, stream=True):
+                        await merged.put((indices[i], out))
                 except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-                    await merged.put((idx, exc))
+                    await merged.put((None, exc))
 
-            tasks = [asyncio.ensure_future(pump(idx, ids, params)) for idx, ids, params in jobs]
+            tasks = [asyncio.ensure_future(pump(*group)) for group in groups]
             try:
                 finished = 0
                 while finished < len(jobs):
@@ -318,12 +324,24 @@ class OpenAIServer:
                 yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
                 return
             if include_usage:
-                outs = [finals[idx] for idx, _, _ in jobs]
-                usage = self._usage([len(ids) for _, ids, _ in jobs], outs)
+                usage = self._usage(jobs, finals)
                 yield f"data: {json.dumps({**envelope([]), 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _groups(jobs: list[tuple[int, list[int], SamplingParams]]) -> list[tuple[list[int], list[int], list[SamplingParams]]]:
+    """Consecutive choices of one prompt, as (choice indices, prompt ids, params): each group is one
+    request group in the engine, whose prompt is computed once."""
+    groups: list[tuple[list[int], list[int], list[SamplingParams]]] = []
+    for idx, ids, params in jobs:
+        if groups and groups[-1][1] is ids:
+            groups[-1][0].append(idx)
+            groups[-1][2].append(params)
+        else:
+            groups.append(([idx], ids, [params]))
+    return groups
 
 
 def create_app(server: OpenAIServer) -> FastAPI:
@@ -369,6 +387,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        forgotten = await asyncio.to_thread(server.async_engine.reset_prefix_cache)
+        return {"reset": True, "blocks_forgotten": forgotten}
 
     @app.get("/v1/models")
     async def models():

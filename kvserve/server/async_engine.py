@@ -33,18 +33,24 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
+    request_ids: list[str]  # one per sample of the prompt (n > 1 computes the prompt once)
     token_ids: list[int]
-    params: SamplingParams
+    params: list[SamplingParams]
     cache_salt: str | None
     stream: bool
-    sink: asyncio.Queue
+    sink: asyncio.Queue  # every sample's outputs
     loop: asyncio.AbstractEventLoop
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Reset:
+    result: list[int]
+    done: threading.Event
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -89,32 +95,51 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """With ``stream``, yields an output per step holding what is new (the last one finished);
         without, only the finished output."""
+        async for _, out in self.generate_group(token_ids, [params], cache_salt, stream):
+            yield out
+
+    async def generate_group(
+        self, token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None, stream: bool = False
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """n samples of one prompt, computed once: yields (sample index, output) as outputs arrive,
+        until every sample has finished; leaving early aborts the unfinished ones. Admission is all
+        or nothing: either every sample is queued or none is."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
         self.engine.validate_prompt_tokens(token_ids)
         with self._lock:
-            if self.num_waiting() >= self.max_waiting_requests:
+            if self.num_waiting() + len(params) > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"{self.num_waiting()} requests are already waiting (--max-waiting-requests {self.max_waiting_requests})"
                 )
-            self._pending_adds += 1
-        request_id = f"req-{uuid.uuid4().hex}"
+            self._pending_adds += len(params)
+        ids = [f"req-{uuid.uuid4().hex}" for _ in params]
+        index = {rid: i for i, rid in enumerate(ids)}
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, token_ids, params, cache_salt, stream, sink, asyncio.get_running_loop()))
+        self._commands.put(_Add(ids, token_ids, list(params), cache_salt, stream, sink, asyncio.get_running_loop()))
         self._wake.set()
-        finished = False
+        unfinished = set(ids)
         try:
-            while True:
+            while unfinished:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
                 if item.finished:
-                    finished = True
-                    return
+                    unfinished.discard(item.request_id)
+                yield index[item.request_id], item
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, between two engine steps; returns the blocks forgotten."""
+        done = threading.Event()
+        result: list[int] = []
+        self._commands.put(_Reset(result, done))
+        self._wake.set()
+        if not done.wait(timeout=60):
+            raise EngineDeadError("the engine loop did not answer")
+        return result[0]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -144,13 +169,16 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 with self._lock:
-                    self._pending_adds -= 1
+                    self._pending_adds -= len(cmd.request_ids)
                 try:
-                    self.engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id,
-                                            cache_salt=cmd.cache_salt, stream=cmd.stream)
-                    self._sinks[cmd.request_id] = (cmd.sink, cmd.loop)
+                    self.engine.add_request_group(cmd.token_ids, cmd.params, cmd.request_ids, cmd.cache_salt, cmd.stream)
+                    for rid in cmd.request_ids:
+                        self._sinks[rid] = (cmd.sink, cmd.loop)
                 except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
                     cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
+            elif isinstance(cmd, _Reset):
+                cmd.result.append(self.engine.reset_prefix_cache())
+                cmd.done.set()
             else:
                 self._sinks.pop(cmd.request_id, None)
                 if self.engine.abort_request(cmd.request_id) is not None:

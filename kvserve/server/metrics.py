@@ -39,6 +39,15 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_cache_eligible = counter(
+            "prefix_cache_eligible_tokens", "Prompt tokens a prefix cache could serve at most (all but each prompt's last)"
+        )
+        self.prefix_cache_requests = counter("prefix_cache_requests", "Requests looked up in the prefix cache")
+        self.prefix_cache_requests_hit = counter("prefix_cache_requests_hit", "Requests that reused at least one cached token")
+        self.prefix_cache_evictions = counter("prefix_cache_evictions", "Cached blocks evicted to make room")
+        self._misses = Counter("kvserve:prefix_cache_misses", "Lookups that reused nothing, by reason",
+                               ["model_name", "reason"], registry=r)  # fmt: skip
+        self._model_name = model_name
         self.request_success = counter("request_success", "Requests that finished (stop or length)")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
@@ -60,11 +69,20 @@ class ServerMetrics:
             ("generation_tokens_total", self.generation_tokens),
             ("prefix_cache_queries_total", self.prefix_cache_queries),
             ("prefix_cache_hits_total", self.prefix_cache_hits),
+            ("prefix_cache_eligible_tokens_total", self.prefix_cache_eligible),
+            ("prefix_cache_requests_total", self.prefix_cache_requests),
+            ("prefix_cache_requests_hit_total", self.prefix_cache_requests_hit),
+            ("prefix_cache_evictions_total", self.prefix_cache_evictions),
         ):
-            delta = stats[key] - self._last_totals.get(key, 0)
-            if delta > 0:
-                counter.inc(delta)
-            self._last_totals[key] = stats[key]
+            self._advance(key, stats[key], counter)
+        for reason, total in stats["prefix_cache_misses_total"].items():
+            self._advance(f"miss:{reason}", total, self._misses.labels(self._model_name, reason))
+
+    def _advance(self, key: str, total: int, counter) -> None:
+        delta = total - self._last_totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_totals[key] = total
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

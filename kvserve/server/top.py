@@ -58,7 +58,9 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
         ("preemptions", f"{int(m.get('kvserve:num_preemptions_total', 0))}"),
         ("generation tokens/s", f"{rates.get('gen', 0.0):.1f}"),
         ("prompt tokens/s", f"{rates.get('prompt', 0.0):.1f}"),
-        ("prefix cache hit rate", _hit_rate(m)),
+        ("prefix cache hit rate (tokens)", _ratio(m, "prefix_cache_hits_total", "prefix_cache_queries_total")),
+        ("prefix cache hit rate (requests)", _ratio(m, "prefix_cache_requests_hit_total", "prefix_cache_requests_total")),
+        ("prefix cache reused / reusable", _ratio(m, "prefix_cache_hits_total", "prefix_cache_eligible_tokens_total")),
         ("mean TTFT", _mean(m, "time_to_first_token_seconds")),
         ("mean TPOT", _mean(m, "time_per_output_token_seconds")),
     ]
@@ -68,9 +70,9 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
     return Group(table, *(Text("• " + t, style="yellow") for t in tips) or [Text("no advice: the cache is healthy", style="green")])
 
 
-def _hit_rate(m: dict[str, float]) -> str:
-    queries = m.get("kvserve:prefix_cache_queries_total", 0.0)
-    return f"{m.get('kvserve:prefix_cache_hits_total', 0.0) / queries * 100:.1f}%" if queries else "-"
+def _ratio(m: dict[str, float], part: str, whole: str) -> str:
+    total = m.get(f"kvserve:{whole}", 0.0)
+    return f"{m.get(f'kvserve:{part}', 0.0) / total * 100:.1f}%" if total else "-"
 
 
 def run_top(args: argparse.Namespace) -> int:
