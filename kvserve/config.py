@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvserve.kv.spec import block_size_for, normalize_kv_dtype
 from kvserve.model.registry import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
@@ -39,7 +40,10 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
+    kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale
+    kv_quant_residual: int = 128  # int4/int2: recent tokens kept in full precision
+    kv_cache_scales: str | None = None  # fp8: a JSON file of calibrated per-layer, per-head K and V scales
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -68,6 +72,15 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
         if self.kv_cache_dtype == "auto":
             object.__setattr__(self, "kv_cache_dtype", dtype)
+        object.__setattr__(self, "kv_cache_dtype", normalize_kv_dtype(self.kv_cache_dtype))
+        for name in ("kv_quant_group_size", "kv_quant_residual"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "kv_quant_group_size" else 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'kv_quant_group_size' else 'non-negative'} integer, got {value!r}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", block_size_for(self.kv_cache_dtype, None, self.kv_quant_group_size))
+        if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"kv_cache_scales calibrates fp8 caches; --kv-cache-dtype is {self.kv_cache_dtype}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

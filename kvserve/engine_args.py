@@ -15,9 +15,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL, help=f"alias ({aliases}), a .gguf file, or an HF directory (default: %(default)s)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and activations; auto times fp32 against bf16 matmuls on this machine and takes the faster")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES],
-                       help="KV cache element type; auto follows --dtype")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES, "fp8"],
+                       help="KV cache format; auto follows --dtype. int8 and fp8 (fp8 = fp8_e4m3) keep one scale per token and "
+                       "head; int4 and int2 are KIVI-style (keys per channel, values per token, in groups), the most recent "
+                       "tokens kept in full precision. See the README's KV cache quantization")
+    group.add_argument("--kv-quant-group-size", type=int, default=32,
+                       help="int4/int2: tokens per key-channel scale and channels per value scale (default: %(default)s)")
+    group.add_argument("--kv-quant-residual", type=int, default=128,
+                       help="int4/int2: the most recent tokens kept in full precision (default: %(default)s)")
+    group.add_argument("--kv-cache-scales", default=None, metavar="JSON",
+                       help='fp8: calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, instead of '
+                       "each token's own")
+    group.add_argument("--block-size", type=int, default=None,
+                       help="tokens per KV block (default: 16; for int4/int2 a multiple of --kv-quant-group-size, 32)")
     group.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB preallocated for the paged KV pool (default: %(default)s)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks; overrides --kv-cache-memory")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running in one step (default: %(default)s)")

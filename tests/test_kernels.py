@@ -12,6 +12,7 @@ from kvserve import kernels
 from kvserve.engine.engine import resolve_attention_backend
 from kvserve.attention.torch_sdpa import context_mask
 from kvserve.kernels.args import STRUCTS, KVView
+from kvserve.kv.spec import KVCacheSpec
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (heads, kv heads, head_dim): GQA groups of 4, 3 and 1; head dims on the vector path (256, 64, 32) and off it (24)
@@ -53,7 +54,7 @@ def test_paged_decode_attention_matches_sdpa(dtype, shape, block_size, window):
     g = torch.Generator().manual_seed(2)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths])
     q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
-    view = kernels.kv_view(key_cache, value_cache, block_size)
+    view = kernels.kv_view(KVCacheSpec(1, key_cache.shape[1], key_cache.shape[2], "float32", block_size), key_cache, value_cache)
     out = kernels.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, window)
     for row, length in enumerate(lengths.tolist()):
         ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), window)
@@ -71,7 +72,8 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
     g = torch.Generator().manual_seed(4)
     table = torch.randperm(num_blocks, generator=g)[: -(-(start + count) // block_size)]
     q = torch.randn(count, heads, head_dim, generator=g).to(dtype)
-    out = kernels.paged_prefill_attention(q, kernels.kv_view(key_cache, value_cache, block_size), table, start, head_dim**-0.5, window)
+    view = kernels.kv_view(KVCacheSpec(1, kv_heads, head_dim, "float32", block_size), key_cache, value_cache)
+    out = kernels.paged_prefill_attention(q, view, table, start, head_dim**-0.5, window)
     ref = reference_attention(q, key_cache, value_cache, table.tolist(), block_size, torch.arange(start, start + count), window)
     err = (out.float() - ref).abs().max().item()
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
@@ -80,7 +82,7 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
 def test_kernels_reject_a_table_that_does_not_cover_the_context():
     key_cache, value_cache = random_pool(4, 16, 1, 32, torch.float32, seed=0)
     q = torch.randn(1, 2, 32)
-    view = kernels.kv_view(key_cache, value_cache, 16)
+    view = kernels.kv_view(KVCacheSpec(1, 1, 32, "float32", 16), key_cache, value_cache)
     with pytest.raises(ValueError, match="block table"):
         kernels.paged_decode_attention(q, view, torch.tensor([[0]]), torch.tensor([17]), 0.1, None)
     with pytest.raises(ValueError, match="block table"):
@@ -105,7 +107,8 @@ def test_kernels_read_any_layout_the_view_describes(dtype):
     key_cache = blocks[:, 0].reshape(-1, kv_heads, head_dim)  # copies, in the plain layout, for the reference
     value_cache = blocks[:, 1].reshape(-1, kv_heads, head_dim)
     view = KVView(blocks[:, 0].data_ptr(), blocks[:, 1].data_ptr(), None, None, 2 * block_size * kv_heads * head_dim,
-                  kv_heads * head_dim, kernels._DTYPE_CODES[dtype], block_size, kv_heads, head_dim)  # fmt: skip
+                  kv_heads * head_dim, 0, 0, kernels.NO_RESIDUAL, kernels._DTYPE_CODES[dtype], kernels._DTYPE_CODES[dtype],
+                  block_size, kv_heads, head_dim, 32, 32)  # fmt: skip
     lengths = torch.tensor([5, 40, 61])
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lengths])
     q = torch.randn(3, heads, head_dim, generator=g).to(dtype)

@@ -38,10 +38,14 @@ def test_llama3_8b_shape():
     assert one["logical_bytes"] == one["physical_bytes"] == 512 * MIB
     many = plan_json(*LLAMA3_8B, "--kv-dtype", "fp16", "--seq-lens", ",".join(["4096"] * 32))
     assert many["physical_bytes"] == 16 * GIB
-    assert many["by_dtype"]["fp8"]["bytes_per_token"] == 64 * 1024
-    assert many["by_dtype"]["int8"]["bytes_per_token"] == 64 * 1024
-    int4 = many["by_dtype"]["int4"]["bytes_per_token"]
-    assert int4 > 32 * 1024 and int4 == 32 * 1024 + 32 * 8 * 2 * (128 // 32) * 2  # plus one fp16 scale per 32 values
+    for name in ("fp8_e4m3", "fp8_e5m2", "int8"):  # the seed tables' 64 KiB, and one fp16 scale per token and head
+        row = many["by_dtype"][name]
+        assert row["element_bytes_per_token"] == 64 * 1024 and row["scale_bytes_per_token"] == 2 * 32 * 8 * 2
+        assert row["bytes_per_token"] == 64 * 1024 + 1024
+    int4 = many["by_dtype"]["int4"]
+    # KIVI: 2 scale bytes per 32 values, for keys (per channel over 32 tokens) and values (per 32 channels)
+    assert int4["element_bytes_per_token"] == 32 * 1024 and int4["scale_bytes_per_token"] == 2 * 32 * 8 * (128 // 32) * 2
+    assert int4["bytes_per_token"] == 32 * 1024 + 4096 and 131_072 / int4["bytes_per_token"] > 3.5
 
 
 def test_mha_against_gqa():
@@ -164,7 +168,7 @@ def test_budget_too_small_names_the_memory_needed():
     assert out["fits"] is False
     assert out["required_kv_bytes"] == 8 * GIB and out["required_memory_gib"] == 24.5
     assert out["recommended"]["max_model_len"] == 8192 and out["recommended"]["max_num_seqs"] == 7
-    assert out["by_dtype"]["int8"]["fits"] and out["by_dtype"]["int8"]["required_memory_gib"] == 20.5
+    assert out["by_dtype"]["int8"]["fits"] and out["by_dtype"]["int8"]["required_memory_gib"] == 20.563  # 16 + 0.5 + 4 GiB and the scales
 
 
 def test_no_max_model_len_below_the_workload():
@@ -195,7 +199,7 @@ def test_text_output_fits_the_terminal(columns):
     assert proc.stderr == ""
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= columns, proc.stdout
-    for name in ("float32", "bfloat16", "float16 *", "fp8", "int8", "int4"):
+    for name in ("float32", "bfloat16", "float16 *", "fp8_e4m3", "int8", "int4", "int2"):
         assert any(line.startswith(name) for line in lines), name
 
 

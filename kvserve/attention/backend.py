@@ -34,9 +34,7 @@ class AttentionBackend(abc.ABC):
 
     def store(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = self.layers[layer]
-        slots = meta.slot_mappings[kv.group]
-        kv.key.index_copy_(0, slots, k.to(kv.key.dtype))
-        kv.value.index_copy_(0, slots, v.to(kv.value.dtype))
+        kv.store(meta.slot_mappings[kv.group], k, v)
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {}

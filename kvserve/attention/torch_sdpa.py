@@ -48,6 +48,8 @@ class TorchSdpaBackend(AttentionBackend):
         more in page faults than the copy itself), so consume it before gathering again.
         """
         kv = self.layers[layer]
+        if kv.key_records is not None:
+            return kv.gather(block_ids)  # a quantized cache: decoded into fresh float blocks
         _, heads, dim = kv.key.shape
         block = kv.block_size * heads * dim
         count = block_ids.numel()
@@ -83,7 +85,9 @@ class TorchSdpaBackend(AttentionBackend):
         scale: float, window: int | None,
     ) -> torch.Tensor:  # fmt: skip
         n, num_heads, head_dim = span.num_tokens, q.shape[1], q.shape[2]
-        if span.kv_start == 0 and (window is None or window >= n):
+        kv = self.layers[layer]
+        stored_as_given = kv.key_records is None or kv.spec.format.kind == "kivi"  # int8 / fp8 read back what they quantized
+        if span.kv_start == 0 and (window is None or window >= n) and stored_as_given:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             keys = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
             values = v[span.start : span.end].transpose(0, 1).unsqueeze(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 import time
@@ -57,7 +58,27 @@ def kv_cache_spec(config: EngineConfig, model_config: ModelConfig) -> KVCacheSpe
         block_size=config.block_size,
         layer_windows=windows if any(w is not None for w in windows) else (),
         hybrid=not config.disable_hybrid_kv_cache_manager,
+        group_size=config.kv_quant_group_size,
+        residual=config.kv_quant_residual,
+        residual_dtype=config.dtype,
     )
+
+
+def kv_scales(config: EngineConfig, spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Calibrated fp8 scales, (K, V) per layer of [kv_heads], from --kv-cache-scales."""
+    if config.kv_cache_scales is None:
+        return None
+    path = Path(config.kv_cache_scales)
+    try:
+        raw = json.loads(path.read_text())
+        pairs = [(torch.tensor(k, dtype=torch.float32), torch.tensor(v, dtype=torch.float32)) for k, v in zip(raw["k_scale"], raw["v_scale"])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--kv-cache-scales {path}: {exc}") from exc
+    if len(pairs) != spec.num_layers or any(k.shape != (spec.num_kv_heads,) or v.shape != (spec.num_kv_heads,) for k, v in pairs):
+        raise ValueError(f"--kv-cache-scales {path}: expected k_scale and v_scale of {spec.num_layers} layers x {spec.num_kv_heads} heads")
+    if any(not bool(torch.all(t > 0) & torch.all(torch.isfinite(t))) for pair in pairs for t in pair):
+        raise ValueError(f"--kv-cache-scales {path}: scales must be positive and finite")
+    return pairs
 
 
 def checkpoint_digests(path: Path) -> tuple[str, str]:
@@ -81,7 +102,7 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer,
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, backend)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
-        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device)
+        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec))
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
         attention = create_backend(backend, self.pool)
@@ -105,6 +126,7 @@ class LLMEngine:
         return {
             "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
+            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}",
         }  # fmt: skip
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
@@ -113,11 +135,13 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.kv_spec = kv_cache_spec(config, model_config)
-        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
+        self.num_residual_blocks = self.kv_spec.residual_blocks(config.max_num_seqs, config.max_num_batched_tokens)
+        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB, self.num_residual_blocks)
         if num_blocks <= 0:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes"
-            )
+            residual = self.num_residual_blocks * self.kv_spec.residual_block_bytes
+            apart = (f" after the {residual / GIB:.3f} GiB that {self.kv_spec.kv_dtype} sets apart for its full-precision residual "
+                     "(--kv-quant-residual, --max-num-seqs)") if residual else ""  # fmt: skip
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes{apart}")
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
         if config.max_model_len is None:
@@ -138,7 +162,8 @@ class LLMEngine:
         if config.enable_prefix_caching:
             kind = RadixPrefixCache if config.prefix_cache == "radix" else HashPrefixCache
             prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity))
-        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
+        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache,
+                                 self.num_residual_blocks)  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -210,6 +235,23 @@ class LLMEngine:
             seqs.append(seq)
         return seqs
 
+    def score(self, token_ids: list[int], cache_salt: str | None = None) -> torch.Tensor:
+        """The last layer's hidden state at every position of token_ids [T, hidden] (the logits of
+        position i, model.compute_logits of row i, predict token i + 1), computed through the KV
+        cache as a prompt is: in chunks of --max-num-batched-tokens, each reading the cache of
+        the ones before. Steps the engine until done; other requests step along."""
+        seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
+        seq.captured = []
+        if seq.num_computed_tokens:
+            raise ValueError("score() needs the whole text computed")
+        while not seq.is_finished:
+            self.step()
+        hidden = torch.cat(seq.captured)
+        if hidden.shape[0] != len(token_ids):
+            raise RuntimeError(f"scored {hidden.shape[0]} of {len(token_ids)} positions (a prefix-cache hit skips positions: "
+                               "score with prefix caching off, or another cache_salt)")  # fmt: skip
+        return hidden
+
     def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:
         if len(token_ids) == 0:
             raise ValueError("prompt must not be empty")
@@ -264,6 +306,12 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            self.kv.plan_quantization(seq.request_id, seq.num_computed_tokens)
+        pairs = self.kv.take_quantization()
+        if pairs and self.pool is not None:
+            self.pool.quantize([(residual.block_id, target.block_id) for residual, target in pairs])
+        self.kv.release_quantized(pairs)
+        for seq, _ in batch.entries:
             self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens)
         outputs = []
@@ -370,8 +418,13 @@ class LLMEngine:
             ],  # fmt: skip
             "block_size": self.kv_spec.block_size,
             "bytes_per_token": self.kv_spec.bytes_per_token,
-            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block,
+            "scale_bytes_per_token": self.kv_spec.scale_bytes_per_token,
+            # tokens of every layer the pool holds (a sliding-window model holds longer sequences: max_model_len)
+            "token_capacity": self.kv.num_blocks * self.kv_spec.block_size // len(self.kv.groups),
+            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block + self.num_residual_blocks * self.kv_spec.residual_block_bytes,
             "kv_cache_dtype": self.kv_spec.kv_dtype,
+            "kv_quant_residual_blocks": self.num_residual_blocks,
+            "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,

@@ -57,9 +57,33 @@ class ModelRunner:
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden]."""
         meta, input_ids, sample_rows, samplers = self.prepare(batch)
+        captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None
+                    for start in [self._first_row(batch, seq)]]  # fmt: skip
+        if captures:  # scoring: every row of these sequences, after the rows that sample
+            extra = np.concatenate([np.arange(start, start + n) for _, start, n in captures])
+            sample_rows = np.concatenate([sample_rows, extra])
         ids = torch.from_numpy(input_ids).to(self.device)
         rows = torch.from_numpy(sample_rows).to(self.device)
-        return samplers, self.model(ids, self.attention, meta, output_rows=rows)
+        hidden = self.model(ids, self.attention, meta, output_rows=rows)
+        at = len(samplers)
+        for seq, _, n in captures:
+            seq.captured.append(hidden[at : at + n].clone())
+            at += n
+        return samplers, hidden[: len(samplers)]
+
+    @staticmethod
+    def _first_row(batch: ScheduledBatch, seq: Sequence) -> int:
+        """The flat row of seq's first token in a batch laid out as prepare() lays it out."""
+        decodes = [s for s, n in batch.entries if n == 1]
+        if seq in decodes:
+            return decodes.index(seq)
+        row = len(decodes)
+        for s, n in batch.entries:
+            if n > 1:
+                if s is seq:
+                    return row
+                row += n
+        raise ValueError("sequence not in the batch")
 
     def prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[Sequence]]:
         """The step's attention metadata, flat input ids, the rows that sample and their sequences:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvserve.engine.output_text import OutputText
 from kvserve.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class Sequence:
     text: OutputText | None = None  # None without a tokenizer (token ids only)
     stream: bool = False  # outputs carry what is new since the previous one, every step
     num_sent_tokens: int = 0  # output tokens already handed out (stream)
+    captured: list[torch.Tensor] | None = None  # scoring: the last hidden state of every computed position, chunk by chunk
     forks: list["Sequence"] = field(default_factory=list)  # siblings that start from this sequence's prompt
     fork_parent: "Sequence | None" = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)

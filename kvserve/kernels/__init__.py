@@ -22,16 +22,35 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPE_CODES and cpu_kernels_available()
 
 
-def kv_view(key: torch.Tensor, value: torch.Tensor, block_size: int) -> args.KVView:
-    """The view of one layer's K and V caches [slots, kv_heads, head_dim] (contiguous, slot =
-    block * block_size + offset). The caller keeps the tensors alive as long as the view."""
-    if key.shape != value.shape or key.dim() != 3 or not (key.is_contiguous() and value.is_contiguous()) or key.dtype != value.dtype:
-        raise ValueError("kv_view: key and value must be contiguous [slots, kv_heads, head_dim] tensors of one shape and dtype")
-    _, num_kv_heads, head_dim = key.shape
-    token_stride = num_kv_heads * head_dim
+KV_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "int4": 6, "int2": 7}
+NO_RESIDUAL = 1 << 62
+
+
+def kv_view(
+    spec, key: torch.Tensor | None, value: torch.Tensor | None, key_records: torch.Tensor | None = None,
+    value_records: torch.Tensor | None = None, first_residual: int = NO_RESIDUAL,
+) -> args.KVView:  # fmt: skip
+    """The kernels' view of one layer's K and V (kv/pool.py's layout for `spec`, a KVCacheSpec):
+    float blocks key/value [slots, kv_heads, head_dim] (contiguous), and for a quantized format its
+    byte records [num_blocks, record_bytes], with the float blocks then a KIVI cache's residual
+    ones, from block id first_residual on. The caller keeps the tensors alive as long as the view."""
+    heads, dim, bs = spec.num_kv_heads, spec.head_dim, spec.block_size
+    for tensor in (key, value, key_records, value_records):
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError("kv_view: the pool's tensors must be contiguous")
+    float_stride = (bs * heads * dim, heads * dim)
+    if key_records is None:
+        return args.KVView(
+            key.data_ptr(), value.data_ptr(), None, None, *float_stride, 0, 0, NO_RESIDUAL, _DTYPE_CODES[key.dtype],
+            _DTYPE_CODES[key.dtype], bs, heads, dim, spec.group_size, spec.value_group,
+        )  # fmt: skip
+    token_bytes = heads * dim * spec.format.bits // 8
+    residual = key is not None
     return args.KVView(
-        key.data_ptr(), value.data_ptr(), None, None, block_size * token_stride, token_stride, _DTYPE_CODES[key.dtype], block_size,
-        num_kv_heads, head_dim,
+        key_records.data_ptr(), value_records.data_ptr(), key.data_ptr() if residual else None,
+        value.data_ptr() if residual else None, key_records.shape[1], token_bytes, *(float_stride if residual else (0, 0)),
+        first_residual if residual else NO_RESIDUAL, KV_FORMAT_CODES[spec.kv_dtype], _DTYPE_CODES[key.dtype] if residual else 0,
+        bs, heads, dim, spec.group_size, spec.value_group,
     )  # fmt: skip
 
 

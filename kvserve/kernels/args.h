@@ -11,20 +11,31 @@
 
 namespace kvserve {
 
-// Where one layer's K and V live in the paged pool, as the pool lays them out: token t of
-// block b, kv head h starts at element  b * block_stride + t * token_stride + h * head_dim
-// of `key` (and of `value`), in elements of `dtype`.
+// Where one layer's K and V live in the paged pool, as the pool lays them out (kv_formats.h
+// reads every format). Blocks below first_residual: in `key` / `value`, format `dtype` (0 fp32,
+// 1 bf16, 2 fp16, 3 int8, 4 fp8_e4m3, 5 fp8_e5m2, 6 int4, 7 int2). A float block b's token t,
+// head h starts at element b * block_stride + t * token_stride + h * head_dim; a quantized
+// block is a byte record from b * block_stride, its values token_stride bytes per token, then
+// their scales. Blocks from first_residual on: full-precision (residual_dtype) blocks of a KIVI
+// cache, block id - first_residual, in residual_key / residual_value.
 struct KVView {
   void* key;
   void* value;
-  void* key_scale;    // per-token scales of a quantized format; null for float formats
-  void* value_scale;
+  void* residual_key;
+  void* residual_value;
   int64_t block_stride;
   int64_t token_stride;
+  int64_t residual_block_stride;
+  int64_t residual_token_stride;
+  int64_t first_residual;
   int32_t dtype;
+  int32_t residual_dtype;
   int32_t block_size;
   int32_t num_kv_heads;
   int32_t head_dim;
+  int32_t group_size;   // KIVI: tokens per key-channel scale
+  int32_t value_group;  // KIVI: channels per value scale
+  int32_t pad_;
 };
 
 // One query token per sequence (decode).

@@ -25,7 +25,7 @@ from kvserve.kernels.args import layout_mismatches
 logger = logging.getLogger(__name__)
 
 SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp", "abi.cpp"]
-HEADERS = ["simd.h", "args.h"]
+HEADERS = ["simd.h", "args.h", "kv_formats.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 

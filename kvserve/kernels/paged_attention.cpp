@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "args.h"
+#include "kv_formats.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -58,6 +59,59 @@ inline float dot(const float* a, const float* b, int n) {
   for (int i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
+
+
+// ---- any KV format (quantized records, KIVI's residual blocks): a row at a time, dequantized ------
+// Each visible row is read as float into a head_dim buffer (kv_formats.h) and used at once: no
+// widened copy of the context.
+void decode_task_rows(float* out_rows, const float* queries, int group, const KVView& kv, const int64_t* table, int64_t first,
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc,
+                      std::vector<float>& row) {
+  const int dim = kv.head_dim;
+  const int bs = kv.block_size;
+  scores.resize(static_cast<size_t>(group) * count);
+  row.resize(dim);
+  for (int64_t i = 0; i < count;) {
+    const int64_t position = first + i;
+    const int64_t block = position / bs;
+    BlockRows keys(kv, false, table[block]);
+    for (int t = static_cast<int>(position - block * bs); t < bs && i < count; ++t, ++i) {
+      keys.row(t, kv_head, row.data());
+      for (int g = 0; g < group; ++g) scores[g * count + i] = dot(queries + static_cast<size_t>(g) * dim, row.data(), dim) * scale;
+    }
+  }
+  std::vector<float> inv_sum(group);
+  for (int g = 0; g < group; ++g) {
+    float* s = scores.data() + g * count;
+    float peak = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, s[i]);
+    float total = 0.f;
+    for (int64_t i = 0; i < count; ++i) {
+      s[i] = fast_exp(s[i] - peak);
+      total += s[i];
+    }
+    inv_sum[g] = 1.f / total;
+  }
+  acc.assign(static_cast<size_t>(group) * dim, 0.f);
+  for (int64_t i = 0; i < count;) {
+    const int64_t position = first + i;
+    const int64_t block = position / bs;
+    BlockRows values(kv, true, table[block]);
+    for (int t = static_cast<int>(position - block * bs); t < bs && i < count; ++t, ++i) {
+      values.row(t, kv_head, row.data());
+      for (int g = 0; g < group; ++g) {
+        const float weight = scores[g * count + i];
+        float* a = acc.data() + static_cast<size_t>(g) * dim;
+#pragma omp simd
+        for (int d = 0; d < dim; ++d) a[d] += weight * row[d];
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g)
+    for (int d = 0; d < dim; ++d) out_rows[g * dim + d] = acc[g * dim + d] * inv_sum[g];
+}
+
+inline bool plain_float_view(const KVView& kv) { return is_float_format(kv.dtype) && kv.first_residual >= (int64_t{1} << 62); }
 
 
 // ---- vectorized path: head_dim a multiple of 16, group size known at compile time -------------
@@ -467,6 +521,7 @@ void unpack_context(PrefillBuffers& buf, const KVView& kv, const int64_t* table,
                     int head_pad) {
   const int num_kv_heads = kv.num_kv_heads;
   const int head_dim = kv.head_dim;
+  const bool plain = plain_float_view(kv);
   const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
   const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_pad;
   buf.keys_t.resize(per_head * num_kv_heads);
@@ -489,10 +544,17 @@ void unpack_context(PrefillBuffers& buf, const KVView& kv, const int64_t* table,
           for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = 0.f;
           continue;
         }
-        const int64_t offset = kv_offset(kv, table, position, kv_head);
-        load_row(kv.key, kv.dtype, offset, head_dim, key_row.data());
+        if (plain) {
+          const int64_t offset = kv_offset(kv, table, position, kv_head);
+          load_row(kv.key, kv.dtype, offset, head_dim, key_row.data());
+          load_row(kv.value, kv.dtype, offset, head_dim, v_row);
+        } else {
+          const int64_t block = position / kv.block_size;
+          const int t = static_cast<int>(position - block * kv.block_size);
+          BlockRows(kv, false, table[block]).row(t, kv_head, key_row.data());
+          BlockRows(kv, true, table[block]).row(t, kv_head, v_row);
+        }
         for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = key_row[d];
-        load_row(kv.value, kv.dtype, offset, head_dim, v_row);
       }
     }
   }
@@ -755,7 +817,8 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
   const float scale = a.scale;
   void* out = a.out;
   const void* query = a.query;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || kv.block_size <= 0 || kv_dtype < 0 || kv_dtype > 2) return 1;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || kv.block_size <= 0 || kv_dtype < 0 || kv_dtype > 7 ||
+      head_dim > 512) return 1;
   const int group = num_heads / num_kv_heads;
   const int64_t tasks = a.num_seqs * num_kv_heads;
   int status = 0;
@@ -783,7 +846,7 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       }
       const int64_t* table = a.block_tables + seq * a.max_blocks;
 #if KVSERVE_DECODE_BF16_DOT
-      if (query_dtype == kBFloat16 && kv_dtype == kBFloat16) {
+      if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && plain_float_view(kv)) {
         const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
         if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc)) {
           for (int g = 0; g < group; ++g) {
@@ -797,6 +860,14 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       for (int g = 0; g < group; ++g) {
         const int64_t q_offset = (seq * num_heads + kv_head * group + g) * head_dim;
         load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
+      }
+      if (!plain_float_view(kv)) {
+        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row);
+        for (int g = 0; g < group; ++g) {
+          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
+          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
+        }
+        continue;
       }
       if (decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) {
         for (int g = 0; g < group; ++g) {
@@ -856,7 +927,8 @@ int kvserve_paged_prefill_attention(const PrefillAttentionArgs* args) {
   const float scale = a.scale;
   void* out = a.out;
   const void* query = a.query;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_tokens <= 0 || kv.dtype < 0 || kv.dtype > 2 || kv.block_size <= 0) return 1;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_tokens <= 0 || kv.dtype < 0 || kv.dtype > 7 || kv.block_size <= 0 ||
+      head_dim > 512) return 1;
   if ((context_start + num_tokens + kv.block_size - 1) / kv.block_size > a.num_blocks) return 2;
   const int group = num_heads / num_kv_heads;
   const int64_t context_end = context_start + num_tokens;
@@ -867,7 +939,7 @@ int kvserve_paged_prefill_attention(const PrefillAttentionArgs* args) {
   PrefillBuffers& buf = caller_buffers;  // a plain reference, so the worker threads share the caller's buffers
   const int64_t rows_per_head = num_tokens * group;
 #if KVSERVE_DECODE_BF16_DOT
-  if (query_dtype == kBFloat16 && kv.dtype == kBFloat16 && head_dim % 32 == 0) {
+  if (query_dtype == kBFloat16 && kv.dtype == kBFloat16 && head_dim % 32 == 0 && plain_float_view(kv)) {
     unpack_context_bf16(buf, kv, a.block_table, key_base, context_end);
     for_each_query_tile<kRowTileBf16>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
       thread_local std::vector<uint16_t> queries;

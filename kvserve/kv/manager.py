@@ -46,11 +46,20 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int, prefix_cache: PrefixCache | None = None,
+        num_residual_blocks: int = 0,
+    ) -> None:  # fmt: skip
         self.spec = spec
         self.groups = spec.groups
         self.block_size = spec.block_size
         self.pool = BlockPool(num_blocks)
+        # KIVI formats: new tokens go to full-precision blocks (ids from num_blocks on), quantized
+        # into blocks of the pool once full and older than the residual window
+        self.residual_pool = BlockPool(num_residual_blocks, first_id=num_blocks) if num_residual_blocks else None
+        self._fresh = self.residual_pool or self.pool
+        self.pending_quantization: list[tuple[KVBlock, KVBlock]] = []  # (residual block, quantized block)
+        self._quantized: dict[str, list[int]] = {}  # per request and group: leading blocks already considered
         self.max_blocks_per_seq = max_blocks_per_seq
         self._tables: dict[str, list[list[KVBlock | None]]] = {}
         self._rows: dict[str, int] = {}
@@ -81,6 +90,20 @@ class KVCacheManager:
     def num_used_blocks(self) -> list[int]:
         """Per group, the blocks some request holds (a block shared by several counts once)."""
         return [self.pool.num_used_blocks(g) for g in range(len(self.groups))]
+
+    def _pool_of(self, block: KVBlock) -> BlockPool:
+        return self.residual_pool if self.residual_pool is not None and block.block_id >= self.pool.num_blocks else self.pool
+
+    def _touch(self, block: KVBlock) -> None:
+        self._pool_of(block).touch(block)
+
+    def _release(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block, in order, each in its own pool."""
+        for pool in (self.pool, self.residual_pool):
+            if pool is not None:
+                mine = [b for b in blocks if self._pool_of(b) is pool]
+                if mine:
+                    pool.free(mine)
 
     # ------------------------------------------------------------------ reading
     def block_table(self, request_id: str, group: int = 0) -> list[int | None]:
@@ -124,6 +147,10 @@ class KVCacheManager:
             taken = {id(b): b for row in hit.blocks for b in row if b is not None}
             taken.update({id(src): src for _, src, _ in hit.copies})
             need += sum(1 for b in taken.values() if b.ref_count == 0) + len(hit.copies)
+        if self.residual_pool is not None:
+            first_chunk = len(self.groups) * (blocks_for_tokens(min(chunk, num_tokens), self.block_size) + 1)
+            if first_chunk > self.residual_pool.num_free_blocks:
+                return False
         return need <= self.pool.num_free_blocks
 
     # ------------------------------------------------------------------ prefix cache
@@ -146,11 +173,11 @@ class KVCacheManager:
             for i, block in enumerate(blocks):
                 tables[g].append(block)
                 if block is not None:
-                    self.pool.touch(block)
+                    self._touch(block)
                     self._ids[g][row, i] = block.block_id
         for g, source, slots in hit.copies:
-            self.pool.touch(source)  # until the copy is made
-            (target,) = self.pool.allocate(1, g)
+            self._touch(source)  # until the copy is made
+            (target,) = self._fresh.allocate(1, g)
             self._ids[g][row, len(tables[g])] = target.block_id
             tables[g].append(target)
             self.pending_copies.append((source, target, slots))
@@ -167,12 +194,12 @@ class KVCacheManager:
             for i, block in enumerate(table[:whole]):
                 tables[g].append(block)
                 if block is not None:
-                    self.pool.touch(block)
+                    self._touch(block)
                     self._ids[g][row, i] = block.block_id
             if num_computed % self.block_size:
                 source = table[whole]
-                self.pool.touch(source)
-                (target,) = self.pool.allocate(1, g)
+                self._touch(source)
+                (target,) = self._fresh.allocate(1, g)
                 self._ids[g][row, whole] = target.block_id
                 tables[g].append(target)
                 self.pending_copies.append((source, target, num_computed % self.block_size))
@@ -186,7 +213,38 @@ class KVCacheManager:
         return copies
 
     def release_copy_sources(self, copies: list[tuple[KVBlock, KVBlock, int]]) -> None:
-        self.pool.free([source for source, _, _ in copies])
+        self._release([source for source, _, _ in copies])
+
+    # ------------------------------------------------------------------ KIVI's residual
+    def plan_quantization(self, request_id: str, num_computed: int) -> None:
+        """Move the request's residual blocks that are full and older than the residual window to
+        fresh quantized blocks (the caller converts them: take_quantization)."""
+        tables = self._tables.get(request_id)
+        if self.residual_pool is None or tables is None:
+            return
+        bs = self.block_size
+        ready = max(0, num_computed - self.spec.quant_residual) // bs  # blocks wholly before the residual
+        done = self._quantized.setdefault(request_id, [0] * len(self.groups))
+        row = self._rows[request_id]
+        for g, table in enumerate(tables):
+            for i in range(done[g], min(ready, len(table))):
+                block = table[i]
+                if block is not None and block.block_id >= self.pool.num_blocks:
+                    if not self.pool.num_free_blocks:
+                        return  # quantized later, when a block is free
+                    (target,) = self.pool.allocate(1, g)
+                    table[i] = target
+                    self._ids[g][row, i] = target.block_id
+                    self.pending_quantization.append((block, target))
+                done[g] = i + 1
+
+    def take_quantization(self) -> list[tuple[KVBlock, KVBlock]]:
+        """(residual, quantized) block pairs to convert now; then release_quantized."""
+        pairs, self.pending_quantization = self.pending_quantization, []
+        return pairs
+
+    def release_quantized(self, pairs: list[tuple[KVBlock, KVBlock]]) -> None:
+        self._release([residual for residual, _ in pairs])
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish the request's blocks that became full of computed tokens."""
@@ -201,10 +259,14 @@ class KVCacheManager:
         salt = self._salts.get(request_id)
         hashes = self._hashes[request_id] = chain_hashes(cache.root, token_ids[: full * bs], bs, salt, self._hashes.get(request_id))
         for i in range(done, full):
+            blocks = [table[i] if i < len(table) else None for table in tables]
+            if any(b is not None and self._pool_of(b) is not self.pool for b in blocks):
+                full = i  # a residual block: published once quantized
+                break
             parent = hashes[i - 1] if i else cache.parent_of_first(salt)
-            for g, table in enumerate(tables):
-                if i < len(table) and table[i] is not None:
-                    cache.publish(g, table[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+            for g, block in enumerate(blocks):
+                if block is not None:
+                    cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
         self._published[request_id] = full
 
     def reset_prefix_cache(self) -> int:
@@ -220,7 +282,7 @@ class KVCacheManager:
         """Give the request blocks to compute tokens [start, end); False (and nothing taken) if short."""
         spans = self._new_blocks(request_id, start, end)
         needed = sum(max(0, hi - lo) for lo, hi in spans)
-        if needed > self.pool.num_free_blocks:
+        if needed > self._fresh.num_free_blocks:
             return False
         if end > self.max_blocks_per_seq * self.block_size:
             raise ValueError(f"request {request_id} grew past {self.max_blocks_per_seq} blocks")
@@ -234,7 +296,7 @@ class KVCacheManager:
                 continue
             table = tables[g]
             table.extend([None] * (lo - len(table)))
-            blocks = self.pool.allocate(hi - lo, g)
+            blocks = self._fresh.allocate(hi - lo, g)
             table.extend(blocks)
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
         return True
@@ -256,7 +318,7 @@ class KVCacheManager:
             for i in range(first):
                 table[i] = None
             self._ids[g][row, :first] = 0
-            self.pool.free(list(reversed(gone)))
+            self._release(list(reversed(gone)))
 
     def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Return the request's blocks. A radix cache keeps its last, partly filled block too."""
@@ -264,14 +326,16 @@ class KVCacheManager:
         hashes = self._hashes.pop(request_id, None)
         salt = self._salts.pop(request_id, None)
         self._published.pop(request_id, None)
+        self._quantized.pop(request_id, None)
         if tables is None:
             return
-        if self.prefix_cache is not None and self.prefix_cache.name == "radix" and num_computed % self.block_size:
+        partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
+        if partial and num_computed % self.block_size:
             self._publish_partial(tables, token_ids, num_computed, hashes or [], salt)
         row = self._rows.pop(request_id)
         for g, table in enumerate(tables):
             held = [b for b in table if b is not None]
-            self.pool.free(list(reversed(held)))
+            self._release(list(reversed(held)))
             self._ids[g][row, : len(table)] = 0
         self._free_rows.append(row)
 

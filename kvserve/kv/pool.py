@@ -1,11 +1,18 @@
 """The paged KV pool: the one place that owns the bytes of K/V and their layout.
 
-The pool is one tensor [layers_per_group, 2 (K, V), num_blocks * block_size, kv_heads, head_dim].
-A block id names the same slots in each of the layers_per_group slices; the block belongs to one
-KV cache group at a time, whose i-th layer uses slice i. So every group draws from one pool, and
-a layer's K (or V) is a contiguous [slots, kv_heads, head_dim] array in which a token's slot is
-block_id * block_size + offset. The pool hands each layer a `LayerKV`: those arrays and the
-kernels' `KVView` of them (addresses, strides, block size, element format, scale slots); nothing
+Blocks hold `block_size` tokens of one KV cache group's layers; a block id names the same place
+in each of the group's `layers_per_group` slices, and a group's i-th layer uses slice i. So every
+group draws from one pool. How a block stores a token depends on the KV format:
+
+- float formats: `kv [layers_per_group, 2 (K, V), num_blocks * block_size, kv_heads, head_dim]`;
+  a layer's K (or V) is a contiguous [slots, kv_heads, head_dim] array, slot = block * block_size + offset;
+- quantized formats: `records [layers_per_group, 2, num_blocks, record_bytes]`, one byte record
+  per block, layer and K/V (kv/quant.py has the layout). int8 and fp8 quantize each token as it is
+  stored. int4 and int2 (KIVI) quantize whole blocks: new tokens go to full-precision residual
+  blocks, ids from `num_blocks` on, in a float array like the one above, and a block is quantized
+  once it is full and older than the residual window.
+
+The pool hands each layer a `LayerKV` with its arrays and the kernels' `KVView` of them; nothing
 else computes an offset into the pool.
 """
 
@@ -20,10 +27,12 @@ import torch
 
 from kvserve import kernels
 from kvserve.kernels.args import KVView
+from kvserve.kv import quant
 from kvserve.kv.spec import KVCacheSpec
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
+NO_RESIDUAL = 1 << 62  # first_residual of a cache without residual blocks
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -44,49 +53,149 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        advise_huge_pages(tensor)
+    # zeroed, not left empty: padded gathers read arbitrary slots, and 0 * NaN would poison attention
+    return tensor.zero_()
+
+
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's K and V: [slots, kv_heads, head_dim] each, slot = block_id * block_size + offset."""
+    """One layer's K and V in the pool."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    view: KVView  # the same, described for the native kernels
+    spec: KVCacheSpec
     group: int  # the KV cache group whose block tables address it
     block_size: int
+    key: torch.Tensor | None  # float blocks [slots, kv_heads, head_dim] (of a float cache, or a KIVI cache's residual)
+    value: torch.Tensor | None
+    key_records: torch.Tensor | None  # quantized blocks [num_blocks, record_bytes]
+    value_records: torch.Tensor | None
+    first_residual: int  # block ids from here on are float blocks: 0 for a float cache
+    view: KVView  # the same, described for the native kernels
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp8: calibrated (K, V) scales per head
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset)."""
+        if self.key_records is None or self.spec.format.kind == "kivi":
+            offset = self.first_residual * self.block_size if self.key_records is not None else 0
+            self.key.index_copy_(0, slots - offset, k.to(self.key.dtype))
+            self.value.index_copy_(0, slots - offset, v.to(self.value.dtype))
+            return
+        spec = self.spec
+        blocks, within = slots // self.block_size, slots % self.block_size
+        for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
+            data, scales = quant.encode_tokens(spec, x, self.scales[w] if self.scales is not None else None)
+            quant.data_rows(spec, records)[blocks, within] = data
+            quant.scale_rows(spec, records)[blocks, within] = scales
+
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks' K and V for block tables [..., n], in float: [..., n * block_size, kv_heads, head_dim]."""
+        spec, bs = self.spec, self.block_size
+        heads, dim = spec.num_kv_heads, spec.head_dim
+        flat = block_ids.reshape(-1)
+        out = []
+        for fp, records, which in ((self.key, self.key_records, "key"), (self.value, self.value_records, "value")):
+            if records is None:
+                blocks = fp.view(-1, bs, heads, dim).index_select(0, flat)
+            else:
+                main = flat.clamp(max=records.shape[0] - 1)
+                blocks = quant.decode(spec, records.index_select(0, main), which)
+                if fp is not None:
+                    residual = (flat - self.first_residual).clamp(0, fp.shape[0] // bs - 1)
+                    in_residual = (flat >= self.first_residual).view(-1, 1, 1, 1)
+                    blocks = torch.where(in_residual, fp.view(-1, bs, heads, dim).index_select(0, residual).float(), blocks)
+            out.append(blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, heads, dim))
+        return out[0], out[1]
 
 
 class PagedKVPool:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_residual_blocks: int = 0,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:  # fmt: skip
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
-        shape = (spec.layers_per_group, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.empty(shape, dtype=spec.torch_dtype, device=device)
-        if device.type == "cpu":
-            advise_huge_pages(self.kv)
-        # zeroed, not left empty: padded gathers read arbitrary slots, and 0 * NaN would poison attention
-        self.kv.zero_()
-        self.layers = tuple(self._layer(group, index) for group, index in spec.layer_slots)
+        self.num_residual_blocks = num_residual_blocks if spec.format.kind == "kivi" else 0
+        fmt = spec.format
+        groups, bs = spec.layers_per_group, spec.block_size
+        float_blocks = num_blocks if not fmt.quantized else self.num_residual_blocks
+        self.kv = _zeroed((groups, 2, float_blocks * bs, spec.num_kv_heads, spec.head_dim), spec.torch_dtype, device) if float_blocks else None
+        self.records = _zeroed((groups, 2, num_blocks, spec.record_bytes), torch.uint8, device) if fmt.quantized else None
+        if not fmt.quantized:
+            self.first_residual = 0
+        else:
+            self.first_residual = num_blocks if self.num_residual_blocks else NO_RESIDUAL
+        self.layers = tuple(self._layer(group, index, scales[layer] if scales else None) for layer, (group, index) in enumerate(spec.layer_slots))
 
-    def _layer(self, group: int, index: int) -> LayerKV:
-        key, value = self.kv[index, 0], self.kv[index, 1]
-        view = kernels.kv_view(key, value, self.block_size) if kernels.supports(key.device, key.dtype) else KVView()
-        return LayerKV(key, value, view, group, self.block_size)
+    def _layer(self, group: int, index: int, scales: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKV:
+        key = value = key_records = value_records = None
+        if self.kv is not None:
+            key, value = self.kv[index, 0], self.kv[index, 1]
+        if self.records is not None:
+            key_records, value_records = self.records[index, 0], self.records[index, 1]
+        view = KVView()
+        device = (key if key is not None else key_records).device
+        if kernels.cpu_kernels_available() and device.type == "cpu":
+            view = kernels.kv_view(self.spec, key, value, key_records, value_records, self.first_residual if key_records is not None else kernels.NO_RESIDUAL)
+        return LayerKV(self.spec, group, self.block_size, key, value, key_records, value_records, self.first_residual, view, scales)
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.records) if t is not None)
+
+    def _float_block(self, block_id: int) -> torch.Tensor:
+        """A block, every layer of its group, in float: [layers_per_group, 2, block_size, kv_heads, head_dim]."""
+        bs = self.block_size
+        if block_id >= self.first_residual:
+            start = (block_id - self.first_residual) * bs
+            return self.kv[:, :, start : start + bs].float()
+        layers = [torch.stack([quant.decode(self.spec, self.records[j, w, block_id][None], which)[0]
+                               for w, which in enumerate(("key", "value"))]) for j in range(self.spec.layers_per_group)]  # fmt: skip
+        return torch.stack(layers)
 
     def copy_slots(self, source: int, target: int, slots: int) -> None:
-        """Copy the first `slots` tokens of block `source` into block `target`, every layer (a partial prefix hit)."""
+        """Copy the first `slots` tokens of block `source` into block `target`, every layer (a partial
+        prefix hit, a fork's partly filled block); the target is a float block of a KIVI cache."""
         bs = self.block_size
-        self.kv[:, :, target * bs : target * bs + slots].copy_(self.kv[:, :, source * bs : source * bs + slots])
+        if self.records is None or self.spec.format.kind == "kivi":
+            start = (target - self.first_residual) * bs if self.records is not None else target * bs
+            self.kv[:, :, start : start + slots].copy_(self._float_block(source)[:, :, :slots])
+            return
+        data, scales = quant.data_rows, quant.scale_rows
+        for j in range(self.spec.layers_per_group):
+            for w in range(2):
+                records = self.records[j, w]
+                data(self.spec, records)[target, :slots] = data(self.spec, records)[source, :slots]
+                scales(self.spec, records)[target, :slots] = scales(self.spec, records)[source, :slots]
+
+    def quantize(self, pairs: list[tuple[int, int]]) -> None:
+        """Quantize full residual blocks into quantized ones: (residual block id, quantized block id) pairs."""
+        if not pairs:
+            return
+        bs = self.block_size
+        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
+        source = torch.tensor([s - self.first_residual for s, _ in pairs], device=self.kv.device)
+        target = torch.tensor([t for _, t in pairs], device=self.kv.device)
+        for j in range(self.spec.layers_per_group):
+            for w, which in enumerate(("key", "value")):
+                blocks = self.kv[j, w].view(-1, bs, heads, dim).index_select(0, source)
+                self.records[j, w].index_copy_(0, target, quant.encode(self.spec, blocks, which))
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block, every layer of its group: [layers_per_group, 2, block_size, kv_heads, head_dim] (a contiguous copy)."""
-        start = block_id * self.block_size
+        """One block, every layer of its group, as stored (a contiguous copy): float blocks
+        [layers_per_group, 2, block_size, kv_heads, head_dim], quantized ones [layers_per_group, 2, record_bytes]."""
+        if block_id < self.first_residual and self.records is not None:
+            return self.records[:, :, block_id].contiguous()
+        start = (block_id - self.first_residual) * self.block_size
         return self.kv[:, :, start : start + self.block_size].contiguous()
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        start = block_id * self.block_size
+        if block_id < self.first_residual and self.records is not None:
+            self.records[:, :, block_id].copy_(data)
+            return
+        start = (block_id - self.first_residual) * self.block_size
         self.kv[:, :, start : start + self.block_size].copy_(data)
+

@@ -19,43 +19,86 @@ import torch
 
 GIB = 1024**3
 
-# bytes per stored element, and per-group scale overhead for quantized formats
-KV_DTYPES: dict[str, tuple[float, int]] = {
-    # name: (bytes per element, elements per scale group; 0 = no scales)
-    "float32": (4, 0),
-    "bfloat16": (2, 0),
-    "float16": (2, 0),
-    "fp8": (1, 0),
-    "int8": (1, 0),
-    "int4": (0.5, 32),
-}
-SCALE_BYTES = 2  # one fp16 scale per group (int4's zero point folds into symmetric scaling)
+@dataclass(frozen=True)
+class KVFormat:
+    """How one token's K (or V) of one KV head is stored in a block.
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    float: the values themselves. scaled (int8, fp8): the values divided by one scale per token and
+    head (an fp16 next to them). kivi (int4, int2): KIVI's asymmetric quantization, keys per
+    channel over groups of `group_size` tokens, values per token over groups of `group_size`
+    channels, each group's scale and zero point in 2 bytes (an 8-bit log2 scale, an 8-bit
+    integer zero point); the most recent tokens stay in full precision (the residual).
+    """
+
+    name: str
+    bits: int
+    kind: str  # float | scaled | kivi
+    torch_dtype: torch.dtype | None = None  # float formats: the element type; fp8: its encoding
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "float"
+
+    def data_bytes(self, head_dim: int) -> float:
+        return head_dim * self.bits / 8
+
+    def meta_bytes(self, head_dim: int, group_size: int) -> float:
+        """Bytes of scales per token and head, for K and for V alike."""
+        if self.kind == "scaled":
+            return 2.0
+        if self.kind == "kivi":
+            return 2.0 * head_dim / group_size
+        return 0.0
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("float32", 32, "float", torch.float32),
+        KVFormat("bfloat16", 16, "float", torch.bfloat16),
+        KVFormat("float16", 16, "float", torch.float16),
+        KVFormat("fp8_e4m3", 8, "scaled", torch.float8_e4m3fn),
+        KVFormat("fp8_e5m2", 8, "scaled", torch.float8_e5m2),
+        KVFormat("int8", 8, "scaled"),
+        KVFormat("int4", 4, "kivi"),
+        KVFormat("int2", 2, "kivi"),
+    )
+}
+KV_DTYPES = tuple(KV_FORMATS)
+DEFAULT_QUANT_GROUP_SIZE = 32
+DEFAULT_QUANT_RESIDUAL = 128
 
 
 def normalize_kv_dtype(name: str) -> str:
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8_e4m3": "fp8"}
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
     name = aliases.get(name, name)
-    if name not in KV_DTYPES:
-        raise ValueError(f"kv dtype {name!r} is unknown; choose one of {', '.join(KV_DTYPES)}")
+    if name not in KV_FORMATS:
+        raise ValueError(f"kv dtype {name!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
     return name
 
 
-def bytes_per_element_with_scales(kv_dtype: str, head_dim: int) -> float:
-    elem, group = KV_DTYPES[normalize_kv_dtype(kv_dtype)]
-    if not group:
-        return float(elem)
-    groups = math.ceil(head_dim / group)
-    return elem + groups * SCALE_BYTES / head_dim
+def block_size_for(kv_dtype: str, block_size: int | None, group_size: int = DEFAULT_QUANT_GROUP_SIZE) -> int:
+    """The block size a format takes: `block_size` (16 when None), rounded up to a multiple of
+    the group size for int4 / int2, whose key groups must not span blocks."""
+    size = 16 if block_size is None else block_size
+    if KV_FORMATS[normalize_kv_dtype(kv_dtype)].kind == "kivi":
+        size = -(-size // group_size) * group_size
+    return size
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element, plus quantization scales."""
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, group_size: int = DEFAULT_QUANT_GROUP_SIZE) -> int:
+    """2 (K and V) x layers x kv_heads x (head_dim x bytes per element + the format's scales)."""
     for name, value in (("layers", num_layers), ("kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return math.ceil(2 * num_layers * num_kv_heads * head_dim * bytes_per_element_with_scales(kv_dtype, head_dim))
+    fmt = KV_FORMATS[normalize_kv_dtype(kv_dtype)]
+    return math.ceil(2 * num_layers * num_kv_heads * (fmt.data_bytes(head_dim) + fmt.meta_bytes(head_dim, group_size)))
+
+
+def scale_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, group_size: int = DEFAULT_QUANT_GROUP_SIZE) -> int:
+    """The scales' share of bytes_per_token."""
+    fmt = KV_FORMATS[normalize_kv_dtype(kv_dtype)]
+    return math.ceil(2 * num_layers * num_kv_heads * fmt.meta_bytes(head_dim, group_size))
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -101,12 +144,28 @@ class KVCacheSpec:
     layer_windows: tuple[int | None, ...] = ()
     # False: one group of every layer holding every block (vLLM's --disable-hybrid-kv-cache-manager)
     hybrid: bool = True
+    # quantized formats: KIVI's group size (tokens of a key channel, channels of a value) and the
+    # recent tokens int4/int2 keep in full precision; the dtype of those full-precision blocks
+    group_size: int = DEFAULT_QUANT_GROUP_SIZE
+    residual: int = DEFAULT_QUANT_RESIDUAL
+    residual_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", normalize_kv_dtype(self.kv_dtype))
+        object.__setattr__(self, "residual_dtype", normalize_kv_dtype(self.residual_dtype))
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        if self.format.kind == "kivi":
+            if self.group_size <= 0 or self.block_size % self.group_size:
+                raise ValueError(f"{self.kv_dtype} needs --block-size ({self.block_size}) to be a multiple of "
+                                 f"--kv-quant-group-size ({self.group_size})")  # fmt: skip
+            if self.head_dim % self.value_group:
+                raise ValueError(f"{self.kv_dtype} needs head_dim ({self.head_dim}) to be a multiple of the group size ({self.group_size})")
+        if self.residual < 0:
+            raise ValueError(f"kv_quant_residual must be >= 0, got {self.residual}")
+        if KV_FORMATS[self.residual_dtype].kind != "float":
+            raise ValueError("the residual blocks hold a float format")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
         if any(w is not None and w <= 0 for w in self.layer_windows):
@@ -138,11 +197,46 @@ class KVCacheSpec:
         slots = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
         return tuple(slots[layer] for layer in range(self.num_layers))
 
+    # ------------------------------------------------------------------ format
+    @property
+    def format(self) -> KVFormat:
+        return KV_FORMATS[self.kv_dtype]
+
+    @property
+    def value_group(self) -> int:
+        """Channels per value group (KIVI): the group size, or the whole head when it is smaller."""
+        return self.group_size if self.head_dim >= self.group_size else self.head_dim
+
+    @property
+    def quant_residual(self) -> int:
+        """Recent tokens int4/int2 keep in full precision before quantizing them (int8 and fp8
+        quantize each token as it is stored)."""
+        return self.residual if self.format.kind == "kivi" else 0
+
+    def meta_bytes_per_token(self, which: str) -> float:
+        """Scale bytes one token takes per KV head, for `which` of "key", "value"."""
+        fmt = self.format
+        if fmt.kind == "kivi":
+            return 2.0 * self.head_dim / (self.group_size if which == "key" else self.value_group)
+        return fmt.meta_bytes(self.head_dim, self.group_size)
+
     # ------------------------------------------------------------------ bytes
     @property
+    def record_bytes(self) -> int:
+        """One layer's K (or V) of one block: its values, then their scales."""
+        data = self.block_size * self.num_kv_heads * self.format.data_bytes(self.head_dim)
+        meta = max(self.meta_bytes_per_token("key"), self.meta_bytes_per_token("value"))
+        return math.ceil(data + self.block_size * self.num_kv_heads * meta)
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer."""
-        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        """K and V of one token in every layer, scales included."""
+        return math.ceil(self.bytes_per_block * self.num_layers / self.layers_per_group / self.block_size)
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        meta = self.meta_bytes_per_token("key") + self.meta_bytes_per_token("value")
+        return math.ceil(self.num_layers * self.num_kv_heads * meta)
 
     @property
     def bytes_per_token_per_layer(self) -> float:
@@ -150,17 +244,29 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block of one group: block_size tokens of layers_per_group layers."""
-        return math.ceil(self.bytes_per_token_per_layer * self.layers_per_group * self.block_size)
+        """One block of one group: block_size tokens of layers_per_group layers, K and V."""
+        return 2 * self.layers_per_group * self.record_bytes
+
+    @property
+    def residual_block_bytes(self) -> int:
+        """One full-precision block of one group (quantized formats keep recent tokens in those)."""
+        return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * self.head_dim * KV_FORMATS[self.residual_dtype].bits // 8
+
+    def residual_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Full-precision blocks a KIVI cache (int4, int2) sets apart: per running sequence and group
+        its residual (or window) and a partly filled block, plus one step's worth of new tokens."""
+        if self.format.kind != "kivi":
+            return 0
+        per_seq = sum(blocks_for_tokens(min(self.quant_residual, g.window or self.quant_residual), self.block_size) + 2 for g in self.groups)
+        return max_num_seqs * per_seq + len(self.groups) * (blocks_for_tokens(max_num_batched_tokens, self.block_size) + 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.kv_dtype not in _TORCH_DTYPES:
-            raise ValueError(f"kv dtype {self.kv_dtype!r} has no storage in the paged pool yet")
-        return _TORCH_DTYPES[self.kv_dtype]
+        """The element type of the float blocks: all of a float cache's, a KIVI cache's residual ones."""
+        return KV_FORMATS[self.kv_dtype if not self.format.quantized else self.residual_dtype].torch_dtype
 
-    def num_blocks_for_memory(self, memory_bytes: float) -> int:
-        return int(memory_bytes // self.bytes_per_block)
+    def num_blocks_for_memory(self, memory_bytes: float, residual_blocks: int = 0) -> int:
+        return int((memory_bytes - residual_blocks * self.residual_block_bytes) // self.bytes_per_block)
 
     # ------------------------------------------------------------------ one sequence's needs
     def blocks_held(self, num_tokens: int) -> int:

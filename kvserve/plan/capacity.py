@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec
+from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec, block_size_for
 from kvserve.model.config import ModelConfig
 
 
@@ -28,7 +28,9 @@ class KVShape:
         return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else ())
 
     def spec(self, kv_dtype: str, block_size: int) -> KVCacheSpec:
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size, self.layer_windows)
+        """int4 / int2 take blocks of a multiple of their group size (32), as the engine does."""
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size_for(kv_dtype, block_size),
+                           self.layer_windows)  # fmt: skip
 
 
 NO_LIMIT = 1 << 30  # tokens: no model context known
@@ -91,6 +93,8 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
     result = {
         "kv_dtype": spec.kv_dtype,
         "bytes_per_token": spec.bytes_per_token,
+        "scale_bytes_per_token": spec.scale_bytes_per_token,
+        "element_bytes_per_token": spec.bytes_per_token - spec.scale_bytes_per_token,
         "bytes_per_block": spec.bytes_per_block,
         "kv_cache_groups": [{"layers": list(g.layers), "attention": g.attention} for g in spec.groups],
         "logical_bytes": logical,
@@ -151,15 +155,6 @@ def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | Non
     }
     main["by_dtype"] = {name: plan_dtype(shape, name, workload, budget) for name in KV_DTYPES}
     return main
-
-
-def engine_stores(kv_dtype: str) -> bool:
-    """Whether the engine's paged pool holds this format yet; the planner sizes every format."""
-    try:
-        KVCacheSpec(1, 1, 1, kv_dtype, 1).torch_dtype
-    except ValueError:
-        return False
-    return True
 
 
 def model_weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvserve.kv.spec import GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, engine_stores, model_weight_bytes, plan
+from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan
 from kvserve.plan.replay import read_trace, replay
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -148,14 +148,10 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
         lines.append(f"It holds the workload, which needs {need}.")
     else:
         lines.append(f"It does NOT hold the workload, which needs {need}: that takes --memory-gib {result['required_memory_gib']:g}.")
-        fitting = [name for name, row in result["by_dtype"].items() if row["fits"]]
-        stored = [name for name in fitting if engine_stores(name)]
-        not_stored = [name for name in fitting if not engine_stores(name)]
+        stored = [name for name, row in result["by_dtype"].items() if row["fits"]]
         if stored:
             lines.append(f"It fits at once with --kv-cache-dtype {' or '.join(stored)}.")
-        if not_stored:
-            lines.append(f"It would fit at once at KV dtype {', '.join(not_stored)}, which the engine does not store yet.")
-        smallest = min((r for r in result["by_dtype"].values() if engine_stores(r["kv_dtype"])), key=lambda r: r["required_kv_bytes"])
+        smallest = min(result["by_dtype"].values(), key=lambda r: r["required_kv_bytes"])
         if not stored and smallest["required_kv_bytes"] < required:
             lines.append(f"With --kv-cache-dtype {smallest['kv_dtype']} it takes --memory-gib {smallest['required_memory_gib']:g}.")
         if result["recommended"] is not None:

@@ -1,0 +1,182 @@
+// Reading one token's K or V of one head from a block of the paged pool, in any KV format, as
+// float: the one row reader the decode and prefill attention kernels share. The layouts are
+// kvserve/kv/pool.py's and kvserve/kv/quant.py's (the Python codecs that write them):
+//
+// - float formats (fp32, bf16, fp16): block b, token t, head h at element
+//   b * block_stride + t * token_stride + h * head_dim;
+// - quantized records (one per block, layer and K/V): the values, token t and head h at byte
+//   t * token_stride + h * head_dim * bits / 8, then the scales from byte block_size * token_stride:
+//   int8 / fp8: an fp16 per token and head, [t][h];
+//   int4 / int2 (KIVI): pairs (log2 scale byte e, int8 zero z), x = 2^((e - 160) / 8) * (q - z);
+//   keys [t / group][h][channel], values [t][h][channel / value_group]; values packed low bits first;
+// - ids from first_residual on: full-precision blocks (residual_dtype) of a KIVI cache.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "args.h"
+#include "simd.h"
+
+namespace kvserve {
+
+enum KVFormat : int { kInt8 = 3, kFp8E4m3 = 4, kFp8E5m2 = 5, kInt4 = 6, kInt2 = 7 };
+
+inline bool is_float_format(int dtype) { return dtype >= kFloat32 && dtype <= kFloat16; }
+inline int format_bits(int dtype) {
+  switch (dtype) {
+    case kFloat32: return 32;
+    case kBFloat16: case kFloat16: return 16;
+    case kInt4: return 4;
+    case kInt2: return 2;
+    default: return 8;
+  }
+}
+
+inline float fp16_to_float(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+}
+
+inline float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  const int exponent = (b >> 3) & 0xF;
+  const int mantissa = b & 7;
+  float value;
+  if (exponent == 0) {
+    value = static_cast<float>(mantissa) * (1.0f / 512.0f);  // subnormal: m * 2^-9
+  } else {
+    const uint32_t bits = (static_cast<uint32_t>(exponent + 120) << 23) | (static_cast<uint32_t>(mantissa) << 20);
+    std::memcpy(&value, &bits, sizeof(value));
+  }
+  return sign ? -value : value;
+}
+
+inline float fp8_e5m2_to_float(uint8_t b) { return fp16_to_float(static_cast<uint16_t>(b) << 8); }
+
+// 2^((e - 160) / 8): the scale an 8-bit log2 scale byte stands for
+inline float log_scale(uint8_t e) {
+  static const struct Table {
+    float value[256];
+    Table() {
+      for (int i = 0; i < 256; ++i) value[i] = static_cast<float>(std::exp2((i - 160) / 8.0));
+    }
+  } table;
+  return table.value[e];
+}
+
+// One block of one layer's K or V, ready to hand out rows as float.
+class BlockRows {
+ public:
+  BlockRows(const KVView& kv, bool value, int64_t block_id) : kv_(kv), value_(value) {
+    if (block_id >= kv.first_residual) {
+      float_ = static_cast<const char*>(value ? kv.residual_value : kv.residual_key);
+      dtype_ = kv.residual_dtype;
+      offset_ = (block_id - kv.first_residual) * kv.residual_block_stride;
+      token_stride_ = kv.residual_token_stride;
+    } else if (is_float_format(kv.dtype)) {
+      float_ = static_cast<const char*>(value ? kv.value : kv.key);
+      dtype_ = kv.dtype;
+      offset_ = block_id * kv.block_stride;
+      token_stride_ = kv.token_stride;
+    } else {
+      record_ = static_cast<const uint8_t*>(value ? kv.value : kv.key) + block_id * kv.block_stride;
+      dtype_ = kv.dtype;
+      token_stride_ = kv.token_stride;
+    }
+  }
+
+  // token t's head h into out[head_dim]
+  void row(int t, int h, float* out) {
+    const int dim = kv_.head_dim;
+    if (float_ != nullptr) {
+      const int64_t at = offset_ + t * token_stride_ + static_cast<int64_t>(h) * dim;
+      if (dtype_ == kFloat32) {
+        std::memcpy(out, reinterpret_cast<const float*>(float_) + at, sizeof(float) * dim);
+      } else if (dtype_ == kBFloat16) {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(float_) + at;
+#pragma omp simd
+        for (int d = 0; d < dim; ++d) {
+          const uint32_t bits = static_cast<uint32_t>(p[d]) << 16;
+          std::memcpy(out + d, &bits, sizeof(float));
+        }
+      } else {
+        const _Float16* p = reinterpret_cast<const _Float16*>(float_) + at;
+#pragma omp simd
+        for (int d = 0; d < dim; ++d) out[d] = static_cast<float>(p[d]);
+      }
+      return;
+    }
+    const int bits = format_bits(dtype_);
+    const uint8_t* data = record_ + t * token_stride_ + static_cast<int64_t>(h) * dim * bits / 8;
+    const uint8_t* meta = record_ + kv_.block_size * token_stride_;
+    if (dtype_ == kInt8 || dtype_ == kFp8E4m3 || dtype_ == kFp8E5m2) {
+      uint16_t scale_bits;
+      std::memcpy(&scale_bits, meta + (static_cast<int64_t>(t) * kv_.num_kv_heads + h) * 2, sizeof(scale_bits));
+      const float scale = fp16_to_float(scale_bits);
+      if (dtype_ == kInt8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(data);
+#pragma omp simd
+        for (int d = 0; d < dim; ++d) out[d] = static_cast<float>(q[d]) * scale;
+      } else if (dtype_ == kFp8E5m2) {
+        for (int d = 0; d < dim; ++d) out[d] = fp8_e5m2_to_float(data[d]) * scale;
+      } else {
+        for (int d = 0; d < dim; ++d) out[d] = fp8_e4m3_to_float(data[d]) * scale;
+      }
+      return;
+    }
+    // KIVI: unpack, then scale per channel (keys: the token's group) or per channel group (values)
+    const int per_byte = 8 / bits;
+    const int mask = (1 << bits) - 1;
+    if (!value_) {
+      prepare_key_group(t / kv_.group_size, h, meta);
+      for (int d = 0; d < dim; ++d) {
+        const int q = (data[d / per_byte] >> (bits * (d % per_byte))) & mask;
+        out[d] = static_cast<float>(q) * scale_[d] + offset_vec_[d];
+      }
+      return;
+    }
+    const int groups = dim / kv_.value_group;
+    const uint8_t* pairs = meta + (static_cast<int64_t>(t) * kv_.num_kv_heads + h) * groups * 2;
+    for (int g = 0; g < groups; ++g) {
+      const float scale = log_scale(pairs[2 * g]);
+      const float offset = -scale * static_cast<float>(static_cast<int8_t>(pairs[2 * g + 1]));
+      for (int d = g * kv_.value_group; d < (g + 1) * kv_.value_group; ++d) {
+        const int q = (data[d / per_byte] >> (bits * (d % per_byte))) & mask;
+        out[d] = static_cast<float>(q) * scale + offset;
+      }
+    }
+  }
+
+ private:
+  // a key group's per-channel scale and offset (-scale * zero), kept while rows of that group come
+  void prepare_key_group(int group, int h, const uint8_t* meta) {
+    if (group == group_ && h == head_) return;
+    group_ = group;
+    head_ = h;
+    const int dim = kv_.head_dim;
+    const uint8_t* pairs = meta + ((static_cast<int64_t>(group) * kv_.num_kv_heads + h) * dim) * 2;
+    for (int d = 0; d < dim; ++d) {
+      scale_[d] = log_scale(pairs[2 * d]);
+      offset_vec_[d] = -scale_[d] * static_cast<float>(static_cast<int8_t>(pairs[2 * d + 1]));
+    }
+  }
+
+  static constexpr int kMaxHeadDim = 512;
+  const KVView& kv_;
+  bool value_;
+  const char* float_ = nullptr;
+  const uint8_t* record_ = nullptr;
+  int dtype_ = 0;
+  int64_t offset_ = 0;
+  int64_t token_stride_ = 0;
+  int group_ = -1;
+  int head_ = -1;
+  float scale_[kMaxHeadDim];
+  float offset_vec_[kMaxHeadDim];
+};
+
+}  // namespace kvserve

