@@ -83,6 +83,17 @@ def test_stop_string_split_across_tokens_is_never_streamed(tokenizer):
         assert streamed == expected == text.text, stop
 
 
+def test_token_bytes_join_into_the_text(tokenizer):
+    """Logprobs report each token's bytes; joined they must be the text, even where a character spans tokens."""
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        joined = b"".join(tokenizer.token_bytes(i) for i in ids)
+        assert joined.decode().strip() == text.strip()
+        for i in ids:
+            shown = tokenizer.token_text(i)
+            assert shown.startswith("bytes:") or shown.encode() == tokenizer.token_bytes(i)
+
+
 def test_held_length_is_the_longest_stop_prefix():
     assert held_length("abc#o", ("#or",)) == 2
     assert held_length("abc#", ("#or", "c#x")) == 2

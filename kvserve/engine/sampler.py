@@ -18,6 +18,8 @@ from kvserve import kernels
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.engine.torch_sampler import sample_torch
 
+MIN_TOP_P = 1e-30
+
 
 @dataclass
 class SampleResult:
@@ -32,6 +34,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """One token per row of logits [S, V] (float32; modified in place) for seqs."""
         rows = np.zeros(len(seqs), dtype=kernels.SAMPLER_ROW_DTYPE)
+        vocab = logits.shape[-1]
         id_parts: list[np.ndarray] = []
         count_parts: list[np.ndarray] = []
         begin = 0
@@ -45,8 +48,10 @@ class Sampler:
                 count_parts.append(counts)
                 end += len(ids)
             fields.append((
-                0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                max(p.top_k, 0), -1 if p.logprobs is None else p.logprobs, seq.seed, seq.num_tokens, begin, end,
+                # top_p below float32's range keeps the top token as a tiny top_p does; top_k past the vocabulary is off
+                0.0 if p.greedy else p.temperature, max(p.top_p, MIN_TOP_P), p.min_p, p.repetition_penalty, p.presence_penalty,
+                p.frequency_penalty, min(max(p.top_k, 0), vocab), -1 if p.logprobs is None else p.logprobs, seq.seed, seq.num_tokens,
+                begin, end,
             ))  # fmt: skip
             begin = end
         rows[:] = fields

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -47,6 +48,39 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """GPT-2's byte-level alphabet, char -> byte, when the tokenizer encodes bytes that way."""
+        if "ByteLevel" not in repr(self._tok.backend_tokenizer.decoder):
+            return None
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-fallback token is one byte; a multi-byte character
+        can take several tokens)."""
+        raw = self._tok.convert_ids_to_tokens(int(token_id))
+        if raw is None:
+            return b""
+        if len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+            try:
+                return bytes([int(raw[3:5], 16)])
+            except ValueError:
+                pass
+        table = self._byte_level
+        if table is not None and all(c in table for c in raw):
+            return bytes(table[c] for c in raw)
+        return raw.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or `bytes:\\xHH...` when its bytes are not whole UTF-8 (as OpenAI shows them)."""
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def incremental_detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok.backend_tokenizer)

@@ -130,29 +130,35 @@ class OpenAIServer:
         }
 
     def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.engine.tokenizer.token_text(token_id)
+
+    def _top_dict(self, top: dict[int, float]) -> dict[str, float]:
+        """Completions' {token: logprob}, most likely first; two tokens that read alike keep their own entries."""
+        out: dict[str, float] = {}
+        for token_id, value in sorted(top.items(), key=lambda item: -item[1]):
+            text = self._token_text(token_id)
+            out[text if text not in out else f"{text}#{token_id}"] = value
+        return out
 
     def _completion_logprobs(self, lps: list[TokenLogprobs]) -> dict:
         tokens = [self._token_text(lp.token_id) for lp in lps]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+            "top_logprobs": [self._top_dict(lp.top) for lp in lps],
             "text_offset": [],
         }
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
+        tokenizer = self.engine.tokenizer
+
+        def entry(token_id: int, value: float) -> dict:
+            return {"token": self._token_text(token_id), "logprob": value, "bytes": list(tokenizer.token_bytes(token_id))}
+
         content = []
         for lp in lps:
-            token = self._token_text(lp.token_id)
-            content.append({
-                "token": token,
-                "logprob": lp.logprob,
-                "bytes": list(token.encode()),
-                "top_logprobs": [
-                    {"token": self._token_text(t), "logprob": v, "bytes": list(self._token_text(t).encode())} for t, v in lp.top.items()
-                ],
-            })
+            top = sorted(lp.top.items(), key=lambda item: -item[1])
+            content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in top]})
         return {"content": content}
 
     # ------------------------------------------------------------------ endpoints
