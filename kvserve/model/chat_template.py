@@ -33,6 +33,7 @@ DEFAULT_TIMEOUT_S = 2.0
 _CHECK_EVERY = 64  # hook calls between two clock reads
 
 _deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_deadline", default=float("inf"))
+_timeout: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_timeout", default=float("inf"))
 
 
 class ChatTemplateError(ValueError):
@@ -138,7 +139,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
     def tick(self) -> None:
         self._ticks += 1
         if self._ticks % _CHECK_EVERY == 0 and time.monotonic() > _deadline.get():
-            raise ChatTemplateError("chat template took too long to render")
+            raise ChatTemplateError(f"chat template took too long to render (over {_timeout.get():g} s)")
 
     def call_binop(self, context, operator, left, right):
         self.tick()
@@ -186,7 +187,7 @@ def render_chat_template(
     """The template's text for messages (what transformers' apply_chat_template(tokenize=False)
     gives), or ChatTemplateError when it fails or breaks a limit."""
     compiled = _compile(template, max_chars)
-    token = _deadline.set(time.monotonic() + timeout)
+    token, timeout_token = _deadline.set(time.monotonic() + timeout), _timeout.set(timeout)
     parts: list[str] = []
     size = 0
     try:
@@ -207,6 +208,7 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     finally:
         _deadline.reset(token)
+        _timeout.reset(timeout_token)
     return "".join(parts)
 
 

@@ -14,9 +14,8 @@ class ModelLoadError(ValueError):
 
 
 def describe(exc: BaseException) -> str:
-    """An exception as one short line: its type and first line of message."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    if len(first) > 300:
-        first = first[:300] + "..."
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    """An exception as one short line: its type and its message, lines joined."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -85,6 +85,17 @@ def read_chat_template(value: str | None) -> str | None:
     return path.read_text() if path.is_file() else value
 
 
+def _blame_config(directory: Path) -> None:
+    """AutoTokenizer reads config.json too: when transformers rejects that file, say so."""
+    from transformers import AutoConfig
+
+    if (directory / "config.json").exists():
+        try:
+            AutoConfig.from_pretrained(str(directory))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(directory / "config.json", f"transformers rejects it: {describe(exc)}") from None
+
+
 def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
     """The checkpoint's tokenizer; None for a directory with no tokenizer files (token ids only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,6 +109,7 @@ def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
         try:
             return Tokenizer(AutoTokenizer.from_pretrained(str(path)), architecture)
         except Exception as exc:  # noqa: BLE001 - any failure here is the files' fault
+            _blame_config(path)
             raise ModelLoadError(path / found[0], f"cannot load the tokenizer ({', '.join(found)}): {describe(exc)}") from None
     cached = cache_root() / "gguf" / file_digest(path) / "tokenizer"
     if (cached / "tokenizer.json").exists():

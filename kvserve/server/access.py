@@ -1,6 +1,7 @@
 """Who may talk to the server, and how much: one ASGI middleware in front of the app.
 
-Before the app sees a byte of a request, it gives the request an id, then refuses a Host
+Before the app sees a byte of a request, it gives the request an id (the X-Request-Id response
+header; log lines name it), then refuses a Host
 header outside the allow-list (a page on another origin that resolves its name to 127.0.0.1
 would otherwise reach a localhost server: DNS rebinding), a missing or wrong API key on the
 routes that need one (compared in constant time), and a body over --max-request-bytes (413),
@@ -45,11 +46,17 @@ class AccessGuard:
         for name, value in scope["headers"]:
             headers.setdefault(name.lower(), value)
         where = f"{scope['method']} {scope['path']}"
+        id_header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
+            await send(message)
 
         async def refuse(status: int, message: str, kind: str, reason: str, extra: dict[str, str] | None = None) -> None:
             response = self.reject(request_id, where, status, message, kind, reason)
             response.headers.update(extra or {})
-            await response(scope, receive, send)
+            await response(scope, receive, send_with_id)
 
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.config.host_allowed(host):
@@ -88,4 +95,4 @@ class AccessGuard:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, send_with_id)

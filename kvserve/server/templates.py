@@ -47,7 +47,7 @@ class _Child:
         ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             self.kill()
-            raise ChatTemplateError(f"chat template took longer than {timeout:g} s to render")
+            raise ChatTemplateError(f"chat template took too long to render (over {timeout:g} s)")
         line = proc.stdout.readline()
         if not line:
             self.kill()
