@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
 MAX_TOP_K = 2**31 - 1  # the sampler's row holds top_k as int32
+# float32 holds it above 0, and any top_p at most 1 / vocab keeps only the most likely token, as this does
+MIN_TOP_P = 1e-30
 # the sampler's rows hold these as float32: bounds far inside its range, so none becomes 0 or inf there
 MAX_TEMPERATURE = 1e6
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
@@ -55,6 +57,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer up to 2^31 - 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
