@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,19 +90,17 @@ def _request_id(request: Request) -> str:
 
 
 class _SubmissionStream(StreamingResponse):
-    """A streamed response that, however it ends (finished, aborted, client gone), closes its
-    submission and reports it once."""
+    """A streamed response that, however it ends (finished, aborted, client gone), closes its submission."""
 
-    def __init__(self, content: AsyncIterator[str], sub: Submission, on_end: Callable[[Submission], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], sub: Submission) -> None:
         super().__init__(content, media_type="text/event-stream")
-        self.sub, self.on_end = sub, on_end
+        self.sub = sub
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.sub.close()
-            self.on_end(self.sub)
 
 
 class OpenAIServer:
@@ -119,19 +117,12 @@ class OpenAIServer:
         # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
         self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
 
-    # ------------------------------------------------------------------ outcomes: logged and counted once each
+    # ------------------------------------------------------------------ rejections: logged and counted once each
     def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
                param: str | None = None) -> JSONResponse:  # fmt: skip
         log.info("rejected %s %s: %d %s: %s", request_id, where, status, reason, message)
         self.metrics.rejected(reason)
         return error_response(status, message, param, kind, reason)
-
-    def _end(self, sub: Submission) -> None:
-        if sub.aborted is None and sub.finished:
-            return
-        error = sub.aborted or RequestAborted("client_disconnected", "the client disconnected", 499)
-        log.info("aborted %s: %s: %s", sub.request_id, error.reason, error.message)
-        self.metrics.aborted(error.reason)
 
     # ------------------------------------------------------------------ checks before admission
     def _check_model(self, model: str | None) -> None:
@@ -378,7 +369,6 @@ class OpenAIServer:
         finally:
             watcher.cancel()
             sub.close()
-            self._end(sub)
 
     def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
         templates: dict[int, tuple[str, str]] = {}
@@ -409,7 +399,7 @@ class OpenAIServer:
                 yield f"data: {json.dumps({**envelope([]), 'usage': self._usage(sub.groups, finals)})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return _SubmissionStream(events(), sub, self._end)
+        return _SubmissionStream(events(), sub)
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, timeout: float) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    submission: "Submission"
+    request_ids: list[str]
+    report: "RequestAborted | None"  # logged and counted if the engine still had some of it to drop
 
 
 @dataclass
@@ -86,7 +89,9 @@ class Submission:
         self.groups = groups
         self.cache_salt = cache_salt
         self.stream = stream
-        self.ids = [[f"{request_id}-{g}-{i}" for i in range(len(group.params))] for g, group in enumerate(groups)]
+        # engine ids are the server's own: a client's X-Request-Id need not be unique
+        serial = uuid.uuid4().hex
+        self.ids = [[f"{serial}-{g}-{i}" for i in range(len(group.params))] for g, group in enumerate(groups)]
         self.index = {rid: (g, i) for g, ids in enumerate(self.ids) for i, rid in enumerate(ids)}
         self.unfinished = set(self.index)
         self.sink: asyncio.Queue = asyncio.Queue()
@@ -133,15 +138,22 @@ class Submission:
             self.close()
 
     def close(self) -> None:
-        """Abort what is unfinished in the engine and stop tracking the request (idempotent)."""
+        """Stop tracking the request, abort what is unfinished in the engine, and report an abort
+        once (idempotent). A client that left heard nothing: its request counts as aborted only if
+        the engine still had some of it to drop; other aborts count as what the client was told."""
         if self._closed:
             return
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        for rid in self.unfinished:
-            self.engine.abort(rid)
         self.engine._active.discard(self)
+        if self.aborted is None and not self.unfinished:
+            return
+        error = self.aborted or RequestAborted("client_disconnected", "the client disconnected", 499)
+        if error.reason != "client_disconnected":
+            self.engine.report_abort(self.request_id, error)
+        if self.unfinished:
+            self.engine.abort(self, sorted(self.unfinished), error if error.reason == "client_disconnected" else None)
 
 
 class AsyncEngine:
@@ -231,9 +243,14 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop did not answer")
         return result[0]
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, sub: Submission, request_ids: list[str], report: RequestAborted | None) -> None:
+        self._commands.put(_Abort(sub, request_ids, report))
         self._wake.set()
+
+    def report_abort(self, request_id: str, error: RequestAborted) -> None:
+        """One log line and one count per aborted request (either thread)."""
+        log.info("aborted %s: %s: %s", request_id, error.reason, error.message)
+        self.metrics.aborted(error.reason)
 
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -280,8 +297,12 @@ class AsyncEngine:
                 cmd.result.append(self.engine.reset_prefix_cache())
                 cmd.done.set()
             else:
-                self._sinks.pop(cmd.request_id, None)
-                self.engine.abort_request(cmd.request_id)
+                dropped = False
+                for rid in cmd.request_ids:
+                    self._sinks.pop(rid, None)
+                    dropped |= self.engine.abort_request(rid) is not None
+                if dropped and cmd.report is not None:
+                    self.report_abort(cmd.submission.request_id, cmd.report)
 
     def _fail_all_dead(self, exc: BaseException) -> None:
         self.abort_all(RequestAborted("engine_dead", f"the engine loop stopped ({type(exc).__name__}: {exc})", 500))
