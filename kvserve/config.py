@@ -56,6 +56,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False  # every layer holds every block (sliding-window layers too)
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash: whole blocks by chained hash; radix: token-granular radix tree
+    skip_tokenizer_init: bool = False  # token ids in and out only (automatic when the model has no tokenizer files)
 
     def __post_init__(self) -> None:
         try:

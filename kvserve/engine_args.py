@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                        help="hash: whole blocks matched by chained hash; radix: a radix tree that also reuses the shared "
                        "part of a block (copied into a fresh one)")
+    group.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts are token ids, outputs token ids (also what happens when the model "
+                       "directory has no tokenizer files)")
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="give sliding-window layers blocks for the whole sequence, as full-attention layers get "
                        "(by default they hold only their window's blocks)")

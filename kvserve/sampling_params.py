@@ -7,6 +7,17 @@ from dataclasses import dataclass, field, replace
 
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
+MAX_TOP_K = 2**31 - 1  # the sampler's row holds top_k as int32
+# float32 holds it above 0, and any top_p at most 1 / vocab keeps only the most likely token, as this does
+MIN_TOP_P = 1e-30
+# the sampler's rows hold these as float32: bounds far inside its range, so none becomes 0 or inf there
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# stop strings are matched against each new piece of text: their number and length bound that work
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -42,23 +53,31 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer up to 2^31 - 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (integers in [0, 2^31))")
 
     def samples(self) -> list["SamplingParams"]:
         """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""

@@ -103,3 +103,48 @@ def hf_model(path: Path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
     return model
+
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def tiny_gguf(root: str) -> Path:
+    """The tiny Llama's weights as an F32 GGUF file with llama metadata (no tokenizer): loads as weights."""
+    import gguf
+    from safetensors.torch import load_file
+
+    out = Path(root) / "tiny-llama.gguf"
+    if out.exists():
+        return out
+    model_dir = tiny_model_dir("llama", root)
+    config = _config("llama")
+    state = load_file(str(model_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_NAMES[stem]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 
 import torch
 
@@ -19,7 +19,7 @@ from kvserve.config import DTYPES, EngineConfig
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
@@ -91,11 +91,17 @@ def checkpoint_digests(path: Path) -> tuple[str, str]:
     return tree_digest(weights), tree_digest(tokenizer)
 
 
+NO_TOKENIZER = "this engine has no tokenizer (--skip-tokenizer-init, or no tokenizer files beside the weights): send token ids, not text"
+
+
 class LLMEngine:
+    # tests only: called with each step's batch before the forward pass, to raise inside a step
+    step_fault_hook: Callable[[ScheduledBatch], None] | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
-        tokenizer = load_tokenizer(path, checkpoint.config.architecture)
+        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path, checkpoint.config.architecture)
         backend = resolve_attention_backend(config.attention_backend, torch.device(config.device), DTYPES[config.kv_cache_dtype]
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
         weights, tokenizer_digest = checkpoint_digests(path)
@@ -197,7 +203,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
-                raise ValueError("a simulated engine takes token ids, not text")
+                raise ValueError(NO_TOKENIZER)
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, list(prompt)
@@ -287,10 +293,32 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward pass; returns the outputs of streamed sequences that got
-        a token and of every sequence that finished."""
+        a token and of every sequence that finished. An exception inside the step fails that step's
+        sequences alone (finish_reason "error", blocks freed); the engine goes on."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        try:
+            return self._run_batch(batch)
+        except Exception as exc:  # noqa: BLE001 - isolated to this step's requests
+            return self._fail_batch(batch, exc)
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(exc).__name__, exc,
+                  len(batch.entries), exc_info=exc)  # fmt: skip
+        now = time.monotonic()
+        outputs = []
+        for seq, _ in batch.entries:
+            self.requests.pop(seq.request_id, None)
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason, seq.finished_time = "error", now
+            out = self._output(seq)
+            out.error = f"{type(exc).__name__}: {exc}"
+            outputs.append(out)
+        return outputs
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         self.num_steps += 1
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, self.kv.num_blocks - self.kv.num_free_blocks)
         now = time.monotonic()
@@ -299,10 +327,14 @@ class LLMEngine:
                 seq.first_scheduled_time = now
                 self.prompt_tokens_total += seq.prompt_len
         copies = self.kv.take_copies()
-        if copies and self.pool is not None:
-            for source, target, slots in copies:
-                self.pool.copy_slots(source.block_id, target.block_id, slots)
-        self.kv.release_copy_sources(copies)
+        try:
+            if copies and self.pool is not None:
+                for source, target, slots in copies:
+                    self.pool.copy_slots(source.block_id, target.block_id, slots)
+        finally:
+            self.kv.release_copy_sources(copies)
+        if self.step_fault_hook is not None:
+            self.step_fault_hook(batch)
         sampled = self.runner.execute(batch)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n

@@ -17,8 +17,7 @@ import torch
 from kvserve import kernels
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.engine.torch_sampler import sample_torch
-
-MIN_TOP_P = 1e-30
+from kvserve.sampling_params import MIN_TOP_P
 
 
 @dataclass

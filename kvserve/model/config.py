@@ -169,12 +169,25 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_file(path: str | Path) -> "ModelConfig":
+        from kvserve.model.errors import ModelLoadError, describe
+
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.exists():
-            raise ValueError(f"no config.json at {path}")
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+            raise ModelLoadError(path, "no such file (a model directory needs its config.json)")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(path, f"not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(path, f"not a JSON object but {type(raw).__name__}")
+        try:
+            return ModelConfig.from_hf_dict(raw)
+        except KeyError as exc:
+            raise ModelLoadError(path, f"lacks the key {exc.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(path, describe(exc) if not isinstance(exc, ValueError) else str(exc)) from None
 
     # ------------------------------------------------------------------ GGUF metadata
     @staticmethod

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kvserve.cache_dir import cache_root, file_digest
 from kvserve.model.config import ModelConfig, RopeConfig
+from kvserve.model.errors import ModelLoadError, describe
 from kvserve.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,55 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- GGUF
-def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    from gguf import GGUFReader, GGUFValueType
+class _TruncatedGGUF(Exception):
+    def __init__(self, end: int) -> None:
+        self.end = end
 
-    reader = GGUFReader(path)
+
+def _checked_reader(path: Path):
+    """GGUFReader that, before viewing the tensors, checks the file holds the bytes they need (the
+    reader itself fails inside numpy with a message about dtypes when it does not)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs, fields) -> None:
+            end = 0
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                end = max(end, int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size)
+            if end > len(self.data):
+                raise _TruncatedGGUF(end)
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(path)
+
+
+def open_gguf(path: Path):
+    """A GGUFReader over the file, or ModelLoadError saying what is wrong with it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(path, f"not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = _checked_reader(path)
+    except _TruncatedGGUF as exc:
+        raise ModelLoadError(path, f"truncated GGUF file: its tensors end at byte {exc.end:,} but the file has {size:,} bytes") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the reader trips on, the header is short or garbled
+        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({size:,} bytes): its header cannot be read "
+                             f"({describe(exc)})") from None  # fmt: skip
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelLoadError(path, f"truncated GGUF file: its tensors end at byte {end:,} but the file has {size:,} bytes")
+    return reader
+
+
+def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    from gguf import GGUFValueType
+
+    reader = open_gguf(path)
     meta = {}
     for key, field in reader.fields.items():
         if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
@@ -82,15 +128,17 @@ def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
 
 
 def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        except Exception as exc:  # noqa: BLE001 - a tensor the codecs cannot read is the file's fault
+            raise ModelLoadError(path, f"tensor {tensor.name!r} cannot be read: {describe(exc)}") from None
         name = gguf_to_hf_name(tensor.name, config.architecture)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
@@ -114,7 +162,10 @@ def load_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Path, dict]:
         cached = json.loads(meta_file.read_text())
         return _config_from_cached(cached["config"]), weights, cached["metadata"]
     meta, shapes = read_gguf_metadata(path)
-    config = ModelConfig.from_gguf_metadata(meta, shapes)
+    try:
+        config = ModelConfig.from_gguf_metadata(meta, shapes)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(path, f"its metadata does not describe a model kvserve runs: {describe(exc)}") from None
     state = _dequantize_gguf(path, config)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = weights.with_suffix(".partial")
@@ -138,15 +189,31 @@ def _config_from_cached(raw: dict) -> ModelConfig:
 def _safetensor_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model directory {directory} has no .safetensors files")
+        raise ModelLoadError(directory, "model directory has no .safetensors files")
+    for file in files:
+        _open_safetensors(file)  # a truncated or corrupt file fails here, before anything is built
     return files
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for bad headers
+        raise ModelLoadError(file, f"truncated or corrupt safetensors file ({file.stat().st_size:,} bytes): {describe(exc)}") from None
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     for file in files:
-        handle = safe_open(str(file), framework="pt")  # stays open while its getters live
+        handle = _open_safetensors(file)  # stays open while its getters live
+
+        def get(handle=handle, name=None, file=file) -> torch.Tensor:
+            try:
+                return handle.get_tensor(name)
+            except Exception as exc:  # noqa: BLE001
+                raise ModelLoadError(file, f"tensor {name!r} cannot be read: {describe(exc)}") from None
+
         for name in handle.keys():
-            yield name, (lambda handle=handle, name=name: handle.get_tensor(name))
+            yield name, (lambda get=get, name=name: get(name=name))
 
 
 # --------------------------------------------------------------------------- assembly
@@ -214,6 +281,16 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
     """Instantiate CausalLM and fill it with the checkpoint's weights (norms stay in float32)."""
+    try:
+        return _build_model(checkpoint, dtype, device, max_positions)
+    except (ValueError, RuntimeError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        where = checkpoint.path / "config.json" if checkpoint.path.is_dir() else checkpoint.path
+        raise ModelLoadError(where, f"the model config does not match the weights: {describe(exc)}") from None
+
+
+def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
     config = checkpoint.config
     getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
     state = _internal_state(config, lambda name: getters[name]() if name in getters else None)

@@ -8,9 +8,14 @@ import os
 from pathlib import Path
 
 from kvserve.cache_dir import cache_root, file_digest
+from kvserve.model.chat_template import render_chat_template
 from kvserve.model.detokenizer import IncrementalDetokenizer
+from kvserve.model.errors import ModelLoadError, describe
 
 log = logging.getLogger(__name__)
+
+# any of these beside the weights means the directory brings a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 # Gemma's instruction-tuned templates end a turn with <end_of_turn>, not with EOS
 FAMILY_STOP_TOKENS = {"gemma3": ("<end_of_turn>",)}
@@ -42,6 +47,16 @@ class Tokenizer:
             if isinstance(token_id, int) and token_id != self._tok.unk_token_id:
                 ids.append(token_id)
         return tuple(ids)
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ...: what transformers hands a chat template besides the messages."""
+        return dict(self._tok.special_tokens_map)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: a text longer than n times this is more than n tokens."""
+        return max((len(t) for t in self._tok.get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
@@ -90,7 +105,7 @@ class Tokenizer:
         if template is None:
             raise NoChatTemplateError("this model has no chat template (base models ship none); "
                                       "pass --chat-template (inline Jinja or a file) to supply one")
-        text = self._tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        text = render_chat_template(template, messages, self.special_tokens)
         # the template already carries BOS where the model wants it
         return self.encode(text, add_special_tokens=False)
 
@@ -103,17 +118,40 @@ def read_chat_template(value: str | None) -> str | None:
     return path.read_text() if path.is_file() else value
 
 
-def load_tokenizer(path: Path, architecture: str) -> Tokenizer:
+def _blame_config(directory: Path) -> None:
+    """AutoTokenizer reads config.json too: when transformers rejects that file, say so."""
+    from transformers import AutoConfig
+
+    if (directory / "config.json").exists():
+        try:
+            AutoConfig.from_pretrained(str(directory))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(directory / "config.json", f"transformers rejects it: {describe(exc)}") from None
+
+
+def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None for a directory with no tokenizer files (token ids only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     if path.is_dir():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(path)), architecture)
+        found = [name for name in TOKENIZER_FILES if (path / name).exists()]
+        if not found:
+            log.info("%s has no tokenizer files (%s): prompts and outputs are token ids", path, ", ".join(TOKENIZER_FILES))
+            return None
+        try:
+            return Tokenizer(AutoTokenizer.from_pretrained(str(path)), architecture)
+        except Exception as exc:  # noqa: BLE001 - any failure here is the files' fault
+            _blame_config(path)
+            raise ModelLoadError(path / found[0], f"cannot load the tokenizer ({', '.join(found)}): {describe(exc)}") from None
     cached = cache_root() / "gguf" / file_digest(path) / "tokenizer"
     if (cached / "tokenizer.json").exists():
         return Tokenizer(AutoTokenizer.from_pretrained(str(cached)), architecture)
     log.info("converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the file's fault
+        raise ModelLoadError(path, f"cannot read the tokenizer in this GGUF file: {describe(exc)}") from None
     cached.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(cached))
     return Tokenizer(tok, architecture)

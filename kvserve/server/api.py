@@ -1,15 +1,18 @@
-"""The OpenAI-compatible HTTP API (FastAPI)."""
+"""The OpenAI-compatible HTTP API (FastAPI).
+
+Every check happens before a response starts: the body, the prompts (tokenized and the chat
+template rendered off the event loop), every sample's parameters, and admission of all of them
+at once. A streamed 200 then ends with `data: [DONE]`, or, when the request is aborted after
+admission (deadline, shutdown, a failed engine step), with one error event.
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
-import socket
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,28 +24,53 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
-from kvserve.model.tokenizer import NoChatTemplateError, read_chat_template
+from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from kvserve.server.access import AccessGuard
+from kvserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    PromptGroup,
+    RequestAborted,
+    Submission,
+)
+from kvserve.server.config import ServerConfig
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.templates import TemplateRenderer
 
 log = logging.getLogger(__name__)
 
 
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
+_NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
+                 "send prompts as token ids to /v1/completions")  # fmt: skip
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+    """A request refused before admission: status, message, the field at fault, error type and reason (the code)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 reason: str = "invalid_request") -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.reason = status, message, param, kind, reason
 
 
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+def error_body(message: str, kind: str, param: str | None, code: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                   code: str = "invalid_request") -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def _aborted_body(exc: RequestAborted) -> dict:
+    return error_body(exc.message, "timeout_error" if exc.reason == "timeout" else "server_error", None, exc.reason)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -57,19 +85,50 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-class OpenAIServer:
-    def __init__(self, engine: LLMEngine, served_model_name: str, chat_template: str | None, max_waiting_requests: int) -> None:
-        self.engine = engine
-        self.model_name = served_model_name
-        self.chat_template = chat_template
-        self.metrics = ServerMetrics(served_model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting_requests)
-        self.created = int(time.time())
+def _request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id", "-")
 
-    # ------------------------------------------------------------------ helpers
+
+class _SubmissionStream(StreamingResponse):
+    """A streamed response that, however it ends (finished, aborted, client gone), closes its submission."""
+
+    def __init__(self, content: AsyncIterator[str], sub: Submission) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.sub = sub
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.close()
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.model_name = config.served_model_name or engine.config.model
+        self.chat_template = config.chat_template or (self.tokenizer.chat_template if self.tokenizer is not None else None)
+        self.metrics = ServerMetrics(self.model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, config.max_waiting_requests)
+        self.renderer = TemplateRenderer()
+        self.created = int(time.time())
+        # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
+        self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
+
+    # ------------------------------------------------------------------ rejections: logged and counted once each
+    def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
+               param: str | None = None) -> JSONResponse:  # fmt: skip
+        log.info("rejected %s %s: %d %s: %s", request_id, where, status, reason, message)
+        self.metrics.rejected(reason)
+        return error_response(status, message, param, kind, reason)
+
+    # ------------------------------------------------------------------ checks before admission
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine.config.model):
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found",
+                           "model_not_found")  # fmt: skip
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         room = self.engine.max_model_len - prompt_len
@@ -85,23 +144,15 @@ class OpenAIServer:
             )
         return requested
 
-    def _tokenize_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        out = []
-        for p in prompts:
-            ids = self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            if (isinstance(p, str) and not p) or not ids:
-                raise APIError(400, "prompt must not be empty", "prompt")
-            self._validate_prompt(ids, "prompt")
-            out.append(ids)
-        return out
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.config.max_waiting_requests:
+            raise APIError(400, f"this request has {num_prompts * n} choices ({num_prompts} prompts x n={n}); at most "
+                           f"--max-waiting-requests {self.config.max_waiting_requests} can wait at once", "n")  # fmt: skip
+
+    def _check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {chars} characters, more than max_model_len={self.engine.max_model_len} tokens can "
+                           "hold", param)  # fmt: skip
 
     def _validate_prompt(self, ids: list[int], param: str) -> None:
         try:
@@ -109,28 +160,76 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), param) from exc
 
+    async def _tokenize_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and self.tokenizer is None:
+            raise APIError(400, _NO_TOKENIZER, "prompt")
+        for text in texts:
+            self._check_text_length(len(text), "prompt")
+        if texts:
+            tokenizer = self.tokenizer
+            encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+            prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        for ids in prompts:
+            self._validate_prompt(ids, "prompt")
+        return [list(ids) for ids in prompts]
+
+    def _chat_ids(self, template: str, messages: list[dict]) -> list[int]:
+        """Render and tokenize (blocking: run in a thread)."""
+        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS)
+        self._check_text_length(len(text), "messages")
+        # the template already carries BOS where the model wants it
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def _params(self, body, max_tokens: int, logprobs: int | None, offset: int) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, offset)
+            params = body.sampling_params(max_tokens, logprobs, offset)
         except ValueError as exc:
             message = str(exc)
-            param = message.split(" ", 1)[0] if message else None
-            raise APIError(400, message, param) from exc
+            raise APIError(400, message, message.split(" ", 1)[0] if message else None) from exc
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; " + _NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
+        vocab = self.engine.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        return params
 
-    def _usage(self, jobs, outs: dict[int, RequestOutput]) -> dict:
-        """Each prompt counted once, however many choices (n) it has; outs by choice index."""
-        groups = _groups(jobs)
-        prompt_tokens = sum(len(ids) for _, ids, _ in groups)
+    def _submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool) -> Submission:
+        arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
+        try:
+            return self.async_engine.submit(_request_id(request), groups, cache_salt, stream, self.config.request_timeout,
+                                            time.monotonic() - arrival)  # fmt: skip
+        except EngineOverloadedError as exc:
+            raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded") from None
+        except EngineDrainingError:
+            raise APIError(503, "the server is shutting down; retry later", None, "server_unavailable", "shutting_down") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "server_error", "engine_unavailable") from None
+
+    # ------------------------------------------------------------------ output helpers
+    def _usage(self, groups: list[PromptGroup], outs: dict[tuple[int, int], RequestOutput]) -> dict:
+        """Each prompt counted once, however many samples (n) it has."""
+        prompt_tokens = sum(len(group.token_ids) for group in groups)
         completion = sum(o.num_output_tokens for o in outs.values())
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(outs[indices[0]].num_cached_tokens for indices, _, _ in groups)},
+            "prompt_tokens_details": {"cached_tokens": sum(outs[(g, 0)].num_cached_tokens for g in range(len(groups)) if (g, 0) in outs)},
         }
 
     def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.token_text(token_id)
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
 
     def _top_dict(self, top: dict[int, float]) -> dict[str, float]:
         """Completions' {token: logprob}, most likely first; two tokens that read alike keep their own entries."""
@@ -150,10 +249,11 @@ class OpenAIServer:
         }
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
 
         def entry(token_id: int, value: float) -> dict:
-            return {"token": self._token_text(token_id), "logprob": value, "bytes": list(tokenizer.token_bytes(token_id))}
+            raw = tokenizer.token_bytes(token_id) if tokenizer is not None else str(token_id).encode()
+            return {"token": self._token_text(token_id), "logprob": value, "bytes": list(raw)}
 
         content = []
         for lp in lps:
@@ -164,61 +264,72 @@ class OpenAIServer:
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
-        prompts = self._tokenize_prompts(body.prompt)
-        jobs = []  # (choice index, prompt ids, params)
-        for p_idx, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(ids))
-            for i in range(body.n):
-                jobs.append((p_idx * body.n + i, ids, self._params(body, max_tokens, body.logprobs, i)))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
+        self._check_choices(num_prompts, body.n)
+        prompts = await self._tokenize_prompts(body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        groups = [
+            PromptGroup(ids, [self._params(body, self._max_tokens(max_tokens, len(ids)), body.logprobs, i) for i in range(body.n)])
+            for ids in prompts
+        ]
+        sub = self._submit(request, groups, body.cache_salt, body.stream)
+        request_id = f"cmpl-{sub.request_id}"
+        created = int(time.time())
+        n = body.n
 
         def choice(index: int, out: RequestOutput, text: str, lps) -> dict:
-            return {
+            c = {
                 "index": index,
                 "text": text,
                 "logprobs": self._completion_logprobs(lps) if body.logprobs is not None else None,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
-
-        created = int(time.time())
+            if self.tokenizer is None:
+                c["token_ids"] = out.token_ids
+            return c
 
         def envelope(choices: list[dict]) -> dict:
             return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "choices": choices}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(jobs, body.cache_salt, request, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]),
-                                envelope, include_usage)
-        outs = await self._collect(jobs, body.cache_salt, request)
-        choices = [choice(idx, out, out.text, out.logprobs or []) for (idx, _, _), out in zip(jobs, outs)]
-        return {**envelope(choices), "usage": self._usage(jobs, {idx: out for (idx, _, _), out in zip(jobs, outs)})}
+            return self._stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope, include_usage)
+        outs = await self._collect(sub, request)
+        choices = [choice(g * n + i, out, out.text, out.logprobs or []) for (g, i), out in sorted(outs.items())]
+        return {**envelope(choices), "usage": self._usage(groups, outs)}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_choices(1, body.n)
+        if self.tokenizer is None:
+            raise APIError(400, _NO_TOKENIZER, "messages")
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: a template is code the server runs; start the server "
+                           "with --trust-request-chat-template to accept it, or set --chat-template", "chat_template")  # fmt: skip
         template = body.chat_template or self.chat_template
-        try:
-            ids = self.engine.tokenizer.apply_chat_template(messages, chat_template=template)
-        except NoChatTemplateError as exc:
+        if template is None:
             raise APIError(
                 400,
                 f"model {self.model_name!r} has no chat template (base models ship none), so chat messages cannot be "
                 "formatted; start the server with --chat-template (inline Jinja or a file), "
                 "or send a plain prompt to /v1/completions",
-            ) from exc
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from exc
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"chat template failed: {exc}", "messages") from exc
+                "messages",
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            ids = await asyncio.to_thread(self._chat_ids, template, messages)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "chat_template" if body.chat_template is not None else "messages") from None
         self._validate_prompt(ids, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._max_tokens(requested, len(ids))
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        jobs = [(i, ids, self._params(body, max_tokens, top, i)) for i in range(body.n)]
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-
+        groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i) for i in range(body.n)])]
+        sub = self._submit(request, groups, body.cache_salt, body.stream)
+        request_id = f"chatcmpl-{sub.request_id}"
         created = int(time.time())
 
         def envelope(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
@@ -234,52 +345,44 @@ class OpenAIServer:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(jobs, body.cache_salt, request, chunk, envelope, include_usage)
-        outs = await self._collect(jobs, body.cache_salt, request)
+            return self._stream(sub, body.n, chunk, envelope, include_usage)
+        outs = await self._collect(sub, request)
         choices = [
             {
-                "index": idx,
+                "index": i,
                 "message": {"role": "assistant", "content": out.text},
                 "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
                 "finish_reason": out.finish_reason,
             }
-            for (idx, _, _), out in zip(jobs, outs)
+            for (_, i), out in sorted(outs.items())
         ]
-        return {**envelope(choices, "chat.completion"), "usage": self._usage(jobs, {idx: out for (idx, _, _), out in zip(jobs, outs)})}
+        return {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
 
-    async def _collect(self, jobs, cache_salt: str | None, request: Request) -> list[RequestOutput]:
-        results: dict[int, RequestOutput] = {}
+    async def _collect(self, sub: Submission, request: Request) -> dict[tuple[int, int], RequestOutput]:
+        """Every sample's finished output; a client that leaves aborts the request."""
 
-        async def run(indices, ids, params) -> None:
-            async for i, out in self.async_engine.generate_group(ids, params, cache_salt):
-                if out.finished:
-                    results[indices[i]] = out
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            sub.fail(RequestAborted("client_disconnected", "the client disconnected", 499))
 
-        tasks = [asyncio.ensure_future(run(*group)) for group in _groups(jobs)]
+        watcher = asyncio.ensure_future(watch())
+        results: dict[tuple[int, int], RequestOutput] = {}
         try:
-            pending = set(tasks)
-            while pending:
-                _, pending = await asyncio.wait(pending, timeout=0.5)
-                if pending and await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
-            for t in tasks:
-                t.result()
-            return [results[idx] for idx, _, _ in jobs]
+            async for g, i, out in sub.outputs():
+                if out.finished:
+                    results[(g, i)] = out
+            return results
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()  # the generator's finally aborts the request in the engine
+            watcher.cancel()
+            sub.close()
 
-    def _stream(self, jobs, cache_salt, request: Request, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
-        # fail fast (before the 200 is sent) when the server is already overloaded
-        if self.async_engine.num_waiting() + len(jobs) > self.async_engine.max_waiting_requests:
-            raise EngineOverloadedError(f"{self.async_engine.num_waiting()} requests are already waiting")
-
+    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
         templates: dict[int, tuple[str, str]] = {}
 
         def event(idx: int, out: RequestOutput) -> str:
             lps = out.logprobs or []
-            if out.finished or lps:
+            if out.finished or lps or self.tokenizer is None:
                 return f"data: {json.dumps(make_chunk(idx, out, out.text, lps))}\n\n"
             # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
             if idx not in templates:
@@ -288,103 +391,89 @@ class OpenAIServer:
             head, tail = templates[idx]
             return head + json.dumps(out.text) + tail
 
-        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-            """(choice index, output) as each choice's outputs arrive."""
-            groups = _groups(jobs)
-            if len(groups) == 1:
-                indices, ids, params = groups[0]
-                async for i, out in self.async_engine.generate_group(ids, params, cache_salt, stream=True):
-                    yield indices[i], out
-                return
-            merged: asyncio.Queue = asyncio.Queue()
-
-            async def pump(indices, ids, params):
-                try:
-                    async for i, out in self.async_engine.generate_group(ids, params, cache_salt, stream=True):
-                        await merged.put((indices[i], out))
-                except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-                    await merged.put((None, exc))
-
-            tasks = [asyncio.ensure_future(pump(*group)) for group in groups]
-            try:
-                finished = 0
-                while finished < len(jobs):
-                    idx, item = await merged.get()
-                    if isinstance(item, Exception):
-                        raise item
-                    finished += item.finished
-                    yield idx, item
-            finally:
-                for t in tasks:
-                    t.cancel()
-
         async def events() -> AsyncIterator[str]:
-            finals: dict[int, RequestOutput] = {}
+            finals: dict[tuple[int, int], RequestOutput] = {}
             try:
-                async for idx, out in outputs():
+                async for g, i, out in sub.outputs():
                     if out.finished:
-                        finals[idx] = out
-                    if out.text or out.finished or out.logprobs:
-                        yield event(idx, out)
-            except Exception as exc:  # noqa: BLE001 - surfaced as an SSE error event
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+                        finals[(g, i)] = out
+                    if out.text or out.finished or out.logprobs or (out.token_ids and self.tokenizer is None):
+                        yield event(g * n + i, out)
+            except RequestAborted as exc:
+                yield f"data: {json.dumps(_aborted_body(exc))}\n\n"
                 return
             if include_usage:
-                usage = self._usage(jobs, finals)
-                yield f"data: {json.dumps({**envelope([]), 'usage': usage})}\n\n"
+                yield f"data: {json.dumps({**envelope([]), 'usage': self._usage(sub.groups, finals)})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _SubmissionStream(events(), sub)
 
-
-def _groups(jobs: list[tuple[int, list[int], SamplingParams]]) -> list[tuple[list[int], list[int], list[SamplingParams]]]:
-    """Consecutive choices of one prompt, as (choice indices, prompt ids, params): each group is one
-    request group in the engine, whose prompt is computed once."""
-    groups: list[tuple[list[int], list[int], list[SamplingParams]]] = []
-    for idx, ids, params in jobs:
-        if groups and groups[-1][1] is ids:
-            groups[-1][0].append(idx)
-            groups[-1][2].append(params)
-        else:
-            groups.append(([idx], ids, [params]))
-    return groups
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest."""
+        engine = self.async_engine
+        engine.stop_admitting()
+        log.info("shutting down: %d requests running, waiting up to %g s (--shutdown-timeout)", engine.num_active, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while engine.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_active:
+            log.info("shutdown timeout: aborting %d requests", engine.num_active)
+            engine.abort_all(RequestAborted("shutdown", "the server shut down before this request finished", 503))
+            deadline = loop.time() + 5.0  # their responses send the error event, then end
+            while engine.num_active and loop.time() < deadline:
+                await asyncio.sleep(0.05)
 
 
 def create_app(server: OpenAIServer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         server.async_engine.start()
+        await asyncio.to_thread(server.renderer.start)
         try:
             yield
         finally:
             server.async_engine.shutdown()
+            server.renderer.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
 
+    def where(request: Request) -> str:
+        return f"{request.method} {request.url.path}"
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.kind)
+    async def _api_error(request: Request, exc: APIError):
+        return server.reject(_request_id(request), where(request), exc.status, exc.message, exc.kind, exc.reason, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return server.reject(_request_id(request), where(request), 400, message, "invalid_request_error", "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None, "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        reason = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return server.reject(_request_id(request), where(request), exc.status_code, str(exc.detail), kind, reason)
 
-    @app.exception_handler(EngineOverloadedError)
-    async def _overloaded(_: Request, exc: EngineOverloadedError):
-        return error_response(503, f"server overloaded: {exc}; retry later", None, "server_overloaded")
+    @app.exception_handler(RequestAborted)
+    async def _aborted(_: Request, exc: RequestAborted):
+        return JSONResponse(_aborted_body(exc), status_code=exc.status)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError):
-        return error_response(500, str(exc), None, "server_error")
+    async def _dead(request: Request, exc: EngineDeadError):
+        return server.reject(_request_id(request), where(request), 503, str(exc), "server_error", "engine_unavailable")
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError):
-        return error_response(400, str(exc), None)
+    async def _value_error(request: Request, exc: ValueError):
+        return server.reject(_request_id(request), where(request), 400, str(exc), "invalid_request_error", "invalid_request")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # a bug of ours, not the client's: uvicorn logs its traceback after this line
+        log.error("internal error on %s %s: %s", _request_id(request), where(request), type(exc).__name__)
+        return error_response(500, f"internal server error ({type(exc).__name__})", None, "server_error", "internal_error")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -409,7 +498,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.get("/health")
     async def health():
         if not server.async_engine.is_alive:
-            return error_response(503, "engine loop is not running", None, "server_error")
+            return error_response(503, "engine loop is not running", None, "server_error", "engine_unavailable")
+        if not server.async_engine.accepting:
+            return error_response(503, "the server is shutting down", None, "server_unavailable", "shutting_down")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -423,22 +514,21 @@ def create_app(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
+def build_asgi(server: OpenAIServer) -> AccessGuard:
+    """The app behind its access guard: what uvicorn serves."""
 
+    def reject(request_id: str, where: str, status: int, message: str, kind: str, reason: str) -> Response:
+        return server.reject(request_id, where, status, message, kind, reason)
+
+    return AccessGuard(create_app(server), server.config, reject)
+
+
+def run_server(args) -> int:
     from kvserve.engine_args import engine_config_from_args
+    from kvserve.server.shutdown import serve
 
-    config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
+    server_config = ServerConfig.from_args(args)
+    config = engine_config_from_args(args, max_waiting_requests=server_config.max_waiting_requests)
     engine = LLMEngine(config)
-    server = OpenAIServer(engine, args.served_model_name or config.model, read_chat_template(args.chat_template), args.max_waiting_requests)
-    app = create_app(server)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    uv_server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level=args.uvicorn_log_level))
-    # a machine-readable line: scripts wait for it, then poll /health
-    print(f"kvserve: serving {server.model_name} on http://{args.host}:{port} "
-          f"(dtype {config.dtype}, {engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
-    uv_server.run(sockets=[sock])
-    return 0
+    server = OpenAIServer(engine, server_config)
+    return serve(server, build_asgi(server), args.uvicorn_log_level)

@@ -1,8 +1,14 @@
 """Runs LLMEngine in its own thread and streams outputs to asyncio consumers.
 
-HTTP handlers never wait for a step: they enqueue commands (add, abort) and read per-request
-asyncio queues. The engine thread applies commands between steps, so an abort frees its
-blocks before the next step runs.
+HTTP handlers never wait for a step: they submit a request (every prompt's samples at once) and
+read its asyncio queue. The engine thread applies commands (add, abort) between steps, so an
+abort frees its blocks before the next step runs.
+
+Admission is all or nothing and happens in `submit`, before a response starts: either every
+sample of every prompt is queued or none is. After admission a request ends in one of two ways:
+every sample finishes, or it is aborted as a whole (`RequestAborted`: deadline, shutdown, a
+failed engine step, the engine thread gone, the client gone), its unfinished samples removed
+from the engine.
 """
 
 from __future__ import annotations
@@ -31,20 +37,36 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
-class _Add:
-    request_ids: list[str]  # one per sample of the prompt (n > 1 computes the prompt once)
+class EngineDrainingError(RuntimeError):
+    pass
+
+
+class RequestAborted(Exception):
+    """An admitted request that will not finish: `reason` names why, `status` is its HTTP status."""
+
+    def __init__(self, reason: str, message: str, status: int) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.status = reason, message, status
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt and its samples (n > 1 computes the prompt once)."""
+
     token_ids: list[int]
     params: list[SamplingParams]
-    cache_salt: str | None
-    stream: bool
-    sink: asyncio.Queue  # every sample's outputs
-    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Add:
+    submission: "Submission"
 
 
 @dataclass
 class _Abort:
-    request_id: str
+    submission: "Submission"
+    request_ids: list[str]
+    report: "RequestAborted | None"  # logged and counted if the engine still had some of it to drop
 
 
 @dataclass
@@ -58,6 +80,82 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         sink.put_nowait(out)
 
 
+class Submission:
+    """One API request in the engine: (prompt, sample) pairs, each an engine request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, groups: list[PromptGroup], cache_salt: str | None, stream: bool) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.groups = groups
+        self.cache_salt = cache_salt
+        self.stream = stream
+        # engine ids are the server's own: a client's X-Request-Id need not be unique
+        serial = uuid.uuid4().hex
+        self.ids = [[f"{serial}-{g}-{i}" for i in range(len(group.params))] for g, group in enumerate(groups)]
+        self.index = {rid: (g, i) for g, ids in enumerate(self.ids) for i, rid in enumerate(ids)}
+        self.unfinished = set(self.index)
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.aborted: RequestAborted | None = None  # why it ended unfinished, once it has
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.index)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def fail(self, error: RequestAborted) -> None:
+        """End the request with `error` (on the event loop's thread)."""
+        if self.unfinished:
+            self.sink.put_nowait(error)
+
+    def expire_at(self, delay: float, seconds: float) -> None:
+        self._timer = self.loop.call_later(
+            delay, self.fail, RequestAborted("timeout", f"request exceeded --request-timeout of {seconds:g} s", 504)
+        )
+
+    async def outputs(self) -> AsyncIterator[tuple[int, int, RequestOutput]]:
+        """(prompt index, sample index, output) as outputs arrive, until every sample has finished.
+        Raises RequestAborted when the request is aborted; leaving early aborts what is unfinished."""
+        try:
+            while self.unfinished:
+                item = await self.sink.get()
+                if isinstance(item, RequestAborted):
+                    self.aborted = item
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                    if item.finish_reason == "error":
+                        self.aborted = RequestAborted("engine_error", f"the engine step running this request failed ({item.error})", 500)
+                        raise self.aborted
+                g, i = self.index[item.request_id]
+                yield g, i, item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop tracking the request, abort what is unfinished in the engine, and report an abort
+        once (idempotent). A client that left heard nothing: its request counts as aborted only if
+        the engine still had some of it to drop; other aborts count as what the client was told."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.engine._active.discard(self)
+        if self.aborted is None and not self.unfinished:
+            return
+        error = self.aborted or RequestAborted("client_disconnected", "the client disconnected", 499)
+        if error.reason != "client_disconnected":
+            self.engine.report_abort(self.request_id, error)
+        if self.unfinished:
+            self.engine.abort(self, sorted(self.unfinished), error if error.reason == "client_disconnected" else None)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting_requests: int) -> None:
         self.engine = engine
@@ -65,16 +163,20 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, Submission] = {}  # engine thread: request id -> its submission
+        self._active: set[Submission] = set()  # event loop: admitted and not yet closed
         self._pending_adds = 0
         self._lock = threading.Lock()
         self._stop = False
+        self._accepting = True
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         metrics.update_from_stats(engine.stats())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -86,53 +188,53 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_admitting(self) -> None:
+        self._accepting = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def abort_all(self, error: RequestAborted) -> None:
+        for sub in list(self._active):
+            sub.fail(error)
+
     # ------------------------------------------------------------------ API for handlers
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending_adds
 
-    async def generate(
-        self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None, stream: bool = False
-    ) -> AsyncIterator[RequestOutput]:
-        """With ``stream``, yields an output per step holding what is new (the last one finished);
-        without, only the finished output."""
-        async for _, out in self.generate_group(token_ids, [params], cache_salt, stream):
-            yield out
-
-    async def generate_group(
-        self, token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None, stream: bool = False
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """n samples of one prompt, computed once: yields (sample index, output) as outputs arrive,
-        until every sample has finished; leaving early aborts the unfinished ones. Admission is all
-        or nothing: either every sample is queued or none is."""
+    def submit(
+        self, request_id: str, groups: list[PromptGroup], cache_salt: str | None = None, stream: bool = False,
+        timeout: float | None = None, elapsed: float = 0.0,
+    ) -> Submission:
+        """Admit every sample of every prompt, or none (raising). `timeout` counts from the request's
+        arrival, `elapsed` seconds ago."""
         if not self.is_alive:
-            raise EngineDeadError("the engine loop has stopped")
-        self.engine.validate_prompt_tokens(token_ids)
+            raise EngineDeadError("the engine loop is not running")
+        if not self._accepting:
+            raise EngineDrainingError("the server is shutting down")
+        sub = Submission(self, request_id, groups, cache_salt, stream)
         with self._lock:
-            if self.num_waiting() + len(params) > self.max_waiting_requests:
+            if self.num_waiting() + sub.num_samples > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"{self.num_waiting()} requests are already waiting (--max-waiting-requests {self.max_waiting_requests})"
                 )
-            self._pending_adds += len(params)
-        ids = [f"req-{uuid.uuid4().hex}" for _ in params]
-        index = {rid: i for i, rid in enumerate(ids)}
-        sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(ids, token_ids, list(params), cache_salt, stream, sink, asyncio.get_running_loop()))
+            self._pending_adds += sub.num_samples
+        self._active.add(sub)
+        if timeout is not None:
+            sub.expire_at(max(0.0, timeout - elapsed), timeout)
+        self._commands.put(_Add(sub))
         self._wake.set()
-        unfinished = set(ids)
-        try:
-            while unfinished:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                yield index[item.request_id], item
-        finally:
-            for rid in unfinished:
-                self.abort(rid)
+        return sub
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix, between two engine steps; returns the blocks forgotten."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
         done = threading.Event()
         result: list[int] = []
         self._commands.put(_Reset(result, done))
@@ -141,25 +243,47 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop did not answer")
         return result[0]
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, sub: Submission, request_ids: list[str], report: RequestAborted | None) -> None:
+        self._commands.put(_Abort(sub, request_ids, report))
         self._wake.set()
+
+    def report_abort(self, request_id: str, error: RequestAborted) -> None:
+        """One log line and one count per aborted request (either thread)."""
+        log.info("aborted %s: %s: %s", request_id, error.reason, error.message)
+        self.metrics.aborted(error.reason)
 
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their requests' queues: one wake-up per event loop, not per output."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        """Hand a step's outputs to their requests' queues: one wake-up per step, not per output."""
+        items = []
         for out in outputs:
-            entry = self._sinks.get(out.request_id)
-            if entry is None:
+            sub = self._sinks.get(out.request_id)
+            if sub is None:
                 continue
-            sink, loop = entry
             if out.finished:
                 del self._sinks[out.request_id]
                 self.metrics.observe_finished(out)
-            batches.setdefault(loop, []).append((sink, out))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            items.append((sub.sink, out))
+        if items:
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+    def _add(self, sub: Submission) -> None:
+        with self._lock:
+            self._pending_adds -= sub.num_samples
+        added: list[str] = []
+        try:
+            for group, ids in zip(sub.groups, sub.ids):
+                self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream)
+                added.extend(ids)
+        except Exception as exc:  # noqa: BLE001 - validated before admission; reported to this request alone
+            for rid in added:
+                self.engine.abort_request(rid)
+            log.error("could not add %s to the engine: %s", sub.request_id, exc)
+            error = RequestAborted("engine_error", f"the engine could not add this request ({exc})", 500)
+            self._loop.call_soon_threadsafe(sub.fail, error)
+            return
+        for rid in added:
+            self._sinks[rid] = sub
 
     def _apply_commands(self) -> None:
         while True:
@@ -168,21 +292,20 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                with self._lock:
-                    self._pending_adds -= len(cmd.request_ids)
-                try:
-                    self.engine.add_request_group(cmd.token_ids, cmd.params, cmd.request_ids, cmd.cache_salt, cmd.stream)
-                    for rid in cmd.request_ids:
-                        self._sinks[rid] = (cmd.sink, cmd.loop)
-                except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
-                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
+                self._add(cmd.submission)
             elif isinstance(cmd, _Reset):
                 cmd.result.append(self.engine.reset_prefix_cache())
                 cmd.done.set()
             else:
-                self._sinks.pop(cmd.request_id, None)
-                if self.engine.abort_request(cmd.request_id) is not None:
-                    log.info("aborted %s", cmd.request_id)
+                dropped = False
+                for rid in cmd.request_ids:
+                    self._sinks.pop(rid, None)
+                    dropped |= self.engine.abort_request(rid) is not None
+                if dropped and cmd.report is not None:
+                    self.report_abort(cmd.submission.request_id, cmd.report)
+
+    def _fail_all_dead(self, exc: BaseException) -> None:
+        self.abort_all(RequestAborted("engine_dead", f"the engine loop stopped ({type(exc).__name__}: {exc})", 500))
 
     def _run(self) -> None:
         try:
@@ -195,10 +318,8 @@ class AsyncEngine:
                     continue
                 self._deliver(self.engine.step())
                 self.metrics.update_from_stats(self.engine.stats())
-        except BaseException as exc:  # noqa: BLE001 - fail every waiter rather than hang them
+        except BaseException as exc:  # noqa: BLE001 - fail every waiter at once rather than hang them
             log.exception("engine loop crashed")
             self.error = exc
-            for sink, loop in list(self._sinks.values()):
-                loop.call_soon_threadsafe(sink.put_nowait, EngineDeadError(f"engine loop crashed: {exc}"))
             self._sinks.clear()
-
+            self._loop.call_soon_threadsafe(self._fail_all_dead, exc)

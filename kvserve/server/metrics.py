@@ -49,6 +49,10 @@ class ServerMetrics:
                                ["model_name", "reason"], registry=r)  # fmt: skip
         self._model_name = model_name
         self.request_success = counter("request_success", "Requests that finished (stop or length)")
+        self._rejected = Counter("kvserve:request_rejected", "HTTP requests answered with an error before admission, by reason",
+                                 ["model_name", "reason"], registry=r)  # fmt: skip
+        self._aborted = Counter("kvserve:request_aborted", "HTTP requests aborted after admission, by reason",
+                                ["model_name", "reason"], registry=r)  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
@@ -97,6 +101,12 @@ class ServerMetrics:
             self.e2e.observe(m["finished_time"] - arrival)
         if out.finish_reason in ("stop", "length"):
             self.request_success.inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model_name, reason).inc()
+
+    def aborted(self, reason: str) -> None:
+        self._aborted.labels(self._model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,13 @@ from kvserve.sampling_params import MAX_SEED, SamplingParams
 Number = StrictInt | StrictFloat
 
 
+def _float(name: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float's range
+        raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -41,17 +48,17 @@ class _SamplingFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(self.temperature),
-            top_p=float(self.top_p),
+            temperature=_float("temperature", self.temperature),
+            top_p=_float("top_p", self.top_p),
             top_k=self.top_k,
-            min_p=float(self.min_p),
+            min_p=_float("min_p", self.min_p),
             # out of range stays as given, for SamplingParams to reject by name
             seed=self.seed if self.seed is None or not 0 <= self.seed < MAX_SEED else (self.seed + seed_offset) % MAX_SEED,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
+            presence_penalty=_float("presence_penalty", self.presence_penalty),
+            frequency_penalty=_float("frequency_penalty", self.frequency_penalty),
+            repetition_penalty=_float("repetition_penalty", self.repetition_penalty),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
@@ -63,15 +70,22 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[dict] | None = None
+    content: StrictStr | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
 

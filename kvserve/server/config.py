@@ -1,0 +1,83 @@
+"""HTTP server configuration: a frozen, validated dataclass whose field names match the serve flags."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from dataclasses import dataclass, fields
+
+from kvserve.model.tokenizer import read_chat_template
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    chat_template: str | None = None  # the template's text (--chat-template may name a file)
+    max_waiting_requests: int = 256
+    api_key: str | None = None
+    # Host header names served; None: the loopback names when bound to loopback, else any; "*" = any
+    allowed_hosts: tuple[str, ...] | None = None
+    max_request_bytes: int = 8 * 2**20
+    request_timeout: float | None = 600.0  # seconds from arrival; None = no limit
+    shutdown_timeout: float = 30.0
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_waiting_requests", "max_request_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive (seconds), got {self.request_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 (seconds), got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if self.allowed_hosts is None:
+            hosts = LOOPBACK_HOSTS if is_loopback(self.host) else ("*",)
+        else:
+            hosts = tuple(h.strip().lower().removeprefix("[").removesuffix("]") for h in self.allowed_hosts if h.strip())
+            if not hosts:
+                raise ValueError("allowed_hosts must name at least one host (or *)")
+        object.__setattr__(self, "allowed_hosts", hosts)
+
+    def host_allowed(self, host_header: str) -> bool:
+        """Whether a request's Host header (name, optionally with a port) is one this server answers to."""
+        if "*" in self.allowed_hosts:
+            return True
+        host = host_header.strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            host = host[1 : host.find("]")] if "]" in host else host
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        return host in self.allowed_hosts
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["chat_template"] = read_chat_template(values.get("chat_template"))
+        if values.get("api_key") is None:
+            values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        hosts = values.get("allowed_hosts")
+        if hosts is not None:
+            values["allowed_hosts"] = tuple(hosts.split(","))
+        if values.get("request_timeout") == 0:
+            values["request_timeout"] = None
+        return cls(**values)
