@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | plan | top`."""
+"""`kvserve serve | generate | plan | eval | top`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from kvserve.eval.cli import run_eval
+
+    return run_eval(args)
+
+
 def _top(args: argparse.Namespace) -> int:
     from kvserve.server.top import run_top
 
@@ -119,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     _add_log_level(plan)
     plan.set_defaults(func=_plan)
+
+    from kvserve.eval.cli import add_eval_args
+
+    ev = sub.add_parser("eval", help="quality of KV configurations (quantization, eviction, ...) against the lossless run: "
+                        "perplexity, KL, top-1, greedy agreement, needle in a haystack",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_eval_args(ev)
+    _add_log_level(ev)
+    ev.set_defaults(func=_eval)
 
     top = sub.add_parser("top", help="live terminal view of a running server's KV metrics")
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")

@@ -17,13 +17,13 @@ from test_kernels import reference_attention
 QUANTIZED = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
 # worst error of one value, relative to its scale group's span: the largest magnitude (int8, fp8:
 # a token's head) or the range (KIVI: a key channel over 32 tokens, a value's 32 channels; at least
-# the largest magnitude over (levels - 2) / 127, where the zero point's range sets the scale)
+# the largest magnitude over (levels - 1) / 127, where the zero point's range sets the scale)
 BOUNDS = {"int8": 0.5 / 127 + 2**-11, "fp8_e4m3": 1 / 16 + 1e-3, "fp8_e5m2": 1 / 8 + 1e-3}
 
 
 def kivi_bound(bits: int) -> float:
-    """Scale at most 2^(1/8) x span / (levels - 2), error at most half of it."""
-    return 2 ** (1 / 8) / (2 * ((1 << bits) - 2)) + 1e-6
+    """Scale at most 2^(1/8) x span / (levels - 1), error at most half of it."""
+    return 2 ** (1 / 8) / (2 * ((1 << bits) - 1)) + 1e-6
 
 
 def spec_for(kv_dtype: str, heads: int = 2, dim: int = 64) -> KVCacheSpec:
@@ -53,7 +53,7 @@ def test_codecs_round_trip_within_their_bounds(kv_dtype, outliers):
         if fmt.kind == "scaled":
             span, bound = x.abs().amax(-1, keepdim=True), BOUNDS[kv_dtype]
         else:
-            levels = (1 << fmt.bits) - 2
+            levels = (1 << fmt.bits) - 1
             if which == "key":  # groups over tokens: dim 2 of [n, blocks, 32, heads, dim]
                 grouped, axis = x.view(3, spec.block_size // 32, 32, 2, 64), 2
             else:  # groups over channels

@@ -241,13 +241,18 @@ class LLMEngine:
             seqs.append(seq)
         return seqs
 
-    def score(self, token_ids: list[int], cache_salt: str | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], cache_salt: str | None = None, chunk: int | None = None) -> torch.Tensor:
         """The last layer's hidden state at every position of token_ids [T, hidden] (the logits of
         position i, model.compute_logits of row i, predict token i + 1), computed through the KV
-        cache as a prompt is: in chunks of --max-num-batched-tokens, each reading the cache of
-        the ones before. Steps the engine until done; other requests step along."""
+        cache as a prompt is: in chunks of --max-num-batched-tokens (or `chunk`, when smaller),
+        each reading the cache of the ones before. Small chunks score the text as decoding reads
+        it: a KIVI cache quantizes the tokens that leave its residual window between steps.
+        Steps the engine until done; other requests step along."""
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be at least 1, got {chunk}")
         seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
         seq.captured = []
+        seq.max_chunk = chunk
         if seq.num_computed_tokens:
             raise ValueError("score() needs the whole text computed")
         while not seq.is_finished:

@@ -22,6 +22,12 @@ class LLM:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

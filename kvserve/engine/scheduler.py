@@ -60,7 +60,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
             while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -84,7 +84,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
                 self.kv.prefix_stats.record(hit, seq.prompt_len)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -45,6 +45,7 @@ class Sequence:
     stream: bool = False  # outputs carry what is new since the previous one, every step
     num_sent_tokens: int = 0  # output tokens already handed out (stream)
     captured: list[torch.Tensor] | None = None  # scoring: the last hidden state of every computed position, chunk by chunk
+    max_chunk: int | None = None  # scoring: most prompt tokens computed in one step (None: the step's token budget)
     forks: list["Sequence"] = field(default_factory=list)  # siblings that start from this sequence's prompt
     fork_parent: "Sequence | None" = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)

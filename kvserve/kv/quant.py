@@ -11,8 +11,7 @@ bits / 8]`, then their scales:
   `value_group` channels, `[block_size][kv_heads][head_dim / value_group][2]`. Each group's pair
   is an 8-bit log2 scale, s = 2^((e - 160) / 8), and an 8-bit integer zero point z, with
   x = s * (q - z): 2 bytes instead of two fp16, so int4 takes 0.5625 bytes per value. The scale is
-  rounded up and chosen for one level less than the format has, so the zero point's rounding never
-  clips the group's largest value. Sub-byte values are packed low bits first.
+  rounded up so that the format's levels span the group (an error of at most half a step). Sub-byte values are packed low bits first.
 
 The native kernels decode the same layout in place (kernels/kv_formats.h).
 """
@@ -61,7 +60,9 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _kivi_params(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale byte, zero point) of groups spanning [lo, hi]."""
-    needed = torch.maximum((hi - lo) / (levels - 2), lo.abs() / 127)
+    # levels - 1 steps span the group: the zero point's rounding can push its largest value half a
+    # step past the top level, and clamping it there costs at most the half step rounding costs anyway
+    needed = torch.maximum((hi - lo) / (levels - 1), lo.abs() / 127)
     code = _encode_log_scale(needed)
     scale = log_scale_table(lo.device)[code.long()]
     zero = torch.round(-lo / scale).clamp(-128, 127)

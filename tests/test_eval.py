@@ -1,0 +1,106 @@
+"""`kvserve eval` on a tiny model: every column, an exact score for a lossless configuration, a
+real cost for a lossy one, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.eval.text import EvalText, needle_cases, retrieved
+
+FAST = ["--context", "192", "--max-windows", "2", "--greedy-prompts", "3", "--greedy-prompt-len", "24", "--greedy-tokens", "12",
+        "--needle-lengths", "96,200,4096", "--needle-depths", "0.2,0.8", "--kv-cache-memory", "0.05", "--no-progress"]  # fmt: skip
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["eval", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_eval_scores_lossless_exactly_and_lossy_honestly(tiny_dir, capsys):
+    model = str(tiny_dir("llama"))
+    code, out, err = _run(capsys, "--model", model, "--json", "--config", "", "--config", "--kv-cache-dtype int8",
+                          "--config", "--kv-cache-dtype int4 --kv-quant-residual 32", *FAST)  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["windows"] == 2 and report["scored_tokens"] == 2 * 191
+    ref, same, int8, int4 = report["reference"], *report["configs"]
+    columns = {"name", "flags", "kv_cache_dtype", "bytes_per_token", "token_capacity", "perplexity", "perplexity_delta_pct",
+               "mean_kl", "top1_agreement", "greedy_agreement", "needle"}  # fmt: skip
+    for row in (ref, same, int8, int4):
+        assert set(row) == columns
+        assert row["perplexity"] > 1.0
+        # 4096 is longer than the tiny model's 512 positions: skipped, not failed
+        assert set(row["needle"]) == {"96", "200", "4096"} and row["needle"]["4096"] is None
+        assert all(0.0 <= row["needle"][n] <= 1.0 for n in ("96", "200"))
+    assert ref["mean_kl"] is None and ref["perplexity_delta_pct"] is None
+    # the same flags again: the same computation, scored exactly
+    assert same["mean_kl"] == 0.0 and same["perplexity_delta_pct"] == 0.0
+    assert same["top1_agreement"] == 1.0 and same["greedy_agreement"] == 1.0
+    assert same["needle"] == ref["needle"] and same["bytes_per_token"] == ref["bytes_per_token"]
+    # lossy formats cost something measurable and save bytes
+    for row, dtype in ((int8, "int8"), (int4, "int4")):
+        assert row["kv_cache_dtype"] == dtype
+        assert row["bytes_per_token"] < ref["bytes_per_token"] and row["token_capacity"] > ref["token_capacity"]
+        assert row["mean_kl"] > 0.0 and row["top1_agreement"] < 1.0
+        assert 0.0 <= row["greedy_agreement"] <= 1.0
+
+
+def test_eval_table_has_every_column(tiny_dir, capsys):
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--config", "--kv-cache-dtype fp8", *FAST)
+    assert code == 0, err
+    header = out.splitlines()[1]
+    for column in ("config", "B/token", "capacity", "ppl", "Δppl", "mean KL", "top-1", "greedy", "needle 96", "needle 200", "needle 4096"):
+        assert column in header
+    assert out.splitlines()[3].startswith("reference") and out.splitlines()[4].startswith("--kv-cache-dtype fp8")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "at least one --config"),
+        (["--config", "--kv-cache-dtype int9"], "--config"),
+        (["--config", "--model other"], "reference's model"),
+        (["--config", "", "--context", "4096"], "max_model_len"),
+        (["--config", "", "--text", "/nonexistent/file"], "cannot read --text"),
+        (["--config", "", "--needle-depths", "1.5"], "needle-depths"),
+        (["--config", "", "--score-chunk", "0"], "score-chunk"),
+    ],
+)
+def test_eval_rejects_bad_input_with_one_line(tiny_dir, capsys, argv, message):
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--kv-cache-memory", "0.05", "--no-progress", *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+class _CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_needles_are_exactly_as_long_as_asked_and_hold_their_key():
+    tok = _CharTokenizer()
+    text = EvalText.from_text(tok, "short filler text. ")
+    assert text.prefix == [1]
+    cases = needle_cases(tok, text, [300, 500], [0.0, 0.5, 1.0], seed=3)
+    assert [c.length for c in cases] == [300] * 3 + [500] * 3
+    for case in cases:
+        assert len(case.token_ids) == case.length and case.token_ids[0] == 1
+        assert case.key in "".join(chr(t) for t in case.token_ids[1:])
+    assert len({c.key for c in cases}) > 1
+    assert retrieved("12345", " 12345. Remember") and not retrieved("12345", " 1234") and not retrieved("12345", "none")
+    assert not retrieved("12345", " 99999 then 12345")
+
+
+def test_windows_and_prompts_cover_the_text():
+    text = EvalText([t for t in range(1000)], [7])
+    windows = text.windows(101, 20)
+    assert len(windows) == 10 and all(len(w) == 101 and w[0] == 7 for w in windows)
+    assert windows[1][1] == 100
+    prompts = text.prompts(4, 11)
+    assert [p[1] for p in prompts] == [0, 330, 660, 990]
+    with pytest.raises(ValueError, match="fewer than one"):
+        text.windows(5000, 2)
