@@ -219,7 +219,27 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/nothing", {}, 404, None),
+    # fields this server does not implement are refused, never silently ignored
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    # chat errors name the chat field the client sent
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
 ]
+
+
+def test_null_sampling_fields_mean_their_defaults(server):
+    # OpenAI's SDKs send null for fields the caller left out
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "seed": 1, "presence_penalty": None}
+    resp = httpx.post(server + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 1
+    again = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1}, timeout=30)
+    assert again.json()["choices"][0]["text"] == resp.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("path,body,status,field", BAD_REQUESTS)

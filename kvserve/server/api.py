@@ -130,17 +130,17 @@ class OpenAIServer:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found",
                            "model_not_found")  # fmt: skip
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         room = self.engine.max_model_len - prompt_len
         if requested is None:
             return max(1, room)
         if requested <= 0:
-            raise APIError(400, f"max_tokens must be a positive integer, got {requested}", "max_tokens")
+            raise APIError(400, f"{param} must be a positive integer, got {requested}", param)
         if requested > room:
             raise APIError(
                 400,
-                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds max_model_len={self.engine.max_model_len}",
-                "max_tokens",
+                f"{param}={requested} plus the prompt's {prompt_len} tokens exceeds max_model_len={self.engine.max_model_len}",
+                param,
             )
         return requested
 
@@ -322,11 +322,15 @@ class OpenAIServer:
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "chat_template" if body.chat_template is not None else "messages") from None
         self._validate_prompt(ids, "messages")
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = self._max_tokens(requested, len(ids))
+        if body.max_completion_tokens is not None:
+            max_tokens = self._max_tokens(body.max_completion_tokens, len(ids), "max_completion_tokens")
+        else:
+            max_tokens = self._max_tokens(body.max_tokens, len(ids))
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top}", "top_logprobs")
         groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i) for i in range(body.n)])]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"

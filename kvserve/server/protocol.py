@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from kvserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -43,6 +43,31 @@ class _SamplingFields(BaseModel):
     cache_salt: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # OpenAI fields this server does not implement: refused when they would change the result
+    logit_bias: dict | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "ignore_eos", mode="before")  # fmt: skip
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        # OpenAI's SDKs send null for "not given"
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("logit_bias", "suffix")
+    @classmethod
+    def _refuse_unimplemented(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported by this server (use n)")
+        return value
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -68,6 +93,13 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _refuse_echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
 
 
 class ContentPart(BaseModel):
