@@ -219,6 +219,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/nothing", {}, 404, None),
+    # text JSON can carry but Unicode cannot (an unpaired surrogate) is refused, in any field
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "cache_salt": "\\ud800"}', 400, "cache_salt"),
+    ("/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     # fields this server does not implement are refused, never silently ignored
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),

@@ -59,3 +59,16 @@ def test_max_model_len_beyond_capacity(tiny_dir):
 def test_unknown_engine_argument(tiny_dir):
     with pytest.raises(TypeError, match="max_num_seq\\b"):
         LLM(str(tiny_dir("qwen2")), max_num_seq=4)
+
+
+@pytest.mark.parametrize("salt", ["\ud800", 5, b"x", "", "s" * 1025])
+def test_bad_cache_salts_are_refused_before_anything_is_queued(llm, salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, cache_salt=salt)
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["num_running"] == 0
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, cache_salt="ok")[0].token_ids) == 2
+
+
+def test_a_prompt_that_is_not_unicode_is_refused(llm):
+    with pytest.raises(ValueError, match="unpaired surrogate"):
+        llm.generate("hi \ud800 there", SamplingParams(max_tokens=2), use_tqdm=False)

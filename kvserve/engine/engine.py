@@ -23,7 +23,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
-from kvserve.kv.hashing import CacheIdentity, root_hash
+from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
@@ -199,11 +199,16 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a request. With ``stream``, step() hands out an output for it every step holding
         only what is new; otherwise only its finished output."""
+        validate_cache_salt(cache_salt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError(NO_TOKENIZER)
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("prompt holds an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text") from None
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, list(prompt)

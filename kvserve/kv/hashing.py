@@ -47,6 +47,23 @@ def block_hash(parent: int, token_ids: Sequence[int] | np.ndarray, extra: bytes 
     return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + struct.pack("<I", len(extra)) + extra + tokens)
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def validate_cache_salt(salt: object) -> None:
+    """A salt is hashed as UTF-8 in every process: a non-empty, bounded string that UTF-8 can encode."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be valid Unicode text (it holds an unpaired surrogate)") from None
+
+
 def salt_key(salt: str | None) -> bytes:
     return b"" if salt is None else b"salt:" + salt.encode()
 

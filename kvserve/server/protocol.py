@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
+from kvserve.kv.hashing import validate_cache_salt
 from kvserve.sampling_params import MAX_SEED, SamplingParams
 
 Number = StrictInt | StrictFloat
@@ -16,6 +17,22 @@ def _float(name: str, value: int | float) -> float:
         return float(value)
     except OverflowError:  # an integer beyond float's range
         raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
+
+
+def _unpaired_surrogate(value: object, path: str) -> str | None:
+    """The path of the first string in a JSON value that UTF-8 cannot encode (JSON's "\\ud800")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _unpaired_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +64,20 @@ class _SamplingFields(BaseModel):
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        path = _unpaired_surrogate(data, "")
+        if path is not None:
+            raise ValueError(f"{path} holds an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text")
+        return data
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, value):
+        validate_cache_salt(value)
+        return value
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "ignore_eos", mode="before")  # fmt: skip
