@@ -23,9 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="int4/int2: tokens per key-channel scale and channels per value scale (default: %(default)s)")
     group.add_argument("--kv-quant-residual", type=int, default=128,
                        help="int4/int2: the most recent tokens kept in full precision (default: %(default)s)")
-    group.add_argument("--kv-cache-scales", default=None, metavar="JSON",
-                       help='fp8: calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, instead of '
-                       "each token's own")
+    group.add_argument("--kv-cache-scales", default=None, metavar="FILE",
+                       help='fp8: a JSON file of calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, '
+                       "used instead of each token's own")
     group.add_argument("--block-size", type=int, default=None,
                        help="tokens per KV block (default: 16; for int4/int2 a multiple of --kv-quant-group-size, 32)")
     group.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB preallocated for the paged KV pool (default: %(default)s)")

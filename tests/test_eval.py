@@ -68,12 +68,16 @@ def test_eval_table_has_every_column(tiny_dir, capsys):
         (["--config", "", "--text", "/nonexistent/file"], "cannot read --text"),
         (["--config", "", "--needle-depths", "1.5"], "needle-depths"),
         (["--config", "", "--score-chunk", "0"], "score-chunk"),
+        (["--config", "garbage --block-size 16"], "not engine flags: garbage"),
+        (["--config", "", "--greedy-tokens", "0"], "greedy-tokens"),
+        (["--config", "", "--greedy-prompts", "100000"], "greedy-prompts"),
+        (["--config", "", "--text", "/usr/bin/env"], "not a text file"),
     ],
 )
 def test_eval_rejects_bad_input_with_one_line(tiny_dir, capsys, argv, message):
     code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--kv-cache-memory", "0.05", "--no-progress", *argv)
     assert code == 2
-    assert message in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err and "usage:" not in err
 
 
 class _CharTokenizer:

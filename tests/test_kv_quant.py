@@ -210,3 +210,39 @@ def test_a_format_the_backend_cannot_serve_is_refused_before_loading(tiny_dir):
         LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", attention_backend="cpu_paged", device="meta")
     with pytest.raises(ValueError, match="multiple of"):
         LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", block_size=16)
+
+
+def test_calibrated_fp8_scales_are_used_and_bad_files_refused(tiny_dir, tmp_path):
+    import json
+
+    path = str(tiny_dir("qwen3"))  # 3 layers x 2 KV heads
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = random_prompts(3, 10, 30, seed=9)
+
+    def scales_file(name: str, body) -> str:
+        f = tmp_path / name
+        f.write_text(body if isinstance(body, str) else json.dumps(body))
+        return str(f)
+
+    good = scales_file("good.json", {"k_scale": [[0.05, 0.05]] * 3, "v_scale": [[0.05, 0.05]] * 3})
+    calibrated = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8_e4m3", kv_cache_scales=good)
+    dynamic = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8_e4m3")
+    a = [o.token_ids for o in calibrated.generate(prompts, params, use_tqdm=False)]
+    b = [o.token_ids for o in dynamic.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == 8 for t in a)
+    assert calibrated.engine.pool.layers[0].scales is not None and dynamic.engine.pool.layers[0].scales is None
+    del calibrated, dynamic, a, b
+    bad = {
+        "one layer too many": {"k_scale": [[0.05, 0.05]] * 3, "v_scale": [[0.05, 0.05]] * 4},
+        "wrong heads": {"k_scale": [[0.05]] * 3, "v_scale": [[0.05]] * 3},
+        "booleans": {"k_scale": [[True, True]] * 3, "v_scale": [[0.05, 0.05]] * 3},
+        "tiny": {"k_scale": [[1e-30, 0.05]] * 3, "v_scale": [[0.05, 0.05]] * 3},
+        "NaN": '{"k_scale": [[NaN, 0.05], [0.05, 0.05], [0.05, 0.05]], "v_scale": [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05]]}',
+        "not an object": [1, 2],
+        "not JSON": "k_scale: 1",
+    }
+    for name, body in bad.items():
+        with pytest.raises(ValueError, match="--kv-cache-scales"):
+            LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8_e4m3", kv_cache_scales=scales_file(f"{len(name)}.json", body))
+    with pytest.raises(ValueError, match="No such file"):
+        LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8_e4m3", kv_cache_scales='{"k_scale": []}')

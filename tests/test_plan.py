@@ -242,16 +242,16 @@ def test_plan_capacity_equals_what_the_engine_admits_for_gemma_3_270m():
     assert hybrid["bytes_per_block"] == block and hybrid["physical_bytes"] == (512 + 5 * 32) * block
 
 
-@pytest.mark.parametrize(("kv_dtype", "hybrid"), [("int4", True), ("float32", False)])
-def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid):
+@pytest.mark.parametrize(("kv_dtype", "hybrid", "dtype"), [("int4", True, "float32"), ("int4", True, "bfloat16"), ("float32", False, "float32")])
+def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid, dtype):
     """int4 sets full-precision residual blocks apart for --max-num-seqs sequences before the quantized
     pool; --disable-hybrid-kv-cache-manager makes every layer hold every block: the planner counts both."""
     path = str(tiny_dir("gemma3-w8"))
     flags = [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
     proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1.02", "--weights-gib", "1", "--headroom-gib", "0",
-                    "--kv-dtype", kv_dtype, "--max-num-seqs", "4", "--json", *flags)  # fmt: skip
+                    "--kv-dtype", kv_dtype, "--max-num-seqs", "4", "--dtype", dtype, "--json", *flags)  # fmt: skip
     planned = json.loads(proc.stdout)
-    llm = LLM(path, dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_memory=0.02, max_num_seqs=4,
+    llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=0.02, max_num_seqs=4,
               disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
     stats = llm.stats()
     assert planned["num_blocks"] == stats["num_blocks"] > 0
@@ -259,6 +259,9 @@ def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(t
     assert (planned["residual_blocks"] > 0) == (kv_dtype == "int4")
     assert planned["max_admitted_len"] == llm.engine.max_model_len
     assert len(planned["kv_cache_groups"]) == (3 if hybrid else 1)
+    assert planned["block_size"] == planned["shape"]["block_size"] == stats["block_size"]
+    # never more sequences than the residual blocks were set apart for
+    assert planned["recommended"]["max_num_seqs"] <= 4 or kv_dtype != "int4"
 
 
 def test_a_workload_the_plan_says_fits_runs_without_preemption(tiny_dir):

@@ -64,20 +64,36 @@ def kv_cache_spec(config: EngineConfig, model_config: ModelConfig) -> KVCacheSpe
     )
 
 
+KV_SCALE_RANGE = (1e-6, 1e6)  # an fp8 scale outside it turns every value into 0 or into the format's largest
+
+
 def kv_scales(config: EngineConfig, spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Calibrated fp8 scales, (K, V) per layer of [kv_heads], from --kv-cache-scales."""
+    """Calibrated fp8 scales, (K, V) per layer of [kv_heads], from the JSON file --kv-cache-scales."""
     if config.kv_cache_scales is None:
         return None
     path = Path(config.kv_cache_scales)
+    shape = f"k_scale and v_scale, each {spec.num_layers} layers x {spec.num_kv_heads} heads of positive numbers"
     try:
         raw = json.loads(path.read_text())
-        pairs = [(torch.tensor(k, dtype=torch.float32), torch.tensor(v, dtype=torch.float32)) for k, v in zip(raw["k_scale"], raw["v_scale"])]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--kv-cache-scales {path}: {exc}") from exc
-    if len(pairs) != spec.num_layers or any(k.shape != (spec.num_kv_heads,) or v.shape != (spec.num_kv_heads,) for k, v in pairs):
-        raise ValueError(f"--kv-cache-scales {path}: expected k_scale and v_scale of {spec.num_layers} layers x {spec.num_kv_heads} heads")
-    if any(not bool(torch.all(t > 0) & torch.all(torch.isfinite(t))) for pair in pairs for t in pair):
-        raise ValueError(f"--kv-cache-scales {path}: scales must be positive and finite")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--kv-cache-scales {path}: {exc} (a JSON file of {shape})") from None
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(name), list) for name in ("k_scale", "v_scale")):
+        raise ValueError(f"--kv-cache-scales {path}: expected an object with {shape}")
+
+    def rows(name: str) -> list[torch.Tensor]:
+        layers = raw[name]
+        ok = len(layers) == spec.num_layers and all(
+            isinstance(row, list) and len(row) == spec.num_kv_heads
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row) for row in layers
+        )  # fmt: skip
+        if not ok:
+            raise ValueError(f"--kv-cache-scales {path}: {name} must be {spec.num_layers} layers x {spec.num_kv_heads} heads of numbers")
+        return [torch.tensor(row, dtype=torch.float32) for row in layers]
+
+    pairs = list(zip(rows("k_scale"), rows("v_scale")))
+    low, high = KV_SCALE_RANGE
+    if any(not bool(torch.all((t >= low) & (t <= high))) for pair in pairs for t in pair):
+        raise ValueError(f"--kv-cache-scales {path}: scales must be finite numbers in [{low:g}, {high:g}]")
     return pairs
 
 

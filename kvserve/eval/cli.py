@@ -34,7 +34,8 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                        help='engine flags of a configuration to compare with the reference (the engine flags given to this '
                        'command), e.g. --config "--kv-cache-dtype int8"; repeat for several')  # fmt: skip
     group.add_argument("--text", type=Path, default=None,
-                       help=f"text for perplexity, KL, greedy prompts and needle haystacks (default: {default_text_path()})")
+                       help="text file for perplexity, KL, greedy prompts and needle haystacks; None: argparse.py of Python's "
+                       "standard library (default: %(default)s)")
     group.add_argument("--context", type=int, default=2048, help="tokens per perplexity window")
     group.add_argument("--score-chunk", type=int, default=32,
                        help="tokens of a window computed per step: each step reads the cache of the ones before, so small "
@@ -58,11 +59,13 @@ def config_args(base: argparse.Namespace, flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="--config", add_help=False, exit_on_error=False)
     add_engine_args(parser)
     try:
-        args = parser.parse_args(shlex.split(flags), namespace=copy.copy(base))
+        args, extra = parser.parse_known_args(shlex.split(flags), namespace=copy.copy(base))
     except (argparse.ArgumentError, ValueError) as exc:
         raise ValueError(f"--config {flags!r}: {exc}") from None
     except SystemExit:
         raise ValueError(f"--config {flags!r}: not engine flags") from None
+    if extra:
+        raise ValueError(f"--config {flags!r}: not engine flags: {' '.join(extra)}")
     if args.model != base.model:
         raise ValueError(f"--config {flags!r}: a configuration runs the reference's model; give --model to the command")
     return args
@@ -88,7 +91,7 @@ def format_table(report: dict) -> str:
     head = (f"{report['model']}: {report['windows']} windows of {report['context']} tokens of {report['text']} "
             f"in chunks of {report['score_chunk']} "
             f"({report['scored_tokens']:,} scored), {report['greedy_prompts']} greedy prompts x {report['greedy_tokens']} tokens, "
-            f"needles at depths {', '.join(f'{d:g}' for d in report['needle_depths'])}")  # fmt: skip
+            + (f"needles at depths {', '.join(f'{d:g}' for d in report['needle_depths'])}" if lengths else "no needles"))  # fmt: skip
     return head + "\n" + "\n".join(lines)
 
 

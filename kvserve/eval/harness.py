@@ -17,6 +17,7 @@ from kvserve.eval.text import EvalText, NeedleCase, needle_cases, retrieved
 from kvserve.sampling_params import SamplingParams
 
 NEEDLE_ANSWER_TOKENS = 12
+MAX_GREEDY_PROMPTS = 256
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,11 @@ class EvalPlan:
     needle_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("context", "score_chunk", "max_windows", "greedy_prompt_len"):
+        for name in ("context", "score_chunk", "max_windows", "greedy_prompt_len", "greedy_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("greedy_prompts", "greedy_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
+        if not 0 <= self.greedy_prompts <= MAX_GREEDY_PROMPTS:
+            raise ValueError(f"--greedy-prompts must be in [0, {MAX_GREEDY_PROMPTS}], got {self.greedy_prompts}")
         if any(not 0 <= d <= 1 for d in self.needle_depths):
             raise ValueError(f"--needle-depths must lie in [0, 1], got {list(self.needle_depths)}")
         if any(n < 1 for n in self.needle_lengths):

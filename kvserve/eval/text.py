@@ -23,6 +23,8 @@ def read_text(path: Path) -> str:
         raise ValueError(f"cannot read --text {path}: {exc.strerror or exc}") from None
     if not text.strip():
         raise ValueError(f"--text {path} is empty")
+    if "\0" in text:
+        raise ValueError(f"--text {path} is not a text file (it holds NUL bytes)")
     return text
 
 

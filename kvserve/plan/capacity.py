@@ -17,6 +17,7 @@ class KVShape:
     head_dim: int
     layer_windows: tuple[int | None, ...] = ()
     hybrid: bool = True  # False: --disable-hybrid-kv-cache-manager, every layer holds every block
+    residual_dtype: str = "bfloat16"  # int4 / int2: the full-precision residual blocks are in the model's --dtype
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -24,14 +25,14 @@ class KVShape:
                 raise ValueError(f"{name.replace('num_', '').replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     @staticmethod
-    def from_model(config: ModelConfig, hybrid: bool = True) -> "KVShape":
+    def from_model(config: ModelConfig, hybrid: bool = True, residual_dtype: str = "bfloat16") -> "KVShape":
         windows = tuple(config.layer_window(i) for i in range(config.num_layers))
-        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else (), hybrid)
+        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else (), hybrid, residual_dtype)
 
     def spec(self, kv_dtype: str, block_size: int) -> KVCacheSpec:
         """int4 / int2 take blocks of a multiple of their group size (32), as the engine does."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size_for(kv_dtype, block_size),
-                           self.layer_windows, self.hybrid)  # fmt: skip
+                           self.layer_windows, self.hybrid, residual_dtype=self.residual_dtype)  # fmt: skip
 
 
 NO_LIMIT = 1 << 30  # tokens: no model context known
@@ -99,6 +100,7 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
         "bytes_per_token": spec.bytes_per_token,
         "scale_bytes_per_token": spec.scale_bytes_per_token,
         "element_bytes_per_token": spec.bytes_per_token - spec.scale_bytes_per_token,
+        "block_size": spec.block_size,
         "bytes_per_block": spec.bytes_per_block,
         "kv_cache_groups": [{"layers": list(g.layers), "attention": g.attention} for g in spec.groups],
         "logical_bytes": logical,
@@ -145,8 +147,11 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     if longest_blocks <= num_blocks:
         # max_seqs counts sequences of the mean size without prefix sharing; a workload that fits runs whole
         all_at_once = len(workload.seq_lens) if result["fits"] else 1
+        max_num_seqs = max(max_seqs, all_at_once)
+        if residual_blocks:  # the residual blocks were set apart for --max-num-seqs sequences, no more
+            max_num_seqs = min(max_num_seqs, workload.max_num_seqs)
         result["recommended"] = {
-            "max_num_seqs": max(max_seqs, all_at_once),
+            "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": chunk,
             "kv_cache_memory": round(budget.kv_bytes / GIB, 3),
             "max_model_len": longest,
@@ -162,7 +167,7 @@ def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | Non
         "kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
         "sliding_layers": sum(1 for w in shape.layer_windows if w is not None),
-        "block_size": workload.block_size,
+        "block_size": main["block_size"],
     }
     main["by_dtype"] = {name: plan_dtype(shape, name, workload, budget) for name in KV_DTYPES}
     return main

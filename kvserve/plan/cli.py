@@ -38,7 +38,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mem = parser.add_argument_group("memory budget")
     mem.add_argument("--memory-gib", type=float, default=None, help="device memory for weights + KV + workspace")
     mem.add_argument("--weights-gib", type=float, default=None, help="weights; default: computed from --model at --dtype")
-    mem.add_argument("--dtype", default="bfloat16", choices=list(_DTYPE_BYTES), help="weight dtype when weights come from --model")
+    mem.add_argument("--dtype", default="bfloat16", choices=list(_DTYPE_BYTES), help="the model's dtype: its weights when they come from --model, and int4/int2's full-precision residual blocks")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
     rep = parser.add_argument_group("replay (runs the real scheduler and block manager, no model)")
     rep.add_argument("--replay", default=None, metavar="TRACE", help="JSONL trace to replay through the scheduler")
@@ -71,11 +71,11 @@ def load_model_config(model: str) -> ModelConfig:
 def _shape(args: argparse.Namespace) -> tuple[KVShape, ModelConfig | None]:
     if args.model:
         config = load_model_config(args.model)
-        return KVShape.from_model(config, hybrid=not args.disable_hybrid_kv_cache_manager), config
+        return KVShape.from_model(config, hybrid=not args.disable_hybrid_kv_cache_manager, residual_dtype=args.dtype), config
     missing = [f"--{n.replace('_', '-')}" for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"give --model or all of --layers --kv-heads --head-dim (missing {' '.join(missing)})")
-    return KVShape(args.layers, args.kv_heads, args.head_dim), None
+    return KVShape(args.layers, args.kv_heads, args.head_dim, residual_dtype=args.dtype), None
 
 
 def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
@@ -170,8 +170,9 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     if r is None:
         lines.append(f"Not even its longest sequence ({longest:,} tokens) fits, so there are no engine flags to suggest.")
     else:
+        dtype = "" if result["kv_dtype"] in ("float16", "bfloat16", "float32") else f" --kv-cache-dtype {result['kv_dtype']}"
         lines.append(
-            f"Engine flags: --kv-cache-memory {r['kv_cache_memory']:g} --max-num-seqs {r['max_num_seqs']} \\\n"
+            f"Engine flags:{dtype} --kv-cache-memory {r['kv_cache_memory']:g} --max-num-seqs {r['max_num_seqs']} \\\n"
             f"  --max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
         )
     return lines
