@@ -403,23 +403,22 @@ class LLMEngine:
             return
         held = n - self.kv.num_evicted(seq.request_id)
         kept = policy.tokens_kept(n)
-        spec = self.kv_spec
+        scores = None
         if not seq.eviction_started:
             seq.eviction_started = True
             scores, seq.window_scores = seq.window_scores, None
-            if kept >= held:
-                return
-            if policy.method == "streaming":
-                keep = sink_and_recent(held, kept, policy.sinks).expand(spec.num_layers, spec.num_kv_heads, kept)
-            else:
-                if policy.method == "random":
-                    draws = torch.Generator().manual_seed(seq.seed % 2**63)
-                    scores = torch.rand(spec.num_layers, spec.num_kv_heads, held, generator=draws)
-                keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
-        elif policy.method == "streaming" and held >= kept + self.kv.block_size:
+        elif policy.method != "streaming" or held < kept + self.kv.block_size:
+            return
+        if kept >= held:
+            return
+        spec = self.kv_spec
+        if policy.method == "streaming":
             keep = sink_and_recent(held, kept, policy.sinks).expand(spec.num_layers, spec.num_kv_heads, kept)
         else:
-            return
+            if policy.method == "random":
+                draws = torch.Generator().manual_seed(seq.seed % 2**63)
+                scores = torch.rand(held, generator=draws).expand(spec.num_layers, spec.num_kv_heads, held)
+            keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
         for g, group in enumerate(self.kv.groups):
             slices = [spec.layer_slots[layer][1] for layer in group.layers]
             self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)])

@@ -1,10 +1,12 @@
 """KV eviction policies: which of a sequence's cached tokens it keeps, and how many.
 
 snapkv scores each prompt position by the attention the last `window` prompt queries pay it and
-keeps, once at the end of prefill, the best within the budget plus the window itself, per layer and
-KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent ones, evicting
-as decode proceeds. random keeps the window and random positions (a baseline, not for production).
-The budget counts every kept token, the window's and the sinks' included.
+keeps, once at the end of prefill, the window itself and the best others within the budget, per
+layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
+ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
+every layer and head (a baseline, not for production). The budget counts every kept token, the
+window's and the sinks' included; the window takes at most half of it, so a budget near the
+window's size still keeps the positions attention needs most (the first token, a sink, above all).
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ class EvictionPolicy:
 
 
 def top_positions(scores: torch.Tensor, kept: int, window: int, kernel: int) -> torch.Tensor:
-    """SnapKV's selection from scores [..., n]: the last `window` positions and the (kept - window)
-    best others after a max-pool of `kernel`; sorted indices [..., kept]."""
+    """SnapKV's selection from scores [..., n]: the last `window` positions (at most kept // 2) and
+    the best others after a max-pool of `kernel`; sorted indices [..., kept]."""
     n = scores.shape[-1]
-    window = min(window, kept)
+    window = min(window, kept // 2)
     tail = torch.arange(n - window, n, device=scores.device).expand(*scores.shape[:-1], window)
     if kept == window:
         return tail
