@@ -267,6 +267,7 @@ def test_compressed_requests_share_no_block_with_the_prefix_cache_and_n_samples_
     assert again.num_cached_tokens == 0  # the compressed request published nothing
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
     assert llm.generate([prompt], squeezed, use_tqdm=False)[0].num_cached_tokens == 0  # and reads no hit
+    assert llm.stats()["prefix_cache_requests_total"] == 2  # nor is counted as a lookup
     samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True, kv_compression="snapkv",
                                                     kv_keep_ratio=0.5), use_tqdm=False)  # fmt: skip
     assert [o.token_ids for o in samples] == [first.token_ids] * 3

@@ -83,7 +83,8 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
-                self.kv.prefix_stats.record(hit, seq.prompt_len)
+                if seq.eviction is None:  # a compressing request is not looked up
+                    self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
