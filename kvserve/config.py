@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvserve.kv.spec import block_size_for, normalize_kv_dtype
+from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.spec import KV_FORMATS, block_size_for, normalize_kv_dtype
 from kvserve.model.registry import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
@@ -57,6 +58,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash: whole blocks by chained hash; radix: token-granular radix tree
     skip_tokenizer_init: bool = False  # token ids in and out only (automatic when the model has no tokenizer files)
+    kv_compression: str = "none"  # none | snapkv | streaming | random: evict cached tokens (kv/eviction.py)
+    kv_keep_ratio: float | None = None  # share of a sequence's tokens kept
+    kv_budget: int | None = None  # tokens kept (instead of kv_keep_ratio)
+    snapkv_window: int = 32
+    snapkv_kernel: int = 7
+    sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         try:
@@ -92,6 +99,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.eviction.active and KV_FORMATS[self.kv_cache_dtype].kind == "kivi":  # self.eviction validates the fields
+            raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_cache_dtype} (KIVI keys are quantized "
+                             "per channel across tokens); use a float, int8 or fp8 cache")
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return EvictionPolicy(self.kv_compression, self.kv_keep_ratio, self.kv_budget, self.snapkv_window, self.snapkv_kernel,
+                              self.sink_tokens)  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import EngineConfig
+from kvserve.kv.eviction import KV_COMPRESSIONS
 from kvserve.kv.spec import KV_DTYPES
 from kvserve.model.registry import DEFAULT_MODEL, PACKAGED_MODELS
 
@@ -53,6 +54,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="give sliding-window layers blocks for the whole sequence, as full-attention layers get "
                        "(by default they hold only their window's blocks)")
+    group.add_argument("--kv-compression", default="none", choices=list(KV_COMPRESSIONS),
+                       help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
+                       "--snapkv-window queries attend to most (per layer and KV head); streaming keeps --sink-tokens first "
+                       "tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
+                       "--kv-keep-ratio or --kv-budget. See the README's KV eviction")
+    group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]")
+    group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio)")
+    group.add_argument("--snapkv-window", type=int, default=32,
+                       help="snapkv: the last prompt queries whose attention scores the positions, all kept (default: %(default)s)")
+    group.add_argument("--snapkv-kernel", type=int, default=7,
+                       help="snapkv: width of the max-pool that smooths the scores, odd (default: %(default)s)")
+    group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

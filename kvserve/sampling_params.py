@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from kvserve.kv.eviction import KV_COMPRESSIONS
+
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
 MAX_TOP_K = 2**31 - 1  # the sampler's row holds top_k as int32
@@ -37,6 +39,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
+    kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
+    kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +82,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids (integers in [0, 2^31))")
+
+        if self.kv_compression is not None and self.kv_compression not in KV_COMPRESSIONS:
+            raise ValueError(f"kv_compression must be one of {', '.join(KV_COMPRESSIONS)}; got {self.kv_compression!r}")
+        if self.kv_keep_ratio is not None and (isinstance(self.kv_keep_ratio, bool) or not isinstance(self.kv_keep_ratio, (int, float))
+                                               or not 0 < self.kv_keep_ratio <= 1):  # fmt: skip
+            raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.kv_keep_ratio!r}")
 
     def samples(self) -> list["SamplingParams"]:
         """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""

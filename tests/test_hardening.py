@@ -239,6 +239,9 @@ def test_request_supplied_chat_template_is_refused_by_default(guarded):
         ('{"prompt": "hi", "stop": ["%s"]}' % ("z" * 300), "stop"),
         ('{"prompt": "hi", "stop_token_ids": [512]}', "stop_token_ids"),
         ('{"prompt": [[1, 2], []]}', "prompt"),
+        ('{"prompt": "hi", "kv_compression": "snap"}', "kv_compression"),
+        ('{"prompt": "hi", "kv_compression": "snapkv"}', "kv_compression"),  # no budget: the engine has none
+        ('{"prompt": "hi", "kv_compression": "snapkv", "kv_keep_ratio": NaN}', "kv_keep_ratio"),
     ],
 )
 def test_bad_numbers_are_400_naming_the_field_before_any_stream(guarded, raw, field, stream):
@@ -248,6 +251,14 @@ def test_bad_numbers_are_400_naming_the_field_before_any_stream(guarded, raw, fi
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == field or field in error["message"], error
+
+
+def test_kv_compression_extension_field(guarded):
+    _, url = guarded
+    body = {"prompt": "Everyone is permitted to copy and distribute verbatim copies", "max_tokens": 6, "ignore_eos": True,
+            "kv_compression": "snapkv", "kv_keep_ratio": 0.5}  # fmt: skip
+    resp = post(url, body)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6, resp.text
 
 
 def test_temperature_below_the_greedy_threshold_is_greedy(guarded):

@@ -32,6 +32,8 @@ def _config(family: str):
     )
     if family == "llama":
         return tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "llama-long":  # prompts of 1,000+ tokens
+        return tf.LlamaConfig(**{**common, "max_position_embeddings": 2048}, rope_theta=10000.0, tie_word_embeddings=False)
     if family == "qwen2":
         return tf.Qwen2Config(**common, rope_theta=1_000_000.0, tie_word_embeddings=True)
     if family == "qwen3":

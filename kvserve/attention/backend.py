@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.window_scores import window_attention
 
 if TYPE_CHECKING:
     from kvserve.kv.pool import PagedKVPool
@@ -31,6 +32,13 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor:
         """q [T, H, D]; k, v [T, KVH, D] of the step's tokens. Stores k/v in the layer's slots and
         returns the attention output [T, H, D]; a sliding-window layer sees the last `window` slots."""
+
+    def score_windows(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+        """Add the SnapKV scores of this layer's window queries (after their K/V are stored)."""
+        kv = self.layers[layer]
+        for span in meta.window_scores:
+            keys, _ = kv.gather(span.block_tables[kv.group])
+            span.out[layer, :, : span.kv_len] += window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
 
     def store(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = self.layers[layer]

@@ -28,4 +28,6 @@ class CpuPagedBackend(AttentionBackend):
             kernels.paged_prefill_attention(
                 q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_start, scale, window, out=out[span.start : span.end]
             )
+        if meta.window_scores:
+            self.score_windows(layer, q, meta, scale)
         return out

@@ -25,6 +25,22 @@ class PrefillSpan:
 
 
 @dataclass
+class WindowScoreSpan:
+    """Rows of a sequence's SnapKV window in this step: their attention over the keys cached up to
+    them is added to `out` [num_layers, kv_heads, >= kv_len] (attention/window_scores.py)."""
+
+    start: int  # first row in the flat batch
+    end: int
+    first_slot: int  # slot of the first row's query
+    block_tables: list[torch.Tensor]  # per group: [nb] blocks covering kv_len slots
+    out: torch.Tensor
+
+    @property
+    def kv_len(self) -> int:
+        return self.first_slot + self.end - self.start
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] each token's position in its sequence
     slot_mappings: list[torch.Tensor]  # per group: [T] where each token's K/V goes
@@ -32,4 +48,5 @@ class AttentionMetadata:
     decode_kv_lens: torch.Tensor | None = None  # [B] cached slots, the new token's included
     decode_block_tables: list[torch.Tensor] = field(default_factory=list)  # per group: [B, nb]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    window_scores: list[WindowScoreSpan] = field(default_factory=list)
     cache: dict = field(default_factory=dict)  # a backend's per-step derived data (masks), shared by its layers

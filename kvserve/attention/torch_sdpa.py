@@ -39,6 +39,8 @@ class TorchSdpaBackend(AttentionBackend):
             out[:num_decode] = self._decode(q[:num_decode], layer, meta, scale, window)
         for i, span in enumerate(meta.prefills):
             out[span.start : span.end] = self._prefill(q, k, v, i, span, layer, meta, scale, window)
+        if meta.window_scores:
+            self.score_windows(layer, q, meta, scale)
         return out
 
     def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

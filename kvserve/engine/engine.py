@@ -21,6 +21,7 @@ from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
@@ -199,6 +200,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self.num_steps = 0
+        self.num_evicted_tokens = 0
+        self.num_compactions = 0
+        self.eviction_policy(SamplingParams())  # refuses an engine-wide --kv-compression the model cannot take
         self.peak_num_blocks_used = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -236,7 +240,8 @@ class LLMEngine:
         text = None
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
-        seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream)
+        seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
+                       eviction=self.eviction_policy(params))  # fmt: skip
         self.requests[request_id] = seq
         if queue:
             self.scheduler.add(seq)
@@ -258,7 +263,10 @@ class LLMEngine:
         for sp, rid in zip(params[1:], ids[1:]):
             seq = self.add_request(first.prompt_token_ids, sp, rid, cache_salt, stream, queue=False)
             seq.prompt = first.prompt
-            self.scheduler.add_fork(first, seq)
+            if first.eviction is not None:  # each sample compacts its own blocks in place: none are shared
+                self.scheduler.add(seq)
+            else:
+                self.scheduler.add_fork(first, seq)
             seqs.append(seq)
         return seqs
 
@@ -274,6 +282,7 @@ class LLMEngine:
         seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
         seq.captured = []
         seq.max_chunk = chunk
+        seq.eviction = None  # compression follows a prefill, and scoring ends with it
         if seq.num_computed_tokens:
             raise ValueError("score() needs the whole text computed")
         while not seq.is_finished:
@@ -370,7 +379,10 @@ class LLMEngine:
             self.pool.quantize([(residual.block_id, target.block_id) for residual, target in pairs])
         self.kv.release_quantized(pairs)
         for seq, _ in batch.entries:
-            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.eviction is None:
+                self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            else:
+                self._evict(seq)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens)
         outputs = []
         if sampled:
@@ -386,6 +398,54 @@ class LLMEngine:
                 if seq.stream or seq.is_finished:
                     outputs.append(self._output(seq))
         return outputs
+
+    # ------------------------------------------------------------------ KV eviction
+    def eviction_policy(self, params: SamplingParams) -> EvictionPolicy | None:
+        """The engine's --kv-compression with the request's overrides; None when it evicts nothing."""
+        policy = self.config.eviction
+        if params.kv_compression is not None or params.kv_keep_ratio is not None:
+            method = params.kv_compression or policy.method
+            ratio, budget = (params.kv_keep_ratio, None) if params.kv_keep_ratio is not None else (policy.keep_ratio, policy.budget)
+            policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks)
+        if not policy.active:
+            return None
+        if any(w is not None for w in self.kv_spec.layer_windows):
+            raise ValueError(f"kv_compression {policy.method}: {self.config.model} has sliding-window layers, and compression is "
+                             "implemented for full-attention models only")  # fmt: skip
+        if self.kv_spec.format.kind == "kivi":
+            raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
+        return policy
+
+    def _evict(self, seq: Sequence) -> None:
+        """Compress a prompt that has just been computed; a streaming sequence again each time it
+        holds a block more than its budget."""
+        policy, n = seq.eviction, seq.num_computed_tokens
+        if self.pool is None or n < seq.num_tokens:
+            return
+        held = n - self.kv.num_evicted(seq.request_id)
+        kept = policy.tokens_kept(n)
+        scores = None
+        if not seq.eviction_started:
+            seq.eviction_started = True
+            scores, seq.window_scores = seq.window_scores, None
+        elif policy.method != "streaming" or held < kept + self.kv.block_size:
+            return
+        if kept >= held:
+            return
+        spec = self.kv_spec
+        if policy.method == "streaming":
+            keep = sink_and_recent(held, kept, policy.sinks).expand(spec.num_layers, spec.num_kv_heads, kept)
+        else:
+            if policy.method == "random":
+                draws = torch.Generator().manual_seed(seq.seed % 2**63)
+                scores = torch.rand(held, generator=draws).expand(spec.num_layers, spec.num_kv_heads, held)
+            keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
+        for g, group in enumerate(self.kv.groups):
+            slices = [spec.layer_slots[layer][1] for layer in group.layers]
+            self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)])
+        self.kv.evict(seq.request_id, n, kept)
+        self.num_evicted_tokens += held - kept
+        self.num_compactions += 1
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.append_token(token)
@@ -485,6 +545,9 @@ class LLMEngine:
             "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_compression": self.config.kv_compression,
+            "kv_evicted_tokens_total": self.num_evicted_tokens,
+            "kv_compactions_total": self.num_compactions,
             "num_steps": self.num_steps,
             "peak_num_blocks_used": self.peak_num_blocks_used,
             "kv_cache_usage_peak": self.peak_num_blocks_used / self.kv.num_blocks,

@@ -58,6 +58,8 @@ class LLM:
                     raise ValueError("prompt must not be empty")
             else:
                 engine.validate_prompt_tokens(prompt)
+        for sp in set(params):
+            engine.eviction_policy(sp)
         seqs = [seq for p, sp in zip(prompts, params) for seq in engine.add_request_group(p, sp.samples(), cache_salt=cache_salt)]
         results: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)

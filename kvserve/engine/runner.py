@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
+from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
@@ -102,12 +102,17 @@ class ModelRunner:
             positions = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=len(decodes))
             ids_parts.append(np.fromiter((s.token_ids[s.num_computed_tokens] for s in decodes), dtype=np.int64, count=len(decodes)))
             position_parts.append(positions)
-            lengths = positions + 1
+            slots = positions - np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
+            lengths = slots + 1
             tables = self.kv.block_id_rows([s.request_id for s in decodes], -(-int(lengths.max()) // bs))
             rows = np.arange(len(decodes))
             for g, table in enumerate(tables):
-                slot_parts[g].append(table[rows, positions // bs] * bs + positions % bs)
+                slot_parts[g].append(table[rows, slots // bs] * bs + slots % bs)
             for row, seq in enumerate(decodes):
+                if seq.eviction is not None:
+                    span = self._window_span(seq, row, int(positions[row]), int(positions[row]) + 1, [t[row] for t in tables])
+                    if span is not None:
+                        meta.window_scores.append(span)
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
                     for sampler in (seq, *seq.forks):  # forks sample their first token from the parent's logits
                         sample_rows.append(row)
@@ -122,19 +127,40 @@ class ModelRunner:
             positions = np.arange(start, end, dtype=np.int64)
             ids_parts.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
             position_parts.append(positions)
-            tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-end // bs))]
+            slots = positions - self.kv.num_evicted(seq.request_id)
+            tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-int(slots[-1] + 1) // bs))]
             for g, table in enumerate(tables):
-                slot_parts[g].append(table[positions // bs] * bs + positions % bs)
-            meta.prefills.append(PrefillSpan(row, row + n, start, [torch.from_numpy(t).to(self.device) for t in tables]))
+                slot_parts[g].append(table[slots // bs] * bs + slots % bs)
+            meta.prefills.append(PrefillSpan(row, row + n, int(slots[0]), [torch.from_numpy(t).to(self.device) for t in tables]))
+            span = self._window_span(seq, row, start, end, tables)
+            if span is not None:
+                meta.window_scores.append(span)
             if end == seq.num_tokens:
                 for sampler in (seq, *seq.forks):
                     sample_rows.append(row + n - 1)
                     samplers.append(sampler)
             row += n
 
+        for span in meta.window_scores:
+            span.block_tables = [torch.as_tensor(t).to(self.device) for t in span.block_tables]
         meta.positions = torch.from_numpy(np.concatenate(position_parts)).to(self.device)
         meta.slot_mappings = [torch.from_numpy(np.concatenate(parts)).to(self.device) for parts in slot_parts]
         return meta, np.concatenate(ids_parts), np.asarray(sample_rows, dtype=np.int64), samplers
+
+    def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
+        """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
+        prompt that will be compressed."""
+        policy, total = seq.eviction, seq.num_tokens
+        if policy is None or policy.method != "snapkv" or seq.eviction_started or policy.tokens_kept(total) >= total:
+            return None
+        first = max(start, total - policy.window)
+        if first >= end:
+            return None
+        if seq.window_scores is None:
+            spec = self.kv.spec
+            seq.window_scores = torch.zeros(spec.num_layers, spec.num_kv_heads, total, device=self.device)
+        first_slot = first - self.kv.num_evicted(seq.request_id)
+        return WindowScoreSpan(row + first - start, row + end - start, first_slot, tables, seq.window_scores)
 
 
 class SimulatedRunner:

@@ -76,14 +76,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
-            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt)
+            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, shared=seq.eviction is None)
             if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
                 break
             self.kv.take_hit(seq.request_id, hit)
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
-                self.kv.prefix_stats.record(hit, seq.prompt_len)
+                if seq.eviction is None:  # a compressing request is not looked up
+                    self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
@@ -94,8 +95,9 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
         seq.num_computed_tokens = 0
+        seq.eviction_started, seq.window_scores = False, None  # recomputed whole, compressed again
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -113,7 +115,7 @@ class Scheduler:
             fork.fork_parent = None
             self.add(fork)
         seq.forks = []
-        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
         seq.status = SequenceStatus.FINISHED
 
     def add_fork(self, parent: Sequence, fork: Sequence) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.output_text import OutputText
+from kvserve.kv.eviction import EvictionPolicy
 from kvserve.sampling_params import SamplingParams
 
 
@@ -52,6 +53,9 @@ class Sequence:
     seed: int = 0  # of this request's draws (its own, or one the engine derived from its seed)
     penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)
     num_preemptions: int = 0
+    eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
+    eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
+    window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention of the window's queries
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

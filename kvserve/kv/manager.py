@@ -8,6 +8,10 @@ numpy array per group, a row per request, from which the runner slices a step's 
 With a prefix cache, a request's full blocks are published as they are computed (they keep their
 hash in the free queue after the request ends), and an admitted request starts from the longest
 cached prefix: it takes references to those blocks and computes only the rest.
+
+A request that evicts tokens (kv/eviction.py) holds fewer slots than it has positions: its tables
+are indexed by slot // block_size, and `num_evicted` is the difference. Callers speak in positions;
+the manager converts.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class KVCacheManager:
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
         self._salts: dict[str, str | None] = {}
         self.pending_copies: list[tuple[KVBlock, KVBlock, int]] = []  # (source, target, slots) before the next step
+        self._evicted: dict[str, int] = {}  # positions a request no longer holds a slot for
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +121,9 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str, group: int) -> int:
         return sum(b is not None for b in self._tables.get(request_id, [[]] * len(self.groups))[group])
 
+    def num_evicted(self, request_id: str) -> int:
+        return self._evicted.get(request_id, 0)
+
     def block_id_rows(self, request_ids: list[str], width: int) -> list[np.ndarray]:
         """Per group, the block ids of these requests' tables [len(request_ids), width] (0 where none)."""
         rows = np.fromiter((self._rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
@@ -154,10 +162,11 @@ class KVCacheManager:
         return need <= self.pool.num_free_blocks
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None) -> PrefixHit:
-        """The cached prefix a request could start from (all but its last token at most); no side effects."""
+    def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None, shared: bool = True) -> PrefixHit:
+        """The cached prefix a request could start from (all but its last token at most); no side effects.
+        A request that will rewrite its blocks in place (KV eviction) is not `shared`: it takes no hit."""
         empty = PrefixHit(blocks=[[] for _ in self.groups])
-        if self.prefix_cache is None or self._tables.get(request_id):
+        if self.prefix_cache is None or self._tables.get(request_id) or not shared:
             return empty
         self._salts[request_id] = salt
         hashes = self._hashes[request_id] = chain_hashes(self.prefix_cache.root, token_ids, self.block_size, salt, self._hashes.get(request_id))
@@ -280,6 +289,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ changing
     def allocate_slots(self, request_id: str, start: int, end: int) -> bool:
         """Give the request blocks to compute tokens [start, end); False (and nothing taken) if short."""
+        evicted = self.num_evicted(request_id)
+        start, end = start - evicted, end - evicted
         spans = self._new_blocks(request_id, start, end)
         needed = sum(max(0, hi - lo) for lo, hi in spans)
         if needed > self._fresh.num_free_blocks:
@@ -306,6 +317,7 @@ class KVCacheManager:
         tables = self._tables.get(request_id)
         if tables is None:
             return
+        num_computed -= self.num_evicted(request_id)
         row = self._rows[request_id]
         for g, group in enumerate(self.groups):
             if group.window is None:
@@ -320,9 +332,28 @@ class KVCacheManager:
             self._ids[g][row, :first] = 0
             self._release(list(reversed(gone)))
 
-    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
-        """Return the request's blocks. A radix cache keeps its last, partly filled block too."""
+    def evict(self, request_id: str, num_computed: int, kept: int) -> int:
+        """The request now holds only its first `kept` slots (the caller compacted them): the blocks
+        past them return to the pool at once. Returns how many were freed."""
+        tables, row = self._tables[request_id], self._rows[request_id]
+        held = num_computed - self.num_evicted(request_id)
+        if kept >= held:
+            return 0
+        last = blocks_for_tokens(kept, self.block_size)
+        freed = 0
+        for g, table in enumerate(tables):
+            gone = [b for b in table[last:] if b is not None]
+            del table[last:]
+            self._ids[g][row, last:] = 0
+            self._release(list(reversed(gone)))
+            freed += len(gone)
+        self._evicted[request_id] = self.num_evicted(request_id) + held - kept
+        return freed
+
+    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0, publish: bool = True) -> None:
+        """Return the request's blocks. A radix cache keeps its last, partly filled block too (unless not `publish`)."""
         tables = self._tables.pop(request_id, None)
+        num_computed -= self._evicted.pop(request_id, 0)
         hashes = self._hashes.pop(request_id, None)
         salt = self._salts.pop(request_id, None)
         self._published.pop(request_id, None)
@@ -330,7 +361,7 @@ class KVCacheManager:
         if tables is None:
             return
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
-        if partial and num_computed % self.block_size:
+        if partial and publish and num_computed % self.block_size:
             self._publish_partial(tables, token_ids, num_computed, hashes or [], salt)
         row = self._rows.pop(request_id)
         for g, table in enumerate(tables):

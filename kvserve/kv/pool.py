@@ -171,6 +171,32 @@ class PagedKVPool:
                 data(self.spec, records)[target, :slots] = data(self.spec, records)[source, :slots]
                 scales(self.spec, records)[target, :slots] = scales(self.spec, records)[source, :slots]
 
+    def _token_arrays(self, index: int) -> list[torch.Tensor]:
+        """Slice `index`'s K and V per token and head as [blocks, block_size, kv_heads, bytes or elements]
+        views (a scaled format's values and scales apart)."""
+        heads, bs = self.spec.num_kv_heads, self.block_size
+        if self.records is None:
+            return [self.kv[index, w].view(-1, bs, heads, self.spec.head_dim) for w in range(2)]
+        if self.spec.format.kind != "scaled":
+            raise ValueError(f"{self.spec.kv_dtype} blocks cannot be compacted per token")
+        return [rows(self.spec, self.records[index, w]).unflatten(2, (heads, -1)) for w in range(2) for rows in (quant.data_rows, quant.scale_rows)]
+
+    def compact(self, block_ids: list[int], layer_slices: list[int], keep: torch.Tensor) -> None:
+        """Move each kept token to the front of a sequence's blocks, per layer and KV head: slot i of
+        slice layer_slices[j], head h, takes slot keep[j, h, i] (slots counted through block_ids). keep is
+        sorted per row, so a token moves only to an earlier slot of its own sequence."""
+        bs, device = self.block_size, (self.kv if self.kv is not None else self.records).device
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        keep = keep.to(device)
+        heads, kept = keep.shape[1], keep.shape[2]
+        head = torch.arange(heads, device=device)[:, None]
+        target = torch.arange(kept, device=device).expand(heads, kept)
+        target_block, target_within = ids[target // bs], target % bs
+        for j, index in enumerate(layer_slices):
+            source_block, source_within = ids[keep[j] // bs], keep[j] % bs
+            for tokens in self._token_arrays(index):
+                tokens[target_block, target_within, head] = tokens[source_block, source_within, head]
+
     def quantize(self, pairs: list[tuple[int, int]]) -> None:
         """Quantize full residual blocks into quantized ones: (residual block id, quantized block id) pairs."""
         if not pairs:

@@ -45,6 +45,8 @@ class ServerMetrics:
         self.prefix_cache_requests = counter("prefix_cache_requests", "Requests looked up in the prefix cache")
         self.prefix_cache_requests_hit = counter("prefix_cache_requests_hit", "Requests that reused at least one cached token")
         self.prefix_cache_evictions = counter("prefix_cache_evictions", "Cached blocks evicted to make room")
+        self.kv_evicted_tokens = counter("kv_evicted_tokens", "Cached tokens dropped by --kv-compression (their slots freed)")
+        self.kv_compactions = counter("kv_compactions", "Sequences' caches compacted by --kv-compression")
         self._misses = Counter("kvserve:prefix_cache_misses", "Lookups that reused nothing, by reason",
                                ["model_name", "reason"], registry=r)  # fmt: skip
         self._model_name = model_name
@@ -77,6 +79,8 @@ class ServerMetrics:
             ("prefix_cache_requests_total", self.prefix_cache_requests),
             ("prefix_cache_requests_hit_total", self.prefix_cache_requests_hit),
             ("prefix_cache_evictions_total", self.prefix_cache_evictions),
+            ("kv_evicted_tokens_total", self.kv_evicted_tokens),
+            ("kv_compactions_total", self.kv_compactions),
         ):
             self._advance(key, stats[key], counter)
         for reason, total in stats["prefix_cache_misses_total"].items():

@@ -58,6 +58,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None
+    kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
+    kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields this server does not implement: refused when they would change the result
@@ -117,6 +119,8 @@ class _SamplingFields(BaseModel):
             repetition_penalty=_float("repetition_penalty", self.repetition_penalty),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            kv_compression=self.kv_compression,
+            kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
         )
 
 

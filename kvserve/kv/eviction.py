@@ -1,0 +1,80 @@
+"""KV eviction policies: which of a sequence's cached tokens it keeps, and how many.
+
+snapkv scores each prompt position by the attention the last `window` prompt queries pay it and
+keeps, once at the end of prefill, the window itself and the best others within the budget, per
+layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
+ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
+every layer and head (a baseline, not for production). The budget counts every kept token, the
+window's and the sinks' included; the window takes at most half of it, so a budget near the
+window's size still keeps the positions attention needs most (the first token, a sink, above all).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KV_COMPRESSIONS = ("none", "snapkv", "streaming", "random")
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    method: str = "none"
+    keep_ratio: float | None = None  # of the sequence's tokens
+    budget: int | None = None  # tokens; exclusive with keep_ratio
+    window: int = 32  # snapkv: the last prompt queries that score, all kept
+    kernel: int = 7  # snapkv: width of the max-pool that smooths the scores (odd)
+    sinks: int = 4  # streaming: first tokens always kept
+
+    def __post_init__(self) -> None:
+        if self.method not in KV_COMPRESSIONS:
+            raise ValueError(f"kv_compression must be one of {', '.join(KV_COMPRESSIONS)}; got {self.method!r}")
+        if self.keep_ratio is not None and self.budget is not None:
+            raise ValueError("give kv_keep_ratio or kv_budget, not both")
+        if self.keep_ratio is not None and (isinstance(self.keep_ratio, bool) or not isinstance(self.keep_ratio, (int, float))
+                                            or not 0 < self.keep_ratio <= 1):  # fmt: skip
+            raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.keep_ratio!r}")
+        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1):
+            raise ValueError(f"kv_budget must be a positive number of tokens, got {self.budget!r}")
+        for name, low in (("window", 1), ("kernel", 1), ("sinks", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                flag = {"window": "snapkv_window", "kernel": "snapkv_kernel", "sinks": "sink_tokens"}[name]
+                raise ValueError(f"{flag} must be an integer of at least {low}, got {value!r}")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"snapkv_kernel must be odd (the pooled scores keep their positions), got {self.kernel}")
+        if self.method != "none" and self.keep_ratio is None and self.budget is None:
+            raise ValueError(f"kv_compression {self.method} needs a budget: kv_keep_ratio or kv_budget")
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none"
+
+    def tokens_kept(self, num_tokens: int) -> int:
+        """How many of a num_tokens sequence's tokens the budget keeps."""
+        if self.budget is not None:
+            return min(num_tokens, self.budget)
+        return min(num_tokens, max(1, math.ceil(self.keep_ratio * num_tokens)))
+
+
+def top_positions(scores: torch.Tensor, kept: int, window: int, kernel: int) -> torch.Tensor:
+    """SnapKV's selection from scores [..., n]: the last `window` positions (at most kept // 2) and
+    the best others after a max-pool of `kernel`; sorted indices [..., kept]."""
+    n = scores.shape[-1]
+    window = min(window, kept // 2)
+    tail = torch.arange(n - window, n, device=scores.device).expand(*scores.shape[:-1], window)
+    if kept == window:
+        return tail
+    lead = scores[..., : n - window].float()
+    pooled = F.max_pool1d(lead.reshape(-1, 1, n - window), kernel, stride=1, padding=kernel // 2).view(lead.shape)
+    best = pooled.topk(kept - window, dim=-1).indices
+    return torch.cat([best.sort(dim=-1).values, tail], dim=-1)
+
+
+def sink_and_recent(n: int, kept: int, sinks: int) -> torch.Tensor:
+    """StreamingLLM's selection: the first `sinks` slots of n and the most recent (indices [kept])."""
+    sinks = min(sinks, kept)
+    return torch.cat([torch.arange(sinks), torch.arange(n - (kept - sinks), n)])

@@ -1,0 +1,282 @@
+"""KV eviction (--kv-compression): SnapKV, sinks + window, random.
+
+Keep ratio 1 changes nothing; sinks + window decodes exactly as transformers does with the evicted
+positions masked out; SnapKV's window scores equal transformers' attention weights however the
+prompt is chunked, pick known positions on a hand-built pattern, differ per head, and compaction
+moves the kept K/V bit for bit; freed blocks go back to the pool; batching, chunked prefill,
+preemption and n > 1 work with compression on.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tiny_models import hf_model
+from kvserve import LLM, SamplingParams
+from kvserve.attention.backend import create_backend
+from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
+from kvserve.config import EngineConfig
+from kvserve.engine import engine as engine_module
+from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.spec import KVCacheSpec
+from kvserve.server.protocol import CompletionRequest
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+BACKENDS = ["cpu_paged", "torch_sdpa"]
+
+
+def _llm(path, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("num_kv_blocks", 200)
+    return LLM(str(path), **kwargs)
+
+
+def _check_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+# ---------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_compression="snapkv"), "needs a budget"),
+        (dict(kv_compression="bogus", kv_budget=8), "kv_compression must be one of"),
+        (dict(kv_compression="snapkv", kv_keep_ratio=0.5, kv_budget=8), "not both"),
+        (dict(kv_compression="snapkv", kv_keep_ratio=0.0), "kv_keep_ratio"),
+        (dict(kv_compression="snapkv", kv_budget=0), "kv_budget"),
+        (dict(kv_compression="snapkv", kv_budget=8, snapkv_kernel=6), "odd"),
+        (dict(kv_compression="snapkv", kv_budget=8, snapkv_window=0), "snapkv_window"),
+        (dict(kv_compression="streaming", kv_budget=8, sink_tokens=-1), "sink_tokens"),
+        (dict(kv_compression="snapkv", kv_budget=8, kv_cache_dtype="int4"), "KIVI"),
+    ],
+)
+def test_engine_config_validates_compression(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_request_override_is_validated_and_refused_with_a_400_field():
+    with pytest.raises(ValueError, match="kv_compression"):
+        SamplingParams(kv_compression="snap")
+    with pytest.raises(ValueError, match="kv_keep_ratio"):
+        SamplingParams(kv_keep_ratio=1.5)
+    body = CompletionRequest(prompt="hi", kv_compression="streaming", kv_keep_ratio=0.5)
+    assert body.sampling_params(4, None).kv_compression == "streaming"
+    with pytest.raises(ValueError, match="kv_compression"):
+        CompletionRequest(prompt="hi", kv_compression="nope").sampling_params(4, None)
+
+
+def test_budget_counts_every_kept_token():
+    assert EvictionPolicy("snapkv", keep_ratio=0.25).tokens_kept(1000) == 250
+    assert EvictionPolicy("snapkv", budget=300).tokens_kept(1000) == 300
+    assert EvictionPolicy("snapkv", budget=300).tokens_kept(100) == 100
+    assert sink_and_recent(10, 6, 2).tolist() == [0, 1, 6, 7, 8, 9]
+    scores = torch.arange(20.0).view(1, 1, 20) * 1e-3
+    scores[0, 0, 3], scores[0, 0, 7] = 1.0, 0.5
+    assert top_positions(scores, 6, 3, 1)[0, 0].tolist() == [3, 7, 16, 17, 18, 19]
+    assert top_positions(scores, 4, 4, 1)[0, 0].tolist() == [3, 7, 18, 19]  # the window takes at most half the budget
+    assert set(top_positions(scores, 4, 4, 3)[0, 0, :2].tolist()) <= {2, 3, 4}  # max-pooled: 3's neighbours score as 3 does
+
+
+def test_sliding_window_models_are_refused(tiny_dir):
+    path = tiny_dir("gemma3")
+    with pytest.raises(ValueError, match="sliding-window"):
+        _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5)
+    llm = _llm(path)
+    with pytest.raises(ValueError, match="sliding-window"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, kv_compression="streaming", kv_keep_ratio=0.5), use_tqdm=False)
+    assert llm.stats()["num_waiting"] == 0
+
+
+# ---------------------------------------------------------------------- nothing changes at ratio 1
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keep_ratio_one_is_identical_to_no_compression(tiny_dir, backend):
+    path = tiny_dir("llama")
+    prompts = random_prompts(4, 40, 90, seed=3)
+    expected = [o.token_ids for o in _llm(path, attention_backend=backend).generate(prompts, GREEDY, use_tqdm=False)]
+    for method in ("snapkv", "streaming", "random"):
+        llm = _llm(path, attention_backend=backend, kv_compression=method, kv_keep_ratio=1.0, max_num_batched_tokens=37)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, method
+        assert llm.stats()["kv_evicted_tokens_total"] == 0
+        _check_free(llm)
+
+
+# ---------------------------------------------------------------------- sinks + window, against transformers
+def _masked_reference(hf, prompt: list[int], steps: int, budget: int, sinks: int, block_size: int) -> list[int]:
+    """Greedy decoding in transformers with the positions sinks + window evicted masked out."""
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        tokens, n = [token], len(prompt)
+        held = list(range(sinks)) + list(range(n - (budget - sinks), n))
+        for _ in range(steps - 1):
+            mask = torch.zeros(1, n + 1, dtype=torch.long)
+            mask[0, held + [n]] = 1
+            out = hf(torch.tensor([[token]]), past_key_values=past, attention_mask=mask, position_ids=torch.tensor([[n]]), use_cache=True)
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            held, n = held + [n], n + 1
+            if len(held) >= budget + block_size:
+                held = held[:sinks] + held[len(held) - (budget - sinks) :]
+    return tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streaming_decodes_as_transformers_with_evicted_positions_masked(tiny_dir, backend):
+    path = tiny_dir("llama")
+    hf = hf_model(path)
+    prompts = random_prompts(3, 90, 110, seed=11)
+    steps, budget, sinks = 40, 40, 4
+    expected = [_masked_reference(hf, p, steps, budget, sinks, 16) for p in prompts]
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    # together and chunked: streaming keeps the same positions however the batch is cut
+    llm = _llm(path, attention_backend=backend, kv_compression="streaming", kv_budget=budget, sink_tokens=sinks, max_num_batched_tokens=50)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.stats()["kv_compactions_total"] == 3 * 3  # after each prompt, then every 16 decoded tokens
+    _check_free(llm)
+
+
+# ---------------------------------------------------------------------- SnapKV scores
+def _hf_window_scores(path, prompt: list[int], window: int, kv_heads: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = hf(torch.tensor([prompt]), output_attentions=True).attentions
+    return torch.stack([a[0, :, -window:].sum(1).view(kv_heads, -1, len(prompt)).sum(1) for a in attentions])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("length", [60, 59])  # the window spans two chunks; the last chunk is one token (a decode row)
+def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkeypatch, backend, length):
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, length, length, seed=length)[0]
+    seen, kept = [], []
+    real = engine_module.top_positions
+    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+    llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29)
+    compact = llm.engine.pool.compact
+    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    expected = _hf_window_scores(path, prompt, 8, 2)
+    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
+    (keep,) = kept
+    assert keep.shape == (3, 2, 20) and (keep[..., -8:] == torch.arange(length - 8, length)).all()
+    # per-head selection: the two KV heads of some layer keep different positions
+    assert any(not torch.equal(keep[layer, 0], keep[layer, 1]) for layer in range(3))
+    _check_free(llm)
+
+
+def _hand_built(kv_dtype: str):
+    """A 48-token prompt whose window queries (the last 4) attend, for KV head 0, to positions 5,
+    17 and 30 and, for KV head 1, to 2, 11 and 40; the blocks are scattered through the pool."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, kv_dtype=kv_dtype, block_size=4)
+    pool = PagedKVPool(spec, 32, torch.device("cpu"))
+    n, window, heads = 48, 4, 4
+    table = torch.tensor([9, 3, 17, 30, 1, 22, 5, 14, 28, 11, 2, 19])
+    positions = torch.arange(n)
+    slots = table[positions // 4] * 4 + positions % 4
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(n, 2, 8, generator=g) * 0.1
+    v = torch.randn(n, 2, 8, generator=g)
+    q = torch.randn(n, heads, 8, generator=g) * 0.1
+    targets = {0: [5, 17, 30], 1: [2, 11, 40]}
+    for head, places in targets.items():
+        k[places, head] = 0
+        k[places, head, head] = 4.0
+        q[n - window :, 2 * head : 2 * head + 2] = 0
+        q[n - window :, 2 * head : 2 * head + 2, head] = 4.0
+    out = torch.zeros(1, 2, n)
+    meta = AttentionMetadata(positions=positions, slot_mappings=[slots], prefills=[PrefillSpan(0, n, 0, [table])],
+                             window_scores=[WindowScoreSpan(n - window, n, n - window, [table], out)])  # fmt: skip
+    return pool, table, q, k, v, meta, out, targets
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_snapkv_keeps_known_positions_and_compaction_moves_them_bit_for_bit(kv_dtype):
+    pool, table, q, k, v, meta, out, targets = _hand_built(kv_dtype)
+    backend = create_backend("torch_sdpa", pool)
+    dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+    backend.forward(0, q.to(dtype), k.to(dtype), v.to(dtype), meta, 8**-0.5, None)
+    keep = top_positions(out, 6, 3, 1)
+    for head, places in targets.items():
+        assert keep[0, head].tolist() == places + [45, 46, 47]
+    layer = pool.layers[0]
+    before = layer.gather(table)
+    pool.compact(table.tolist(), [0], keep)
+    after = layer.gather(table)
+    for which in range(2):
+        for head in range(2):
+            assert torch.equal(after[which][:6, head], before[which][keep[0, head], head])  # keys carry their RoPE'd positions
+
+
+# ---------------------------------------------------------------------- blocks freed
+def test_compressing_a_1000_token_prompt_frees_its_blocks(tiny_dir):
+    path = tiny_dir("llama-long")
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.25, num_kv_blocks=100, block_size=16)
+    engine = llm.engine
+    seq = engine.add_request(random_prompts(1, 1000, 1000, seed=2)[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while not seq.eviction_started:
+        engine.step()
+    held = engine.kv.num_held_blocks(seq.request_id, 0)
+    assert held <= math.ceil(0.25 * 1000 / 16) + 2
+    assert llm.stats()["num_free_blocks"] == 100 - held
+    assert llm.stats()["kv_evicted_tokens_total"] == 750
+    while engine.has_unfinished_requests():
+        engine.step()
+    _check_free(llm)
+
+
+# ---------------------------------------------------------------------- batching, chunking, preemption, n > 1, prefix cache
+@pytest.mark.parametrize("method", ["snapkv", "random"])
+def test_batched_and_chunked_prefill_compress_as_alone(tiny_dir, method):
+    path = tiny_dir("qwen2")
+    prompts = random_prompts(5, 60, 120, seed=4)
+    flags = dict(kv_compression=method, kv_keep_ratio=0.4, snapkv_window=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, seed=7)  # random draws its positions with the seed
+    alone = [_llm(path, **flags).generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    chunked = _llm(path, max_num_batched_tokens=45, **flags)
+    assert [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)] == alone
+    _check_free(chunked)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streaming"])
+def test_preemption_with_compression_finishes_every_request(tiny_dir, method):
+    path = tiny_dir("llama")
+    prompts = random_prompts(6, 100, 110, seed=8)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    # 40 blocks of 16: the six sequences keep 80% of 160-170 tokens, 54 blocks or more
+    llm = _llm(path, num_kv_blocks=40, kv_compression=method, kv_keep_ratio=0.8, snapkv_window=8, max_num_batched_tokens=256)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [60] * 6
+    assert llm.stats()["num_preemptions"] > 0
+    _check_free(llm)
+
+
+def test_compressed_requests_share_no_block_with_the_prefix_cache_and_n_samples_work(tiny_dir):
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 80, 80, seed=9)[0]
+    llm = _llm(path)
+    squeezed = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.5)
+    first = llm.generate([prompt], squeezed, use_tqdm=False)[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0  # the compressed request published nothing
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
+    assert llm.generate([prompt], squeezed, use_tqdm=False)[0].num_cached_tokens == 0  # and reads no hit
+    assert llm.stats()["prefix_cache_requests_total"] == 2  # nor is counted as a lookup
+    samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True, kv_compression="snapkv",
+                                                    kv_keep_ratio=0.5), use_tqdm=False)  # fmt: skip
+    assert [o.token_ids for o in samples] == [first.token_ids] * 3
+    _check_free(llm)
+
+
+def test_int8_cache_compresses(tiny_dir):
+    path = tiny_dir("llama")
+    llm = _llm(path, kv_cache_dtype="int8", kv_compression="snapkv", kv_keep_ratio=0.3, snapkv_window=8)
+    outs = llm.generate(random_prompts(3, 60, 90, seed=6), GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == 12 for o in outs) and llm.stats()["kv_evicted_tokens_total"] > 0
+    _check_free(llm)
