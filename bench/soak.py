@@ -84,7 +84,7 @@ class Record:
 
 # ---------------------------------------------------------------------------- the server
 def tiny_model() -> Path:
-    # run as a script, bench/ leads sys.path, and bench/kernels.py would shadow the `kernels` package transformers imports
+    # run as a script, bench/ leads sys.path: keep its modules from shadowing packages transformers imports (such as `kernels`)
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import tiny_model_dir

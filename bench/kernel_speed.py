@@ -1,6 +1,6 @@
 """Each native CPU kernel against the torch ops it replaces, same process, Gemma 3 270M shapes.
 
-    .venv/bin/python bench/kernels.py [--dtype bfloat16|float32]
+    .venv/bin/python bench/kernel_speed.py [--dtype bfloat16|float32]
 
 Prints milliseconds per call and the speed-up. Decode attention: 64 sequences whose contexts
 (64..640 tokens) sit in scattered blocks of a pool larger than the caches, one KV head, group 4,
