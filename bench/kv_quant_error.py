@@ -69,6 +69,7 @@ def main() -> None:
     header = f"{'layer':>5} {'K outlier':>9} {'V outlier':>9}  " + "  ".join(f"{f + ' K':>11} {f + ' V':>11}" for f in FORMATS)
     print(header)
     totals = defaultdict(float)
+    worst: dict[tuple[str, str], tuple[float, int]] = {}
     for i in sorted(layers):
         k, v = layers[i]
         cells = []
@@ -76,10 +77,16 @@ def main() -> None:
             ek, ev = relative_error(specs[f], k, "key"), relative_error(specs[f], v, "value")
             totals[f, "key"] += ek / len(layers)
             totals[f, "value"] += ev / len(layers)
+            for which, e in (("key", ek), ("value", ev)):
+                worst[f, which] = max(worst.get((f, which), (0.0, -1)), (e, i))
             cells.append(f"{ek:11.4f} {ev:11.4f}")
         outlier = lambda x: (x.abs().max() / x.pow(2).mean().sqrt()).item()  # noqa: E731
         print(f"{i:5d} {outlier(k):9.1f} {outlier(v):9.1f}  " + "  ".join(cells))
     print(f"{'mean':>5} {'':9} {'':9}  " + "  ".join(f"{totals[f, 'key']:11.4f} {totals[f, 'value']:11.4f}" for f in FORMATS))
+    print("\n| format | K, mean of layers | V, mean | worst K (layer) | worst V (layer) |\n|---|---:|---:|---:|---:|")
+    for f in FORMATS:
+        (wk, lk), (wv, lv) = worst[f, "key"], worst[f, "value"]
+        print(f"| {f} | {100 * totals[f, 'key']:.2f}% | {100 * totals[f, 'value']:.2f}% | {100 * wk:.2f}% ({lk}) | {100 * wv:.2f}% ({lv}) |")
 
 
 if __name__ == "__main__":

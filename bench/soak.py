@@ -139,14 +139,24 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _outcomes(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith(("kvserve:request_success_total", "kvserve:request_aborted_total",
+                                                         "kvserve:request_rejected_total")))  # fmt: skip
+
+
 def wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
+    """Metrics once nothing runs or waits and no request's outcome has changed for a second: a
+    request a client left may still be on its way in (body, tokenizer) when the engine is idle."""
     deadline = time.monotonic() + timeout
+    previous = None
     while True:
         m = metrics(url)
         busy = m["kvserve:num_requests_running"] or m["kvserve:num_requests_waiting"]
-        if not busy or time.monotonic() > deadline:
+        settled = not busy and previous is not None and _outcomes(m) == _outcomes(previous)
+        if settled or time.monotonic() > deadline:
             return m
-        time.sleep(0.2)
+        previous = None if busy else m
+        time.sleep(1.0 if not busy else 0.2)
 
 
 def poll_health(url: str, stop, result) -> None:
