@@ -36,6 +36,10 @@ def fastest_dtype(device: str) -> str:
     return min(timings, key=timings.get)
 
 
+MAX_KV_QUANT_GROUP_SIZE = 256
+MAX_KV_QUANT_RESIDUAL = 65536
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -85,6 +89,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "kv_quant_group_size" else 0):
                 raise ValueError(f"{name} must be a {'positive' if name == 'kv_quant_group_size' else 'non-negative'} integer, got {value!r}")
+        if self.kv_quant_group_size > MAX_KV_QUANT_GROUP_SIZE:
+            raise ValueError(f"kv_quant_group_size must be at most {MAX_KV_QUANT_GROUP_SIZE} (one scale per that many tokens "
+                             f"of a key channel and channels of a value), got {self.kv_quant_group_size}")  # fmt: skip
+        if self.kv_quant_residual > MAX_KV_QUANT_RESIDUAL:
+            raise ValueError(f"kv_quant_residual must be at most {MAX_KV_QUANT_RESIDUAL} tokens, got {self.kv_quant_residual}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", block_size_for(self.kv_cache_dtype, None, self.kv_quant_group_size))
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):

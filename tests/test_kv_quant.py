@@ -210,6 +210,10 @@ def test_a_format_the_backend_cannot_serve_is_refused_before_loading(tiny_dir):
         LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", attention_backend="cpu_paged", device="meta")
     with pytest.raises(ValueError, match="multiple of"):
         LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", block_size=16)
+    with pytest.raises(ValueError, match="kv_quant_group_size must be at most"):
+        LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", kv_quant_group_size=1000)
+    with pytest.raises(ValueError, match="kv_quant_residual must be at most"):
+        LLM(str(tiny_dir("qwen3")), kv_cache_dtype="int4", kv_quant_residual=10**9)
 
 
 def test_calibrated_fp8_scales_are_used_and_bad_files_refused(tiny_dir, tmp_path):
