@@ -130,28 +130,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def stream_overhead(url: str, pid: int, tokens: int, clients: int = 64) -> dict[bool, tuple[float, float]]:
-    """(wall, server CPU) seconds per step of `clients` concurrent requests of `tokens` output tokens
-    each, streamed and not. The clients run on the same cores, so wall time includes their parsing."""
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a server's threads by role: the event loop (HTTP, SSE), the engine thread
+    (scheduling, the model's Python side, detokenization) and the kernels' worker threads."""
+    roles = {"event loop": 0.0, "engine": 0.0, "kernel workers": 0.0}
+    threads = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            head, fields = (task / "stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue  # a thread that ended
+        fields = fields.split()
+        threads.append((int(task.name), head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")))
+    # the kernels' threads start from the engine thread and inherit its name: the engine thread is the first
+    engine = min((tid for tid, name, _ in threads if name.startswith("kvserve-engine")), default=None)
+    for tid, _, seconds in threads:
+        roles["event loop" if tid == pid else "engine" if tid == engine else "kernel workers"] += seconds
+    return roles
+
+
+async def stream_overhead(url: str, pid: int, tokens: int, clients: int = 64) -> dict[bool, dict[str, float]]:
+    """Seconds per step of `clients` concurrent requests of `tokens` output tokens each, streamed
+    and not: wall time, and the server's CPU time by thread role. The clients run on the same
+    cores, so wall time includes their parsing."""
     per_step = {}
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=512)) as http:
         for stream in (True, False):
-            start, cpu = time.perf_counter(), cpu_seconds(pid)
+            start, cpu, threads = time.perf_counter(), cpu_seconds(pid), thread_cpu_seconds(pid)
             results = await asyncio.gather(*(
                 one_request(http, url, [2, 100 + i, 200 + i, 300 + i], tokens, {"temperature": 0}, stream, light=True)
                 for i in range(clients)
             ))  # fmt: skip
             elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+            threads = {role: seconds - threads[role] for role, seconds in thread_cpu_seconds(pid).items()}
             assert all(r["status"] == 200 for r in results), results[:2]
-            per_step[stream] = (elapsed / tokens, cpu / tokens)
+            per_step[stream] = {"wall": elapsed / tokens, "server CPU": cpu / tokens, **{role: s / tokens for role, s in threads.items()}}
             print(f"{'streamed' if stream else 'not streamed'}: {clients} x {tokens} tokens in {elapsed:.1f} s, "
-                  f"{per_step[stream][0] * 1000:.2f} ms per step, server CPU {per_step[stream][1] * 1000:.2f} ms per step", flush=True)
+                  + ", ".join(f"{key} {value * 1000:.2f}" for key, value in per_step[stream].items()) + " ms per step", flush=True)
     return per_step
 
 
-def _launch(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def _launch(model: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", "0", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     for line in proc.stdout:
         if line.startswith("kvserve: serving"):
             url = line.split(" on ")[1].split()[0]
@@ -183,16 +204,21 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model = tiny_gemma_tokenizer_model(Path(tmp))
             flags = ["--max-model-len", str(args.stream_overhead + 64), "--max-num-seqs", "64", *server_flags]
-            proc, url = _launch(str(model), flags)
+            # idle kernel threads sleep instead of spinning, so CPU time counts work, not waiting for the client's share of the cores
+            proc, url = _launch(str(model), flags, {"OMP_WAIT_POLICY": "PASSIVE"})
             try:
                 per_step = asyncio.run(stream_overhead(url, proc.pid, args.stream_overhead))
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-        (wall_s, cpu_s), (wall_n, cpu_n) = per_step[True], per_step[False]
-        print(f"\n| 64 requests x {args.stream_overhead} tokens | wall ms per step | server CPU ms per step |\n|---|---:|---:|")
-        print(f"| not streamed | {wall_n * 1000:.2f} | {cpu_n * 1000:.2f} |\n| streamed | {wall_s * 1000:.2f} | {cpu_s * 1000:.2f} |\n"
-              f"| streaming adds | {(wall_s - wall_n) * 1000:.2f} | {(cpu_s - cpu_n) * 1000:.2f} |")
+        keys = list(per_step[True])
+        print(f"\n| 64 requests x {args.stream_overhead} tokens | " + " | ".join(f"{key} ms/step" for key in keys) + " |")
+        print("|---|" + "---:|" * len(keys))
+        for label, row in (("not streamed", per_step[False]), ("streamed", per_step[True])):
+            print(f"| {label} | " + " | ".join(f"{row[key] * 1000:.2f}" for key in keys) + " |")
+        print("| streaming adds | " + " | ".join(f"{(per_step[True][key] - per_step[False][key]) * 1000:.2f}" for key in keys) + " |")
+        host = sum(per_step[True][key] - per_step[False][key] for key in ("event loop", "engine"))
+        print(f"host time streaming adds per step (event loop + engine thread): {host * 1000:.2f} ms")
         return
 
     from kvserve.model.registry import resolve_model_path

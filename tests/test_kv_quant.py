@@ -75,6 +75,37 @@ def test_record_bytes_equal_the_formula(kv_dtype):
     assert packed.shape[1] == spec.record_bytes
 
 
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_native_store_writes_the_torch_codecs_bytes(kv_dtype, dtype):
+    """The decode step's native store equals quant.encode byte for byte: outliers, tokens small
+    enough for fp8's subnormals and the 2^-24 scale floor, an all-zero head, calibrated scales."""
+    spec = KVCacheSpec(1, 2, 64, kv_dtype, 16)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 2, 64, generator=g) * torch.logspace(-9, 3, 40)[:, None, None]
+    x[3, :, 5] *= 300.0
+    x[7, 1] = 0.0
+    x[11, 0, ::3] = 1e-7
+    x = x.to(dtype)
+    slots = torch.randperm(6 * 16, generator=g)[:40]
+    calibrated = [None] if kv_dtype == "int8" else [None, torch.tensor([0.02, 3.0])]
+    for scales in calibrated:
+        records = torch.full((6, spec.record_bytes), 0xAB, dtype=torch.uint8)
+        kernels.kv_store(spec, records, slots, x, scales)
+        data, meta = quant.encode_tokens(spec, x.float(), scales)
+        blocks, within = slots // 16, slots % 16
+        assert torch.equal(quant.data_rows(spec, records)[blocks, within], data)
+        assert torch.equal(quant.scale_rows(spec, records)[blocks, within], meta)
+    # a view with a row stride (K split from a fused QKV projection) is read in place
+    fused = torch.randn(5, 3 * 128, generator=g).to(dtype)
+    records = torch.zeros(6, spec.record_bytes, dtype=torch.uint8)
+    kernels.kv_store(spec, records, torch.arange(5), fused[:, 128:256].view(5, 2, 64))
+    assert torch.equal(quant.data_rows(spec, records)[0, :5], quant.encode_tokens(spec, fused[:, 128:256].float().view(5, 2, 64))[0])
+    with pytest.raises(ValueError, match="kv_store"):
+        kernels.kv_store(spec, records, torch.tensor([6 * 16]), x[:1])
+
+
 def fill(pool: PagedKVPool, k: torch.Tensor, v: torch.Tensor, residual_blocks: int) -> torch.Tensor:
     """Store k, v [n_blocks * bs, heads, dim] as a sequence's blocks; KIVI: all but the last
     `residual_blocks` quantized, those left in full precision. Returns the block table."""
@@ -119,6 +150,31 @@ def test_kernels_read_every_format_like_the_torch_path(kv_dtype, dim):
         out = kernels.paged_prefill_attention(chunk, pool.layers[0].view, table, length - 30, dim**-0.5, window)
         ref = reference_attention(chunk, keys, values, blocks, bs, torch.arange(length - 30, length), window)
         assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_bf16_queries_read_scaled_formats_like_the_torch_path(kv_dtype, group):
+    """The engine's case: bf16 queries over int8 / fp8 records (on AVX512-BF16 CPUs the bf16
+    dot-product kernel, codes widened to bf16), against SDPA over the torch codec's K/V."""
+    spec = KVCacheSpec(1, 2, 64, kv_dtype, 16)
+    pool = PagedKVPool(spec, 40, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    length = 37 * 16 - 3
+    k, v = torch.randn(37 * 16, 2, 64, generator=g), torch.randn(37 * 16, 2, 64, generator=g) * 3
+    k[:, :, 7] *= 20  # an outlier channel, and tokens small enough for fp8's subnormals
+    k[100:110] *= 1e-3
+    table = torch.randperm(40, generator=g)[:37]
+    slots = (table[:, None] * 16 + torch.arange(16)).reshape(-1)
+    pool.layers[0].store(slots, k, v)
+    keys, values = pool.layers[0].gather(table[None])
+    q = (torch.randn(2, 2 * group, 64, generator=g) * 0.3).bfloat16()
+    for window in (None, 100):
+        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(2, 1), torch.tensor([length, 40]), 0.125, window)
+        for row, n in enumerate((length, 40)):
+            ref = reference_attention(q[row : row + 1].float(), keys[0], values[0], list(range(37)), 16, torch.tensor([n - 1]), window)
+            assert (out[row].float() - ref[0]).abs().max() < 0.03, (kv_dtype, window, row)
 
 
 def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir):

@@ -206,4 +206,25 @@ struct SamplerArgs {
   float* top_logprobs;            // [rows][20]
 };
 
+// kv_store.cpp: tokens' K or V [num_tokens][num_kv_heads][head_dim] (x_dtype 0 fp32, 1 bf16, 2
+// fp16; rows x_token_stride elements apart) written into a scaled format's records (format 3 int8,
+// 4 fp8_e4m3, 5 fp8_e5m2) at their slots, values then fp16 scales, as KVView describes them.
+struct KVStoreArgs {
+  const void* x;
+  const int64_t* slots;
+  uint8_t* records;           // [num_blocks][record_bytes]
+  const float* head_scales;   // fp8: calibrated scales [num_kv_heads], or null for each token's own
+  int64_t num_tokens;
+  int64_t x_token_stride;
+  int64_t num_blocks;
+  int64_t record_bytes;
+  int64_t token_bytes;        // values of one token, every head
+  int32_t x_dtype;
+  int32_t format;
+  int32_t block_size;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t pad_;
+};
+
 }  // namespace kvserve

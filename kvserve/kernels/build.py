@@ -24,7 +24,7 @@ from kvserve.kernels.args import layout_mismatches
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp", "abi.cpp"]
+SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp", "kv_store.cpp", "abi.cpp"]
 HEADERS = ["simd.h", "args.h", "kv_formats.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
@@ -84,7 +84,7 @@ def load_kernels() -> ctypes.CDLL | None:
         **{name: [ptr] for name in (
             "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_skinny_matmul", "kvserve_packed_matmul",
             "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
-            "kvserve_sample",
+            "kvserve_sample", "kvserve_kv_store",
         )},  # fmt: skip
         "kvserve_struct_layout": [ctypes.c_char_p, ptr, c_int],
         "kvserve_has_bf16_dot": [],

@@ -17,6 +17,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "args.h"
 #include "simd.h"
 
@@ -25,6 +29,7 @@ namespace kvserve {
 enum KVFormat : int { kInt8 = 3, kFp8E4m3 = 4, kFp8E5m2 = 5, kInt4 = 6, kInt2 = 7 };
 
 inline bool is_float_format(int dtype) { return dtype >= kFloat32 && dtype <= kFloat16; }
+inline bool is_scaled_format(int dtype) { return dtype >= kInt8 && dtype <= kFp8E5m2; }
 inline int format_bits(int dtype) {
   switch (dtype) {
     case kFloat32: return 32;
@@ -56,6 +61,104 @@ inline float fp8_e4m3_to_float(uint8_t b) {
 }
 
 inline float fp8_e5m2_to_float(uint8_t b) { return fp16_to_float(static_cast<uint16_t>(b) << 8); }
+
+// 16 consecutive codes of a scaled format (int8, fp8_e4m3, fp8_e5m2) as float, before the scale.
+// Explicit widening instructions where the CPU has them: GCC's generic vector conversions from
+// bytes and _Float16 compile to scalar code here.
+template <int DT>
+inline f32x16 load16_codes(const uint8_t* p) {
+  static_assert(DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2, "a scaled KV format");
+  f32x16 v;
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m512 out;
+  if constexpr (DT == kInt8) {
+    out = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else if constexpr (DT == kFp8E5m2) {
+    out = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));  // e5m2 is the top byte of an fp16
+  } else {
+    // e4m3: the exponent and mantissa bits moved into a float's and rebiased (7 -> 127); exponent 0
+    // (subnormal) is mantissa * 2^-9, from an exact integer conversion
+    const __m512i w = _mm512_cvtepu8_epi32(bytes);
+    const __m512i magnitude = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(magnitude, _mm512_set1_epi32(7))), _mm512_set1_ps(1.0f / 512.0f));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
+    const __m512i bits = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
+    out = _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24)));
+  }
+  std::memcpy(&v, &out, sizeof(v));
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (int half = 0; half < 2; ++half) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    __m256 out;
+    if constexpr (DT == kInt8) {
+      out = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    } else if constexpr (DT == kFp8E5m2) {
+      out = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+    } else {
+      const __m256i w = _mm256_cvtepu8_epi32(bytes);
+      const __m256i magnitude = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+      const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23));
+      const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(magnitude, _mm256_set1_epi32(7))), _mm256_set1_ps(1.0f / 512.0f));
+      const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude);
+      const __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
+      out = _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24)));
+    }
+    std::memcpy(reinterpret_cast<float*>(&v) + 8 * half, &out, sizeof(out));
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    v[i] = DT == kInt8 ? static_cast<float>(static_cast<int8_t>(p[i])) : DT == kFp8E5m2 ? fp8_e5m2_to_float(p[i]) : fp8_e4m3_to_float(p[i]);
+#endif
+  return v;
+}
+
+// 16 consecutive KIVI codes of `Bits` bits (packed low bits first, 8 / Bits per byte) as float
+template <int Bits>
+inline f32x16 unpack16_codes(const uint8_t* p) {
+  static_assert(Bits == 4 || Bits == 2, "KIVI packs 4 or 2 bits");
+  constexpr int kPerByte = 8 / Bits;
+  constexpr uint32_t kMask = (1u << Bits) - 1u;
+  f32x16 v;
+#if defined(__AVX2__)
+  // lane k takes byte k / kPerByte, shifted right by (k % kPerByte) * Bits
+  __m128i bytes;
+  if constexpr (Bits == 4) {
+    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  } else {
+    int32_t word;
+    std::memcpy(&word, p, sizeof(word));
+    bytes = _mm_cvtsi32_si128(word);
+  }
+  const __m128i spread = Bits == 4 ? _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7))
+                                   : _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+#if defined(__AVX512F__)
+  const __m512i shifts = Bits == 4 ? _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)
+                                   : _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(spread), shifts), _mm512_set1_epi32(kMask));
+  const __m512 out = _mm512_cvtepi32_ps(codes);
+  std::memcpy(&v, &out, sizeof(v));
+#else
+  const __m256i shifts = Bits == 4 ? _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4) : _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i wide = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(spread, 8) : spread);
+    const __m256 out = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wide, shifts), _mm256_set1_epi32(kMask)));
+    std::memcpy(reinterpret_cast<float*>(&v) + 8 * half, &out, sizeof(out));
+  }
+#endif
+#else
+  for (int k = 0; k < 16; ++k) v[k] = static_cast<float>((p[k / kPerByte] >> (Bits * (k % kPerByte))) & kMask);
+#endif
+  return v;
+}
+
+// the fp16 scale of token `within`, head h, of a scaled format's record
+inline float record_scale(const uint8_t* record, const KVView& kv, int64_t within, int h) {
+  uint16_t bits;
+  std::memcpy(&bits, record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + h) * 2, sizeof(bits));
+  return fp16_to_float(bits);
+}
 
 // 2^((e - 160) / 8): the scale an 8-bit log2 scale byte stands for
 inline float log_scale(uint8_t e) {
@@ -117,7 +220,14 @@ class BlockRows {
       uint16_t scale_bits;
       std::memcpy(&scale_bits, meta + (static_cast<int64_t>(t) * kv_.num_kv_heads + h) * 2, sizeof(scale_bits));
       const float scale = fp16_to_float(scale_bits);
-      if (dtype_ == kInt8) {
+      if (dim % 16 == 0) {
+        for (int d = 0; d < dim; d += 16) {
+          const f32x16 v = (dtype_ == kInt8     ? load16_codes<kInt8>(data + d)
+                            : dtype_ == kFp8E4m3 ? load16_codes<kFp8E4m3>(data + d)
+                                                 : load16_codes<kFp8E5m2>(data + d)) * scale;
+          std::memcpy(out + d, &v, sizeof(v));
+        }
+      } else if (dtype_ == kInt8) {
         const int8_t* q = reinterpret_cast<const int8_t*>(data);
 #pragma omp simd
         for (int d = 0; d < dim; ++d) out[d] = static_cast<float>(q[d]) * scale;
@@ -131,8 +241,19 @@ class BlockRows {
     // KIVI: unpack, then scale per channel (keys: the token's group) or per channel group (values)
     const int per_byte = 8 / bits;
     const int mask = (1 << bits) - 1;
+    const bool vectors = dim % 16 == 0 && (!value_ || kv_.value_group % 16 == 0);
     if (!value_) {
       prepare_key_group(t / kv_.group_size, h, meta);
+      if (vectors) {
+        for (int d = 0; d < dim; d += 16) {
+          f32x16 scale, offset;
+          std::memcpy(&scale, scale_ + d, sizeof(scale));
+          std::memcpy(&offset, offset_vec_ + d, sizeof(offset));
+          const f32x16 v = (bits == 4 ? unpack16_codes<4>(data + d / 2) : unpack16_codes<2>(data + d / 4)) * scale + offset;
+          std::memcpy(out + d, &v, sizeof(v));
+        }
+        return;
+      }
       for (int d = 0; d < dim; ++d) {
         const int q = (data[d / per_byte] >> (bits * (d % per_byte))) & mask;
         out[d] = static_cast<float>(q) * scale_[d] + offset_vec_[d];
@@ -144,6 +265,13 @@ class BlockRows {
     for (int g = 0; g < groups; ++g) {
       const float scale = log_scale(pairs[2 * g]);
       const float offset = -scale * static_cast<float>(static_cast<int8_t>(pairs[2 * g + 1]));
+      if (vectors) {
+        for (int d = g * kv_.value_group; d < (g + 1) * kv_.value_group; d += 16) {
+          const f32x16 v = (bits == 4 ? unpack16_codes<4>(data + d / 2) : unpack16_codes<2>(data + d / 4)) * scale + offset;
+          std::memcpy(out + d, &v, sizeof(v));
+        }
+        continue;
+      }
       for (int d = g * kv_.value_group; d < (g + 1) * kv_.value_group; ++d) {
         const int q = (data[d / per_byte] >> (bits * (d % per_byte))) & mask;
         out[d] = static_cast<float>(q) * scale + offset;

@@ -61,6 +61,30 @@ inline float dot(const float* a, const float* b, int n) {
 }
 
 
+// scores [G][count] -> exp(score - the row's max) in place; inv_sum[g] = 1 / the row's sum
+inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum) {
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * count;
+    float peak = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, row[i]);
+    f32x16 total = f32x16{};
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      f32x16 v;
+      std::memcpy(&v, row + i, sizeof(v));
+      v = exp16(v - peak);
+      std::memcpy(row + i, &v, sizeof(v));
+      total += v;
+    }
+    float tail = hsum(total);
+    for (; i < count; ++i) {
+      row[i] = fast_exp(row[i] - peak);
+      tail += row[i];
+    }
+    inv_sum[g] = 1.f / tail;
+  }
+}
+
 // ---- any KV format (quantized records, KIVI's residual blocks): a row at a time, dequantized ------
 // Each visible row is read as float into a head_dim buffer (kv_formats.h) and used at once: no
 // widened copy of the context.
@@ -81,17 +105,7 @@ void decode_task_rows(float* out_rows, const float* queries, int group, const KV
     }
   }
   std::vector<float> inv_sum(group);
-  for (int g = 0; g < group; ++g) {
-    float* s = scores.data() + g * count;
-    float peak = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, s[i]);
-    float total = 0.f;
-    for (int64_t i = 0; i < count; ++i) {
-      s[i] = fast_exp(s[i] - peak);
-      total += s[i];
-    }
-    inv_sum[g] = 1.f / total;
-  }
+  softmax_rows(scores.data(), group, count, inv_sum.data());
   acc.assign(static_cast<size_t>(group) * dim, 0.f);
   for (int64_t i = 0; i < count;) {
     const int64_t position = first + i;
@@ -109,6 +123,163 @@ void decode_task_rows(float* out_rows, const float* queries, int group, const KV
   }
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < dim; ++d) out_rows[g * dim + d] = acc[g * dim + d] * inv_sum[g];
+}
+
+// ---- KIVI (int4 / int2) records, head_dim and value groups multiples of 16 ----------------------
+// Keys: x = s_c (q - z_c) per channel c over a group of tokens, so a query's score is
+// sum_c (query_c s_c) q_c - sum_c query_c s_c z_c: the query is scaled once per key group and each
+// key costs its unpacked codes' dot product. Values: x = s (q - z) per token over value_group
+// channels, so a probability p adds (p s) q to the accumulator and p s z to that channel group's
+// offset, subtracted at the end. Residual blocks (full precision) are read as they are.
+template <int G, int Bits>
+void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  const int dim = kv.head_dim, chunks = dim / 16, bs = kv.block_size, heads = kv.num_kv_heads;
+  const int value_groups = dim / kv.value_group, chunks_per_group = kv.value_group / 16;
+  const int64_t row_bytes = static_cast<int64_t>(dim) * Bits / 8;
+  scores.resize(static_cast<size_t>(G) * count);
+  float* s = scores.data();
+  auto residual_row = [&](const void* cache, int64_t id, int64_t t) {
+    const int64_t at = (id - kv.first_residual) * kv.residual_block_stride + t * kv.residual_token_stride + static_cast<int64_t>(kv_head) * dim;
+    return at;
+  };
+  auto load_residual = [&](const void* cache, int64_t at) {
+    switch (kv.residual_dtype) {
+      case kFloat32: return load16<kFloat32>(cache, at);
+      case kFloat16: return load16<kFloat16>(cache, at);
+      default: return load16<kBFloat16>(cache, at);
+    }
+  };
+  std::vector<float> scaled(static_cast<size_t>(G) * dim);  // the query times a key group's channel scales
+  float constant[G];
+  for (int64_t i = 0; i < count;) {
+    const int64_t position = first + i;
+    const int64_t id = table[position / bs];
+    int t = static_cast<int>(position % bs);
+    if (id >= kv.first_residual) {
+      for (; t < bs && i < count; ++t, ++i) {
+        const int64_t at = residual_row(kv.residual_key, id, t);
+        f32x16 a[G];
+        for (int g = 0; g < G; ++g) a[g] = f32x16{};
+        for (int c = 0; c < chunks; ++c) {
+          const f32x16 k = load_residual(kv.residual_key, at + c * 16);
+          for (int g = 0; g < G; ++g) {
+            f32x16 q;
+            std::memcpy(&q, queries + g * dim + c * 16, sizeof(q));
+            a[g] += q * k;
+          }
+        }
+        for (int g = 0; g < G; ++g) s[g * count + i] = hsum(a[g]) * scale;
+      }
+      continue;
+    }
+    const uint8_t* record = static_cast<const uint8_t*>(kv.key) + id * kv.block_stride;
+    const uint8_t* meta = record + bs * kv.token_stride;
+    while (t < bs && i < count) {
+      const int key_group = t / kv.group_size;
+      const uint8_t* pairs = meta + (static_cast<int64_t>(key_group) * heads + kv_head) * dim * 2;
+      for (int g = 0; g < G; ++g) constant[g] = 0.f;
+      for (int d = 0; d < dim; ++d) {
+        const float channel_scale = log_scale(pairs[2 * d]);
+        const float zero = static_cast<float>(static_cast<int8_t>(pairs[2 * d + 1]));
+        for (int g = 0; g < G; ++g) {
+          scaled[g * dim + d] = queries[g * dim + d] * channel_scale;
+          constant[g] += scaled[g * dim + d] * zero;
+        }
+      }
+      const int group_end = (key_group + 1) * kv.group_size;
+      for (; t < group_end && i < count; ++t, ++i) {
+        const uint8_t* codes = record + t * kv.token_stride + kv_head * row_bytes;
+        f32x16 a[G];
+        for (int g = 0; g < G; ++g) a[g] = f32x16{};
+        for (int c = 0; c < chunks; ++c) {
+          const f32x16 k = unpack16_codes<Bits>(codes + c * 16 * Bits / 8);
+          for (int g = 0; g < G; ++g) {
+            f32x16 q;
+            std::memcpy(&q, scaled.data() + g * dim + c * 16, sizeof(q));
+            a[g] += q * k;
+          }
+        }
+        for (int g = 0; g < G; ++g) s[g * count + i] = (hsum(a[g]) - constant[g]) * scale;
+      }
+    }
+  }
+
+  float inv_sum[G];
+  softmax_rows(s, G, count, inv_sum);
+
+  acc.assign(static_cast<size_t>(G) * dim, 0.f);
+  std::vector<float> offset(static_cast<size_t>(G) * value_groups, 0.f);
+  for (int64_t i = 0; i < count;) {
+    const int64_t position = first + i;
+    const int64_t id = table[position / bs];
+    int t = static_cast<int>(position % bs);
+    const bool residual = id >= kv.first_residual;
+    const uint8_t* record = residual ? nullptr : static_cast<const uint8_t*>(kv.value) + id * kv.block_stride;
+    for (; t < bs && i < count; ++t, ++i) {
+      if (residual) {
+        const int64_t at = residual_row(kv.residual_value, id, t);
+        for (int c = 0; c < chunks; ++c) {
+          const f32x16 v = load_residual(kv.residual_value, at + c * 16);
+          for (int g = 0; g < G; ++g) {
+            f32x16 sum;
+            std::memcpy(&sum, acc.data() + g * dim + c * 16, sizeof(sum));
+            sum += s[g * count + i] * v;
+            std::memcpy(acc.data() + g * dim + c * 16, &sum, sizeof(sum));
+          }
+        }
+        continue;
+      }
+      const uint8_t* codes = record + t * kv.token_stride + kv_head * row_bytes;
+      const uint8_t* pairs = record + bs * kv.token_stride + (static_cast<int64_t>(t) * heads + kv_head) * value_groups * 2;
+      for (int vg = 0; vg < value_groups; ++vg) {
+        const float group_scale = log_scale(pairs[2 * vg]);
+        const float zero = static_cast<float>(static_cast<int8_t>(pairs[2 * vg + 1]));
+        float weight[G];
+        for (int g = 0; g < G; ++g) {
+          weight[g] = s[g * count + i] * group_scale;
+          offset[g * value_groups + vg] += weight[g] * zero;
+        }
+        for (int c = vg * chunks_per_group; c < (vg + 1) * chunks_per_group; ++c) {
+          const f32x16 v = unpack16_codes<Bits>(codes + c * 16 * Bits / 8);
+          for (int g = 0; g < G; ++g) {
+            f32x16 sum;
+            std::memcpy(&sum, acc.data() + g * dim + c * 16, sizeof(sum));
+            sum += weight[g] * v;
+            std::memcpy(acc.data() + g * dim + c * 16, &sum, sizeof(sum));
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < dim; ++d) out_rows[g * dim + d] = (acc[g * dim + d] - offset[g * value_groups + d / kv.value_group]) * inv_sum[g];
+}
+
+// true when a KIVI specialization handled the task
+bool decode_task_kivi_dispatch(int group, float* out_rows, const float* queries, const KVView& kv, const int64_t* table,
+                               int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
+                               std::vector<float>& acc) {
+  if ((kv.dtype != kInt4 && kv.dtype != kInt2) || kv.head_dim % 16 != 0 || kv.value_group % 16 != 0 || kv.group_size <= 0) return false;
+#define KVSERVE_GROUP_CASE(G)                                                                                          \
+  case G:                                                                                                              \
+    if (kv.dtype == kInt4)                                                                                             \
+      decode_task_kivi<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);                 \
+    else                                                                                                               \
+      decode_task_kivi<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);                 \
+    return true;
+  switch (group) {
+    KVSERVE_GROUP_CASE(1)
+    KVSERVE_GROUP_CASE(2)
+    KVSERVE_GROUP_CASE(3)
+    KVSERVE_GROUP_CASE(4)
+    KVSERVE_GROUP_CASE(5)
+    KVSERVE_GROUP_CASE(6)
+    KVSERVE_GROUP_CASE(7)
+    KVSERVE_GROUP_CASE(8)
+  }
+#undef KVSERVE_GROUP_CASE
+  return false;
 }
 
 inline bool plain_float_view(const KVView& kv) { return is_float_format(kv.dtype) && kv.first_residual >= (int64_t{1} << 62); }
@@ -178,7 +349,35 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
-  constexpr int kElemBytes = DT == kFloat32 ? 4 : 2;
+  // int8 / fp8 records: a row's codes times its fp16 scale (kv_formats.h); keys' scales multiply the
+  // scores, values' the probabilities
+  constexpr bool kScaled = DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2;
+  constexpr int kElemBytes = DT == kFloat32 ? 4 : kScaled ? 1 : 2;
+  auto load = [](const void* cache, int64_t offset) {
+    if constexpr (kScaled)
+      return load16_codes<DT>(static_cast<const uint8_t*>(cache) + offset);
+    else
+      return load16<DT>(cache, offset);
+  };
+  // the fp16 scales of a run's rows, from its first row's offset: one every num_kv_heads * 2 bytes
+  auto run_scales = [&](const void* cache, int64_t i0, int64_t base) -> const uint8_t* {
+    if constexpr (kScaled) {
+      const int64_t within = (first + i0) % kv.block_size;
+      const uint8_t* record = static_cast<const uint8_t*>(cache) + base - within * kv.token_stride - static_cast<int64_t>(kv_head) * head_dim;
+      return record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + kv_head) * 2;
+    } else {
+      return nullptr;
+    }
+  };
+  auto scale_at = [&](const uint8_t* scales, int64_t j) {
+    if constexpr (kScaled) {
+      uint16_t bits;
+      std::memcpy(&bits, scales + j * kv.num_kv_heads * 2, sizeof(bits));
+      return fp16_to_float(bits);
+    } else {
+      return 1.f;
+    }
+  };
   const int64_t row_bytes = static_cast<int64_t>(head_dim) * kElemBytes;
   auto prefetch_bytes = [&](const void* cache, int64_t offset, int64_t from, int64_t to) {
     const char* row = static_cast<const char*>(cache) + offset * kElemBytes;
@@ -187,6 +386,7 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
   for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, spread over this run's keys
     for (int64_t j = run; j < next.run; ++j) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
+    const uint8_t* key_scales = run_scales(key_cache, i0, base);
     for (int64_t j = 0; j < run; ++j) {
       if (j < next.run) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
       const int64_t offset = base + j * row_stride;
@@ -194,8 +394,8 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
       for (int g = 0; g < G; ++g) a[g] = b[g] = f32x16{};
       int c = 0;
       for (; c + 1 < chunks; c += 2) {
-        const f32x16 k0 = load16<DT>(key_cache, offset + c * 16);
-        const f32x16 k1 = load16<DT>(key_cache, offset + c * 16 + 16);
+        const f32x16 k0 = load(key_cache, offset + c * 16);
+        const f32x16 k1 = load(key_cache, offset + c * 16 + 16);
         for (int g = 0; g < G; ++g) {
           f32x16 q0, q1;
           std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
@@ -205,38 +405,28 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
         }
       }
       if (c < chunks) {
-        const f32x16 k0 = load16<DT>(key_cache, offset + c * 16);
+        const f32x16 k0 = load(key_cache, offset + c * 16);
         for (int g = 0; g < G; ++g) {
           f32x16 q0;
           std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
           a[g] += q0 * k0;
         }
       }
-      for (int g = 0; g < G; ++g) s[g * count + i0 + j] = hsum(a[g] + b[g]) * scale;
+      const float key_scale = scale * scale_at(key_scales, j);
+      for (int g = 0; g < G; ++g) s[g * count + i0 + j] = hsum(a[g] + b[g]) * key_scale;
     }
   });
 
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* row = s + g * count;
-    float peak = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) peak = std::max(peak, row[i]);
-    f32x16 total = f32x16{};
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) {
-      f32x16 v;
-      std::memcpy(&v, row + i, sizeof(v));
-      v = exp16(v - peak);
-      std::memcpy(row + i, &v, sizeof(v));
-      total += v;
-    }
-    float tail = hsum(total);
-    for (; i < count; ++i) {
-      row[i] = std::exp(row[i] - peak);
-      tail += row[i];
-    }
-    inv_sum[g] = 1.f / tail;
-  }
+  softmax_rows(s, G, count, inv_sum);
+  if constexpr (kScaled)
+    for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
+      const uint8_t* value_scales = run_scales(value_cache, i0, base);
+      for (int64_t j = 0; j < run; ++j) {
+        const float value_scale = scale_at(value_scales, j);
+        for (int g = 0; g < G; ++g) s[g * count + i0 + j] *= value_scale;
+      }
+    });
 
   acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
   for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
@@ -251,15 +441,15 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
       }
       int64_t j = 0;
       for (; j + 1 < run; j += 2) {
-        const f32x16 v0 = load16<DT>(value_cache, base + j * row_stride + c * 16);
-        const f32x16 v1 = load16<DT>(value_cache, base + (j + 1) * row_stride + c * 16);
+        const f32x16 v0 = load(value_cache, base + j * row_stride + c * 16);
+        const f32x16 v1 = load(value_cache, base + (j + 1) * row_stride + c * 16);
         for (int g = 0; g < G; ++g) {
           a[g] += s[g * count + i0 + j] * v0;
           b[g] += s[g * count + i0 + j + 1] * v1;
         }
       }
       if (j < run) {
-        const f32x16 v0 = load16<DT>(value_cache, base + j * row_stride + c * 16);
+        const f32x16 v0 = load(value_cache, base + j * row_stride + c * 16);
         for (int g = 0; g < G; ++g) a[g] += s[g * count + i0 + j] * v0;
       }
       for (int g = 0; g < G; ++g) {
@@ -284,6 +474,15 @@ bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVV
       return true;
     case kFloat16:
       decode_task_fast<G, kFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+      return true;
+    case kInt8:
+      decode_task_fast<G, kInt8>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+      return true;
+    case kFp8E4m3:
+      decode_task_fast<G, kFp8E4m3>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+      return true;
+    case kFp8E5m2:
+      decode_task_fast<G, kFp8E5m2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
       return true;
   }
   return false;
@@ -344,26 +543,67 @@ inline __m512 reduce16(__m512* v) {
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p)); }
 
-template <int G>
+// 32 elements of a K/V row from dim c * 32 on, as bf16: a bf16 row's own; int8 and fp8 codes are
+// exact in bf16 (at most 8 significant bits, exponents in range), their scale applied apart
+// what load_row_bh's values are to be multiplied by (besides the row's scale)
+template <int DT>
+constexpr float kCodeUnit = DT == kFp8E4m3 ? 256.f : 1.f;
+
+template <int DT>
+inline __m512bh load_row_bh(const uint8_t* row, int c) {
+  if constexpr (DT == kBFloat16) {
+    return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(row + c * 64));
+  } else if constexpr (DT == kFp8E4m3 || DT == kFp8E5m2) {
+    // as fp16 bits: e5m2 is an fp16's top byte; e4m3's bits moved down by one exponent bit are an
+    // fp16 of 2^-8 times its value, subnormals included (kCodeUnit puts the 2^8 back)
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)));
+    __m512i half = _mm512_slli_epi16(codes, 8);
+    if constexpr (DT == kFp8E4m3)
+      half = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(0x7F)), 7), _mm512_and_si512(half, _mm512_set1_epi16(-0x8000)));
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    const f32x16 lo = load16_codes<DT>(row + c * 32), hi = load16_codes<DT>(row + c * 32 + 16);
+    return _mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+  }
+}
+
+template <int G, int DT>
 void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv, const int64_t* table, int64_t first,
                       int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
                       std::vector<float>& acc) {
-  const uint16_t* key_cache = static_cast<const uint16_t*>(kv.key);
-  const uint16_t* value_cache = static_cast<const uint16_t*>(kv.value);
+  // int8 / fp8 records: each row's fp16 scale multiplies its scores (keys) or probabilities (values)
+  constexpr bool kScaled = DT != kBFloat16;
+  constexpr int kElemBytes = kScaled ? 1 : 2;
+  const uint8_t* key_cache = static_cast<const uint8_t*>(kv.key);
+  const uint8_t* value_cache = static_cast<const uint8_t*>(kv.value);
   const int head_dim = kv.head_dim;
+  // the fp16 scales of a run's rows, from its first row's offset: one every num_kv_heads * 2 bytes
+  auto run_scales = [&](const uint8_t* cache, int64_t i0, int64_t base) {
+    const int64_t within = (first + i0) % kv.block_size;
+    const uint8_t* record = cache + base - within * kv.token_stride - static_cast<int64_t>(kv_head) * head_dim;
+    return record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + kv_head) * 2;
+  };
+  auto scale_at = [&](const uint8_t* scales, int64_t j) {
+    uint16_t bits;
+    std::memcpy(&bits, scales + j * kv.num_kv_heads * 2, sizeof(bits));
+    return fp16_to_float(bits) * kCodeUnit<DT>;
+  };
   const int chunks = head_dim / 32;
   const int64_t row_stride = kv.token_stride;
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
-  const int row_lines = head_dim * 2 / 64;
-  auto prefetch_row = [&](const uint16_t* cache, const NextRun& next, int64_t j) {
+  const int row_lines = (head_dim * kElemBytes + 63) / 64;
+  auto prefetch_row = [&](const uint8_t* cache, const NextRun& next, int64_t j) {
     if (j < next.run)
-      for (int line = 0; line < row_lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(cache + next.offset + j * row_stride) + line * 64, _MM_HINT_T1);
+      for (int line = 0; line < row_lines; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(cache + (next.offset + j * row_stride) * kElemBytes) + line * 64, _MM_HINT_T1);
   };
-  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, one per key scored here (and the rest after)
     for (int64_t j = run; j < next.run; ++j) prefetch_row(key_cache, next, j);
+    const uint8_t* key_scales = kScaled ? run_scales(key_cache, i0, base) : nullptr;
     for (int64_t j0 = 0; j0 < run; j0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, run - j0));
       __m512 partial[G][16];
@@ -373,30 +613,42 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
           for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
           continue;
         }
-        const uint16_t* key = key_cache + base + (j0 + j) * row_stride;
+        const uint8_t* key = key_cache + (base + (j0 + j) * row_stride) * kElemBytes;
         __m512 a[G], b[G];
         for (int g = 0; g < G; ++g) a[g] = b[g] = _mm512_setzero_ps();
         int c = 0;
         for (; c + 1 < chunks; c += 2) {
-          const __m512bh k0 = load_bh(key + c * 32), k1 = load_bh(key + c * 32 + 32);
+          const __m512bh k0 = load_row_bh<DT>(key, c), k1 = load_row_bh<DT>(key, c + 1);
           for (int g = 0; g < G; ++g) {
             a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
             b[g] = _mm512_dpbf16_ps(b[g], load_bh(queries + g * head_dim + c * 32 + 32), k1);
           }
         }
         if (c < chunks) {
-          const __m512bh k0 = load_bh(key + c * 32);
+          const __m512bh k0 = load_row_bh<DT>(key, c);
           for (int g = 0; g < G; ++g) a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
         }
         for (int g = 0; g < G; ++g) partial[g][j] = _mm512_add_ps(a[g], b[g]);
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      for (int g = 0; g < G; ++g)
-        _mm512_mask_storeu_ps(s + g * count + i0 + j0, keep, _mm512_mul_ps(reduce16(partial[g]), _mm512_set1_ps(scale)));
+      __m512 factor = _mm512_set1_ps(scale);
+      if constexpr (kScaled) {
+        alignas(64) float row_scale[16] = {};
+        for (int j = 0; j < n; ++j) row_scale[j] = scale * scale_at(key_scales, j0 + j);
+        factor = _mm512_load_ps(row_scale);
+      }
+      for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(s + g * count + i0 + j0, keep, _mm512_mul_ps(reduce16(partial[g]), factor));
     }
   });
 
-  // softmax in float; probabilities rounded to bf16, pairs padded with a zero
+  // softmax in float; probabilities rounded to bf16 (after the value rows' scales, which the
+  // normalization leaves out), pairs padded with a zero
+  std::vector<float> value_scales(kScaled ? count + 16 : 0, 0.f);
+  if constexpr (kScaled)
+    for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
+      const uint8_t* scales = run_scales(value_cache, i0, base);
+      for (int64_t j = 0; j < run; ++j) value_scales[i0 + j] = scale_at(scales, j);
+    });
   const int64_t padded = count + (count & 1);
   probs.resize(static_cast<size_t>(G) * padded);
   float inv_sum[G];
@@ -411,19 +663,26 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
       f32x16 v;
       std::memcpy(&v, row + i, sizeof(v));
       v = exp16(v - peak);
-      const __m512i bits = _mm512_castps_si512((__m512)v);
+      f32x16 weight = v;
+      if constexpr (kScaled) {
+        f32x16 row_scale;
+        std::memcpy(&row_scale, value_scales.data() + i, sizeof(row_scale));
+        weight = v * row_scale;
+      }
+      const __m512i bits = _mm512_castps_si512((__m512)weight);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
       const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm512_cvtepi32_epi16(rounded));
-      total += (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
+      total += kScaled ? v : (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
     }
     float tail = hsum(total);
     for (; i < count; ++i) {
-      p[i] = bf16_bits(fast_exp(row[i] - peak));
+      const float prob = fast_exp(row[i] - peak);
+      p[i] = bf16_bits(kScaled ? prob * value_scales[i] : prob);
       uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
       float value;
       std::memcpy(&value, &bits, sizeof(value));
-      tail += value;
+      tail += kScaled ? prob : value;
     }
     if (padded > count) p[count] = 0;
     inv_sum[g] = 1.f / tail;
@@ -432,19 +691,19 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
   // acc: [G][chunks][2][16] float, dims in unpack order
   acc.assign(static_cast<size_t>(G) * chunks * 32, 0.f);
   const __m512i zero = _mm512_setzero_si512();
-  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, 2, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     for (int c = 0; c < chunks; ++c) {
-      // the next run's rows, this chunk's 64 bytes of each
+      // the next run's rows, this chunk's bytes of each
       for (int64_t j = 0; j < next.run; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(value_cache + next.offset + j * row_stride + c * 32), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + (next.offset + j * row_stride + c * 32) * kElemBytes), _MM_HINT_T1);
       __m512 lo[G], hi[G];
       for (int g = 0; g < G; ++g) {
         lo[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
         hi[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32 + 16);
       }
       for (int64_t j = 0; j < run; j += 2) {
-        const __m512i v0 = _mm512_loadu_si512(static_cast<const void*>(value_cache + base + j * row_stride + c * 32));
-        const __m512i v1 = j + 1 < run ? _mm512_loadu_si512(static_cast<const void*>(value_cache + base + (j + 1) * row_stride + c * 32)) : zero;
+        const __m512i v0 = (__m512i)load_row_bh<DT>(value_cache + (base + j * row_stride) * kElemBytes, c);
+        const __m512i v1 = j + 1 < run ? (__m512i)load_row_bh<DT>(value_cache + (base + (j + 1) * row_stride) * kElemBytes, c) : zero;
         const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
         const __m512bh pair_hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
         for (int g = 0; g < G; ++g) {
@@ -480,10 +739,15 @@ bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_ro
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<uint16_t>& probs, std::vector<float>& acc) {
   if (kv.head_dim % 32 != 0) return false;
-#define KVSERVE_GROUP_CASE(G)                                                                         \
-  case G:                                                                                             \
-    decode_task_bf16<G>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); \
-    return true;
+#define KVSERVE_GROUP_CASE(G)                                                                                    \
+  case G:                                                                                                        \
+    switch (kv.dtype) {                                                                                          \
+      case kBFloat16: decode_task_bf16<G, kBFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
+      case kInt8: decode_task_bf16<G, kInt8>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true;         \
+      case kFp8E4m3: decode_task_bf16<G, kFp8E4m3>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
+      case kFp8E5m2: decode_task_bf16<G, kFp8E5m2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
+    }                                                                                                            \
+    return false;
   switch (group) {
     KVSERVE_GROUP_CASE(1)
     KVSERVE_GROUP_CASE(2)
@@ -845,14 +1109,17 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
         continue;
       }
       const int64_t* table = a.block_tables + seq * a.max_blocks;
+      auto store_result = [&] {
+        for (int g = 0; g < group; ++g) {
+          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
+          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
+        }
+      };
 #if KVSERVE_DECODE_BF16_DOT
-      if (query_dtype == kBFloat16 && kv_dtype == kBFloat16 && plain_float_view(kv)) {
+      if (query_dtype == kBFloat16 && ((kv_dtype == kBFloat16 && plain_float_view(kv)) || is_scaled_format(kv_dtype))) {
         const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
         if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc)) {
-          for (int g = 0; g < group; ++g) {
-            const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-            store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
-          }
+          store_result();
           continue;
         }
       }
@@ -861,19 +1128,16 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
         const int64_t q_offset = (seq * num_heads + kv_head * group + g) * head_dim;
         load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
       }
-      if (!plain_float_view(kv)) {
-        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row);
-        for (int g = 0; g < group; ++g) {
-          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
-        }
+      // int8 / fp8 records take the float path's vectorized loop, KIVI records their own; other shapes a row at a time
+      if (((plain_float_view(kv) || is_scaled_format(kv_dtype)) &&
+           decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) ||
+          decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) {
+        store_result();
         continue;
       }
-      if (decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) {
-        for (int g = 0; g < group; ++g) {
-          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
-        }
+      if (!plain_float_view(kv)) {
+        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row);
+        store_result();
         continue;
       }
       scores.resize(static_cast<size_t>(group) * count);
@@ -885,17 +1149,7 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       }
 
       std::vector<float> inv_sum(group);
-      for (int g = 0; g < group; ++g) {
-        float* s = scores.data() + g * count;
-        float peak = -INFINITY;
-        for (int64_t i = 0; i < count; ++i) peak = std::max(peak, s[i]);
-        float total = 0.f;
-        for (int64_t i = 0; i < count; ++i) {
-          s[i] = std::exp(s[i] - peak);
-          total += s[i];
-        }
-        inv_sum[g] = 1.f / total;
-      }
+      softmax_rows(scores.data(), group, count, inv_sum.data());
 
       acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
       for (int64_t i = 0; i < count; ++i) {

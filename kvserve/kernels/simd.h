@@ -34,9 +34,14 @@ inline f32x16 load16(const void* base, int64_t offset) {
     u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
     std::memcpy(&v, &wide, sizeof(v));
   } else {
-    f16x16 half;
+#if defined(__AVX512F__)
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const _Float16*>(base) + offset)));
+    std::memcpy(&v, &wide, sizeof(v));
+#else
+    f16x16 half;  // GCC widens a _Float16 vector element by element
     std::memcpy(&half, static_cast<const _Float16*>(base) + offset, sizeof(half));
     v = __builtin_convertvector(half, f32x16);
+#endif
   }
   return v;
 }

@@ -84,6 +84,10 @@ class LayerKV:
             self.value.index_copy_(0, slots - offset, v.to(self.value.dtype))
             return
         spec = self.spec
+        if self.key_records.device.type == "cpu" and kernels.cpu_kernels_available():
+            for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
+                kernels.kv_store(spec, records, slots, x, self.scales[w] if self.scales is not None else None)
+            return
         blocks, within = slots // self.block_size, slots % self.block_size
         for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
             data, scales = quant.encode_tokens(spec, x, self.scales[w] if self.scales is not None else None)
