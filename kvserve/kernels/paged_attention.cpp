@@ -208,49 +208,42 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
   float inv_sum[G];
   softmax_rows(s, G, count, inv_sum);
 
+  // values a block's run of rows at a time, one 16-dim chunk at a time in registers
   acc.assign(static_cast<size_t>(G) * dim, 0.f);
   std::vector<float> offset(static_cast<size_t>(G) * value_groups, 0.f);
   for (int64_t i = 0; i < count;) {
     const int64_t position = first + i;
     const int64_t id = table[position / bs];
-    int t = static_cast<int>(position % bs);
+    const int t0 = static_cast<int>(position % bs);
+    const int run = static_cast<int>(std::min<int64_t>(bs - t0, count - i));
     const bool residual = id >= kv.first_residual;
     const uint8_t* record = residual ? nullptr : static_cast<const uint8_t*>(kv.value) + id * kv.block_stride;
-    for (; t < bs && i < count; ++t, ++i) {
-      if (residual) {
-        const int64_t at = residual_row(kv.residual_value, id, t);
-        for (int c = 0; c < chunks; ++c) {
-          const f32x16 v = load_residual(kv.residual_value, at + c * 16);
-          for (int g = 0; g < G; ++g) {
-            f32x16 sum;
-            std::memcpy(&sum, acc.data() + g * dim + c * 16, sizeof(sum));
-            sum += s[g * count + i] * v;
-            std::memcpy(acc.data() + g * dim + c * 16, &sum, sizeof(sum));
-          }
+    const uint8_t* pairs = residual ? nullptr : record + bs * kv.token_stride + (static_cast<int64_t>(t0) * heads + kv_head) * value_groups * 2;
+    const int64_t pair_stride = static_cast<int64_t>(heads) * value_groups * 2;
+    for (int c = 0; c < chunks; ++c) {
+      const int vg = c / chunks_per_group;
+      const bool first_of_group = c % chunks_per_group == 0;
+      f32x16 a[G];
+      for (int g = 0; g < G; ++g) std::memcpy(&a[g], acc.data() + g * dim + c * 16, sizeof(a[g]));
+      for (int j = 0; j < run; ++j) {
+        const float* p = s + i + j;
+        if (residual) {
+          const f32x16 v = load_residual(kv.residual_value, residual_row(kv.residual_value, id, t0 + j) + c * 16);
+          for (int g = 0; g < G; ++g) a[g] += p[g * count] * v;
+          continue;
         }
-        continue;
-      }
-      const uint8_t* codes = record + t * kv.token_stride + kv_head * row_bytes;
-      const uint8_t* pairs = record + bs * kv.token_stride + (static_cast<int64_t>(t) * heads + kv_head) * value_groups * 2;
-      for (int vg = 0; vg < value_groups; ++vg) {
-        const float group_scale = log_scale(pairs[2 * vg]);
-        const float zero = static_cast<float>(static_cast<int8_t>(pairs[2 * vg + 1]));
-        float weight[G];
+        const uint8_t* pair = pairs + j * pair_stride + 2 * vg;
+        const float group_scale = log_scale(pair[0]);
+        const f32x16 v = unpack16_codes<Bits>(record + (t0 + j) * kv.token_stride + kv_head * row_bytes + c * 16 * Bits / 8);
         for (int g = 0; g < G; ++g) {
-          weight[g] = s[g * count + i] * group_scale;
-          offset[g * value_groups + vg] += weight[g] * zero;
-        }
-        for (int c = vg * chunks_per_group; c < (vg + 1) * chunks_per_group; ++c) {
-          const f32x16 v = unpack16_codes<Bits>(codes + c * 16 * Bits / 8);
-          for (int g = 0; g < G; ++g) {
-            f32x16 sum;
-            std::memcpy(&sum, acc.data() + g * dim + c * 16, sizeof(sum));
-            sum += weight[g] * v;
-            std::memcpy(acc.data() + g * dim + c * 16, &sum, sizeof(sum));
-          }
+          const float weight = p[g * count] * group_scale;
+          a[g] += weight * v;
+          if (first_of_group) offset[g * value_groups + vg] += weight * static_cast<float>(static_cast<int8_t>(pair[1]));
         }
       }
+      for (int g = 0; g < G; ++g) std::memcpy(acc.data() + g * dim + c * 16, &a[g], sizeof(a[g]));
     }
+    i += run;
   }
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < dim; ++d) out_rows[g * dim + d] = (acc[g * dim + d] - offset[g * value_groups + d / kv.value_group]) * inv_sum[g];
