@@ -240,8 +240,12 @@ def main() -> None:
     if url is None:
         proc, url = _launch(args.model, server_flags)
     try:
-        rows = [(name, asyncio.run(run_rate(url, float(r), workload, args.seed, sampling)))
-                for r in args.rates.split(",") for name, sampling in SETTINGS.items()]  # fmt: skip
+        rows = []
+        for r in args.rates.split(","):
+            for name, sampling in SETTINGS.items():
+                # every run computes its prompts: the same workload would otherwise come from the prefix cache after the first
+                httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+                rows.append((name, asyncio.run(run_rate(url, float(r), workload, args.seed, sampling))))
     finally:
         if proc is not None:
             proc.terminate()

@@ -89,9 +89,12 @@ def main() -> None:
     rows = {}
     for name, setting in SETTINGS.items():
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, seed=0, **setting)
+        # every setting computes its prompts: the rows after the first would otherwise read the first's from the prefix cache
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         batched = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+        llm.reset_prefix_cache()
         single = llm.generate([prompts[0][:128]], params, use_tqdm=False)[0]
         m = single.metrics
         rows[name] = (batched, (len(single.token_ids) - 1) / (m["last_token_time"] - m["first_token_time"]))

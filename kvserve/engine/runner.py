@@ -51,7 +51,7 @@ class ModelRunner:
         samplers, hidden = self.forward_hidden(batch)
         if not samplers:
             return [], torch.empty(0)
-        return samplers, self.model.compute_logits(hidden)
+        return samplers, self.model.compute_logits(hidden).clone()  # compute_logits reuses its buffer
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

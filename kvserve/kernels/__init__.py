@@ -133,10 +133,11 @@ SKINNY_MAX_ROWS = 16
 
 
 def skinny_matmul(
-    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """x [R, K] @ weight[N, K]^T for 1..16 rows: (output [R, N] in out_dtype (x's by default) or None,
-    row-wise argmax [R] or None). Accumulates in float32."""
+    """x [R, K] @ weight[N, K]^T for 1..16 rows: (output [R, N] in out_dtype (x's by default), written
+    into `out` when given, or None; row-wise argmax [R] or None). Accumulates in float32."""
     library = _require()
     rows, dim = x.shape
     if not 0 < rows <= SKINNY_MAX_ROWS or dim % 16 or not weight.is_contiguous() or weight.shape[1] != dim:
@@ -145,7 +146,7 @@ def skinny_matmul(
     staged = torch.zeros(padded, dim, dtype=torch.float32)
     staged[:rows] = x
     n = weight.shape[0]
-    out, argmax, out_args, out_dtype_code = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax)
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax, out)
     call = args.SkinnyMatmulArgs(weight.data_ptr(), staged.data_ptr(), *out_args, n, _DTYPE_CODES[weight.dtype], rows, dim, out_dtype_code)
     status = library.kvserve_skinny_matmul(ctypes.byref(call))
     _check(status, "skinny_matmul")
@@ -190,15 +191,16 @@ def unpack_weight(weight: PackedWeight) -> torch.Tensor:
 
 
 def packed_matmul(
-    x: torch.Tensor, weight: PackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False
+    x: torch.Tensor, weight: PackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x [R, k] (bf16) @ weight^T with bf16 dot products accumulated in float32: (output [R, n] in
-    out_dtype (bf16 by default) or None, row-wise argmax [R] or None)."""
+    out_dtype (bf16 by default), written into `out` when given, or None; row-wise argmax [R] or None)."""
     library = _require()
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
         raise ValueError(f"packed_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
     rows = x.shape[0]
-    out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax)
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax, out)
     call = args.PackedMatmulArgs(weight.data.data_ptr(), x.data_ptr(), *out_args, weight.n, x.stride(0), weight.k, rows, out_dtype_code, 0)
     status = library.kvserve_packed_matmul(ctypes.byref(call))
     _check(status, "packed_matmul")
@@ -292,11 +294,18 @@ def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tens
 
 
 def _product_outputs(
-    rows: int, n: int, dtype: torch.dtype, want_output: bool, want_argmax: bool
+    rows: int, n: int, dtype: torch.dtype, want_output: bool, want_argmax: bool, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple, int]:
     """The output [rows, n] and row-wise argmax [rows] a product kernel fills (None where not
-    wanted), their pointers (out, argmax) and the output's dtype code."""
-    out = torch.empty(rows, n, dtype=dtype) if want_output else None
+    wanted), their pointers (out, argmax) and the output's dtype code. `out`: a contiguous
+    [rows, n] tensor of `dtype` to write into instead of a new one (a fresh 64 x 262K float32
+    output costs ~30 ms of page faults on every decode step)."""
+    if out is not None and (tuple(out.shape) != (rows, n) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"the output must be a contiguous {dtype} [{rows}, {n}] tensor")
+    if want_output and out is None:
+        out = torch.empty(rows, n, dtype=dtype)
+    elif not want_output:
+        out = None
     argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
     pointers = (out.data_ptr() if out is not None else None, argmax.data_ptr() if argmax is not None else None)
     return out, argmax, pointers, _DTYPE_CODES[dtype] if out is not None else 0

@@ -135,6 +135,7 @@ class CausalLM(nn.Module):
         self.screened_lm_head: kernels.ScreenedWeight | None = None
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
+        self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
 
     def enable_native_kernels(self) -> None:
         """Route small-batch products (projections and lm_head) to the native CPU kernels."""
@@ -175,9 +176,10 @@ class CausalLM(nn.Module):
         """
         normed = self.norm(hidden)
         if self._use_packed_lm_head(normed):
-            return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32)[0])
+            out = self._native_logits_buffer(normed.shape[0])
+            return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32, out=out)[0])
         if self._use_native_lm_head(normed):
-            logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32)
+            logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32, out=self._native_logits_buffer(normed.shape[0]))
             return self._softcap(logits)
         hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
@@ -194,6 +196,14 @@ class CausalLM(nn.Module):
             torch.mm(weight[start:end], hidden_t, out=part)
             self._logits_buffer[:, start:end].copy_(part.t())
         return self._softcap(self._logits_buffer.float())
+
+    def _native_logits_buffer(self, rows: int) -> torch.Tensor:
+        """float32 [rows, vocab] for the native lm_head products, reused across steps (grown when
+        a step has more rows): a fresh output would page-fault all its memory in on every step."""
+        vocab = self.lm_head.weight.shape[0]
+        if self._native_logits is None or self._native_logits.shape[0] < rows:
+            self._native_logits = torch.empty(rows, vocab, dtype=torch.float32)
+        return self._native_logits[:rows]
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
