@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "args.h"
@@ -60,6 +61,38 @@ inline float dot(const float* a, const float* b, int n) {
   return acc;
 }
 
+
+// fn(std::integral_constant<int, G>{}) for G = group in 1..8, the group sizes the vectorized
+// loops are compiled for; false for any other group
+template <typename Fn>
+bool with_group_size(int group, Fn fn) {
+  switch (group) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+  }
+  return false;
+}
+
+// fn(std::integral_constant<int, DT>{}) for a float (fp32, bf16, fp16) or scaled (int8, fp8) KV
+// dtype code; false for the KIVI formats
+template <typename Fn>
+bool with_kv_dtype(int dtype, Fn fn) {
+  switch (dtype) {
+    case kFloat32: return fn(std::integral_constant<int, kFloat32>{});
+    case kBFloat16: return fn(std::integral_constant<int, kBFloat16>{});
+    case kFloat16: return fn(std::integral_constant<int, kFloat16>{});
+    case kInt8: return fn(std::integral_constant<int, kInt8>{});
+    case kFp8E4m3: return fn(std::integral_constant<int, kFp8E4m3>{});
+    case kFp8E5m2: return fn(std::integral_constant<int, kFp8E5m2>{});
+  }
+  return false;
+}
 
 // scores [G][count] -> exp(score - the row's max) in place; inv_sum[g] = 1 / the row's sum
 inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum) {
@@ -254,25 +287,14 @@ bool decode_task_kivi_dispatch(int group, float* out_rows, const float* queries,
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<float>& acc) {
   if ((kv.dtype != kInt4 && kv.dtype != kInt2) || kv.head_dim % 16 != 0 || kv.value_group % 16 != 0 || kv.group_size <= 0) return false;
-#define KVSERVE_GROUP_CASE(G)                                                                                          \
-  case G:                                                                                                              \
-    if (kv.dtype == kInt4)                                                                                             \
-      decode_task_kivi<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);                 \
-    else                                                                                                               \
-      decode_task_kivi<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);                 \
+  return with_group_size(group, [&](auto size) {
+    constexpr int G = decltype(size)::value;
+    if (kv.dtype == kInt4)
+      decode_task_kivi<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+    else
+      decode_task_kivi<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
     return true;
-  switch (group) {
-    KVSERVE_GROUP_CASE(1)
-    KVSERVE_GROUP_CASE(2)
-    KVSERVE_GROUP_CASE(3)
-    KVSERVE_GROUP_CASE(4)
-    KVSERVE_GROUP_CASE(5)
-    KVSERVE_GROUP_CASE(6)
-    KVSERVE_GROUP_CASE(7)
-    KVSERVE_GROUP_CASE(8)
-  }
-#undef KVSERVE_GROUP_CASE
-  return false;
+  });
 }
 
 inline bool plain_float_view(const KVView& kv) { return is_float_format(kv.dtype) && kv.first_residual >= (int64_t{1} << 62); }
@@ -458,27 +480,11 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
 template <int G>
 bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
                                 int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
-  switch (kv.dtype) {
-    case kFloat32:
-      decode_task_fast<G, kFloat32>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-    case kBFloat16:
-      decode_task_fast<G, kBFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-    case kFloat16:
-      decode_task_fast<G, kFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-    case kInt8:
-      decode_task_fast<G, kInt8>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-    case kFp8E4m3:
-      decode_task_fast<G, kFp8E4m3>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-    case kFp8E5m2:
-      decode_task_fast<G, kFp8E5m2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-      return true;
-  }
-  return false;
+  if (!is_float_format(kv.dtype) && !is_scaled_format(kv.dtype)) return false;
+  return with_kv_dtype(kv.dtype, [&](auto dtype) {
+    decode_task_fast<G, decltype(dtype)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+    return true;
+  });
 }
 
 // true when a vectorized specialization handled the task
@@ -486,21 +492,9 @@ bool decode_task_fast_dispatch(int group, float* out_rows, const float* queries,
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<float>& acc) {
   if (kv.head_dim % 16 != 0) return false;
-#define KVSERVE_GROUP_CASE(G) \
-  case G:                     \
-    return decode_task_dispatch_dtype<G>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
-  switch (group) {
-    KVSERVE_GROUP_CASE(1)
-    KVSERVE_GROUP_CASE(2)
-    KVSERVE_GROUP_CASE(3)
-    KVSERVE_GROUP_CASE(4)
-    KVSERVE_GROUP_CASE(5)
-    KVSERVE_GROUP_CASE(6)
-    KVSERVE_GROUP_CASE(7)
-    KVSERVE_GROUP_CASE(8)
-  }
-#undef KVSERVE_GROUP_CASE
-  return false;
+  return with_group_size(group, [&](auto size) {
+    return decode_task_dispatch_dtype<decltype(size)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+  });
 }
 
 
@@ -732,27 +726,18 @@ bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_ro
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
                                std::vector<uint16_t>& probs, std::vector<float>& acc) {
   if (kv.head_dim % 32 != 0) return false;
-#define KVSERVE_GROUP_CASE(G)                                                                                    \
-  case G:                                                                                                        \
-    switch (kv.dtype) {                                                                                          \
-      case kBFloat16: decode_task_bf16<G, kBFloat16>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
-      case kInt8: decode_task_bf16<G, kInt8>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true;         \
-      case kFp8E4m3: decode_task_bf16<G, kFp8E4m3>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
-      case kFp8E5m2: decode_task_bf16<G, kFp8E5m2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc); return true; \
-    }                                                                                                            \
-    return false;
-  switch (group) {
-    KVSERVE_GROUP_CASE(1)
-    KVSERVE_GROUP_CASE(2)
-    KVSERVE_GROUP_CASE(3)
-    KVSERVE_GROUP_CASE(4)
-    KVSERVE_GROUP_CASE(5)
-    KVSERVE_GROUP_CASE(6)
-    KVSERVE_GROUP_CASE(7)
-    KVSERVE_GROUP_CASE(8)
-  }
-#undef KVSERVE_GROUP_CASE
-  return false;
+  if (kv.dtype != kBFloat16 && !is_scaled_format(kv.dtype)) return false;
+  return with_group_size(group, [&](auto size) {
+    return with_kv_dtype(kv.dtype, [&](auto dtype) {
+      constexpr int DT = decltype(dtype)::value;
+      if constexpr (DT == kBFloat16 || DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2) {
+        decode_task_bf16<decltype(size)::value, DT>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc);
+        return true;
+      } else {
+        return false;
+      }
+    });
+  });
 }
 
 #endif  // KVSERVE_DECODE_BF16_DOT
