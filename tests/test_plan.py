@@ -46,6 +46,8 @@ def test_llama3_8b_shape():
     # KIVI: 2 scale bytes per 32 values, for keys (per channel over 32 tokens) and values (per 32 channels)
     assert int4["element_bytes_per_token"] == 32 * 1024 and int4["scale_bytes_per_token"] == 2 * 32 * 8 * (128 // 32) * 2
     assert int4["bytes_per_token"] == 32 * 1024 + 4096 and 131_072 / int4["bytes_per_token"] > 3.5
+    # the engine's spelling of the flag, as the planner's own advice prints it
+    assert plan_json(*LLAMA3_8B, "--kv-cache-dtype", "int4", "--seq-lens", "4096")["kv_dtype"] == "int4"
 
 
 def test_mha_against_gqa():

@@ -28,7 +28,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--head-dim", type=int, default=None, help="dimension of one head")
     shape.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="plan as the engine runs with this flag: sliding-window layers hold every block, as full layers do")
-    shape.add_argument("--kv-dtype", default="float16", help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32)")
+    shape.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="float16", help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32)")
     work = parser.add_argument_group("workload")
     work.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (prompt + output), e.g. 4096,2048")
     work.add_argument("--trace", default=None, help="JSONL trace: one {\"prompt_len\": N, \"output_len\": M} per line")

@@ -330,6 +330,8 @@ class OpenAIServer:
             max_tokens = self._max_tokens(body.max_completion_tokens, len(ids), "max_completion_tokens")
         else:
             max_tokens = self._max_tokens(body.max_tokens, len(ids))
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
