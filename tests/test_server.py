@@ -248,6 +248,21 @@ def test_null_sampling_fields_mean_their_defaults(server):
     assert again.json()["choices"][0]["text"] == resp.json()["choices"][0]["text"]
 
 
+def test_include_stop_str_in_output(server):
+    """vLLM's extension field: the stop string that ended the text is kept, and only then."""
+    body = {"prompt": "hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(server + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    stop = full[len(full) // 2 :][:3]
+    assert stop.strip(), full
+    cut, kept = (
+        httpx.post(server + "/v1/completions", json={**body, "stop": [stop], "include_stop_str_in_output": flag}, timeout=30).json()
+        for flag in (False, True)
+    )
+    assert cut["choices"][0]["finish_reason"] == kept["choices"][0]["finish_reason"] == "stop"
+    assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + stop
+    assert full.startswith(kept["choices"][0]["text"])
+
+
 @pytest.mark.parametrize("path,body,status,field", BAD_REQUESTS)
 def test_bad_input_gets_an_error_and_the_server_lives(server, path, body, status, field):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}

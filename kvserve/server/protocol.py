@@ -56,6 +56,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Number = 0.0
     repetition_penalty: Number = 1.0
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string that ended the text
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
@@ -82,7 +83,7 @@ class _SamplingFields(BaseModel):
         return value
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "ignore_eos", mode="before")  # fmt: skip
+                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", mode="before")  # fmt: skip
     @classmethod
     def _null_is_the_default(cls, value, info):
         # OpenAI's SDKs send null for "not given"
@@ -118,6 +119,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=_float("frequency_penalty", self.frequency_penalty),
             repetition_penalty=_float("repetition_penalty", self.repetition_penalty),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             kv_compression=self.kv_compression,
             kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
