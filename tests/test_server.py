@@ -238,6 +238,14 @@ BAD_REQUESTS = [
 ]
 
 
+def test_a_wrong_type_gets_one_plain_error(server):
+    # a number field given a string or a boolean: one message, not one per accepted JSON type
+    for value in ("0.5", True):
+        resp = httpx.post(server + "/v1/completions", json={"prompt": "hi", "temperature": value}, timeout=30)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == "temperature: Input should be a number", resp.text
+
+
 def test_null_sampling_fields_mean_their_defaults(server):
     # OpenAI's SDKs send null for fields the caller left out
     body = {"prompt": "hi", "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "seed": 1, "presence_penalty": None}

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, WrapValidator, field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvserve.kv.hashing import validate_cache_salt
 from kvserve.sampling_params import MAX_SEED, SamplingParams
 
-Number = StrictInt | StrictFloat
+
+
+def _one_number_error(value, handler):
+    """A JSON number (not a string or a boolean), with one error instead of one per union member."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("number_type", "Input should be a number") from None
+
+
+Number = Annotated[StrictInt | StrictFloat, WrapValidator(_one_number_error)]
 
 
 def _float(name: str, value: int | float) -> float:
