@@ -77,15 +77,11 @@ inline f32x16 load16_codes(const uint8_t* p) {
   } else if constexpr (DT == kFp8E5m2) {
     out = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));  // e5m2 is the top byte of an fp16
   } else {
-    // e4m3: the exponent and mantissa bits moved into a float's and rebiased (7 -> 127); exponent 0
-    // (subnormal) is mantissa * 2^-9, from an exact integer conversion
-    const __m512i w = _mm512_cvtepu8_epi32(bytes);
-    const __m512i magnitude = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(magnitude, _mm512_set1_epi32(7))), _mm512_set1_ps(1.0f / 512.0f));
-    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
-    const __m512i bits = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
-    out = _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24)));
+    // e4m3's bits moved down by one exponent bit are an fp16 of 2^-8 times its value, subnormals included
+    const __m256i codes = _mm256_cvtepu8_epi16(bytes);
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7),
+                                         _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8));
+    out = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
   }
   std::memcpy(&v, &out, sizeof(v));
 #elif defined(__AVX2__) && defined(__F16C__)
@@ -97,13 +93,10 @@ inline f32x16 load16_codes(const uint8_t* p) {
     } else if constexpr (DT == kFp8E5m2) {
       out = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
     } else {
-      const __m256i w = _mm256_cvtepu8_epi32(bytes);
-      const __m256i magnitude = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
-      const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23));
-      const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(magnitude, _mm256_set1_epi32(7))), _mm256_set1_ps(1.0f / 512.0f));
-      const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude);
-      const __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
-      out = _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24)));
+      const __m128i codes = _mm_cvtepu8_epi16(bytes);
+      const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)), 7),
+                                        _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8));
+      out = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
     }
     std::memcpy(reinterpret_cast<float*>(&v) + 8 * half, &out, sizeof(out));
   }
@@ -153,12 +146,27 @@ inline f32x16 unpack16_codes(const uint8_t* p) {
   return v;
 }
 
-// the fp16 scale of token `within`, head h, of a scaled format's record
-inline float record_scale(const uint8_t* record, const KVView& kv, int64_t within, int h) {
-  uint16_t bits;
-  std::memcpy(&bits, record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + h) * 2, sizeof(bits));
-  return fp16_to_float(bits);
-}
+// The fp16 scales of a run of rows of one head inside one block of a scaled format's records
+// (int8, fp8): the run's first row starts `offset` bytes into the cache at slot `within` of its
+// block; row j's scale is scales[j].
+class RunScales {
+ public:
+  RunScales(const KVView& kv, const void* cache, int64_t offset, int64_t within, int h)
+      : stride_(static_cast<int64_t>(kv.num_kv_heads) * 2) {
+    const uint8_t* record = static_cast<const uint8_t*>(cache) + offset - within * kv.token_stride - static_cast<int64_t>(h) * kv.head_dim;
+    first_ = record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + h) * 2;
+  }
+
+  float operator[](int64_t j) const {
+    uint16_t bits;
+    std::memcpy(&bits, first_ + j * stride_, sizeof(bits));
+    return fp16_to_float(bits);
+  }
+
+ private:
+  const uint8_t* first_;
+  int64_t stride_;
+};
 
 // 2^((e - 160) / 8): the scale an 8-bit log2 scale byte stands for
 inline float log_scale(uint8_t e) {

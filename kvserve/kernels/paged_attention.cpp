@@ -172,9 +172,8 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
   const int64_t row_bytes = static_cast<int64_t>(dim) * Bits / 8;
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
-  auto residual_row = [&](const void* cache, int64_t id, int64_t t) {
-    const int64_t at = (id - kv.first_residual) * kv.residual_block_stride + t * kv.residual_token_stride + static_cast<int64_t>(kv_head) * dim;
-    return at;
+  auto residual_row = [&](int64_t id, int64_t t) {  // element offset of a residual block's row
+    return (id - kv.first_residual) * kv.residual_block_stride + t * kv.residual_token_stride + static_cast<int64_t>(kv_head) * dim;
   };
   auto load_residual = [&](const void* cache, int64_t at) {
     switch (kv.residual_dtype) {
@@ -191,7 +190,7 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
     int t = static_cast<int>(position % bs);
     if (id >= kv.first_residual) {
       for (; t < bs && i < count; ++t, ++i) {
-        const int64_t at = residual_row(kv.residual_key, id, t);
+        const int64_t at = residual_row(id, t);
         f32x16 a[G];
         for (int g = 0; g < G; ++g) a[g] = f32x16{};
         for (int c = 0; c < chunks; ++c) {
@@ -261,7 +260,7 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
       for (int j = 0; j < run; ++j) {
         const float* p = s + i + j;
         if (residual) {
-          const f32x16 v = load_residual(kv.residual_value, residual_row(kv.residual_value, id, t0 + j) + c * 16);
+          const f32x16 v = load_residual(kv.residual_value, residual_row(id, t0 + j) + c * 16);
           for (int g = 0; g < G; ++g) a[g] += p[g * count] * v;
           continue;
         }
@@ -374,24 +373,13 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
     else
       return load16<DT>(cache, offset);
   };
-  // the fp16 scales of a run's rows, from its first row's offset: one every num_kv_heads * 2 bytes
-  auto run_scales = [&](const void* cache, int64_t i0, int64_t base) -> const uint8_t* {
-    if constexpr (kScaled) {
-      const int64_t within = (first + i0) % kv.block_size;
-      const uint8_t* record = static_cast<const uint8_t*>(cache) + base - within * kv.token_stride - static_cast<int64_t>(kv_head) * head_dim;
-      return record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + kv_head) * 2;
-    } else {
-      return nullptr;
-    }
-  };
-  auto scale_at = [&](const uint8_t* scales, int64_t j) {
-    if constexpr (kScaled) {
-      uint16_t bits;
-      std::memcpy(&bits, scales + j * kv.num_kv_heads * 2, sizeof(bits));
-      return fp16_to_float(bits);
-    } else {
+  // a run's row scales (kv_formats.h); 1 for float formats
+  auto run_scales = [&](const void* cache, int64_t i0, int64_t base) { return RunScales(kv, cache, base, (first + i0) % kv.block_size, kv_head); };
+  auto scale_at = [&](const RunScales& scales, int64_t j) {
+    if constexpr (kScaled)
+      return scales[j];
+    else
       return 1.f;
-    }
   };
   const int64_t row_bytes = static_cast<int64_t>(head_dim) * kElemBytes;
   auto prefetch_bytes = [&](const void* cache, int64_t offset, int64_t from, int64_t to) {
@@ -401,7 +389,7 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
   for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, spread over this run's keys
     for (int64_t j = run; j < next.run; ++j) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
-    const uint8_t* key_scales = run_scales(key_cache, i0, base);
+    const RunScales key_scales = run_scales(key_cache, i0, base);
     for (int64_t j = 0; j < run; ++j) {
       if (j < next.run) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
       const int64_t offset = base + j * row_stride;
@@ -436,7 +424,7 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
   softmax_rows(s, G, count, inv_sum);
   if constexpr (kScaled)
     for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
-      const uint8_t* value_scales = run_scales(value_cache, i0, base);
+      const RunScales value_scales = run_scales(value_cache, i0, base);
       for (int64_t j = 0; j < run; ++j) {
         const float value_scale = scale_at(value_scales, j);
         for (int g = 0; g < G; ++g) s[g * count + i0 + j] *= value_scale;
@@ -565,17 +553,9 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
   const uint8_t* key_cache = static_cast<const uint8_t*>(kv.key);
   const uint8_t* value_cache = static_cast<const uint8_t*>(kv.value);
   const int head_dim = kv.head_dim;
-  // the fp16 scales of a run's rows, from its first row's offset: one every num_kv_heads * 2 bytes
-  auto run_scales = [&](const uint8_t* cache, int64_t i0, int64_t base) {
-    const int64_t within = (first + i0) % kv.block_size;
-    const uint8_t* record = cache + base - within * kv.token_stride - static_cast<int64_t>(kv_head) * head_dim;
-    return record + kv.block_size * kv.token_stride + (within * kv.num_kv_heads + kv_head) * 2;
-  };
-  auto scale_at = [&](const uint8_t* scales, int64_t j) {
-    uint16_t bits;
-    std::memcpy(&bits, scales + j * kv.num_kv_heads * 2, sizeof(bits));
-    return fp16_to_float(bits) * kCodeUnit<DT>;
-  };
+  // a run's row scales (kv_formats.h), times what load_row_bh's codes leave out
+  auto run_scales = [&](const uint8_t* cache, int64_t i0, int64_t base) { return RunScales(kv, cache, base, (first + i0) % kv.block_size, kv_head); };
+  auto scale_at = [&](const RunScales& scales, int64_t j) { return scales[j] * kCodeUnit<DT>; };
   const int chunks = head_dim / 32;
   const int64_t row_stride = kv.token_stride;
   scores.resize(static_cast<size_t>(G) * count);
@@ -590,7 +570,7 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
   for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
     // the next run's rows, one per key scored here (and the rest after)
     for (int64_t j = run; j < next.run; ++j) prefetch_row(key_cache, next, j);
-    const uint8_t* key_scales = kScaled ? run_scales(key_cache, i0, base) : nullptr;
+    const RunScales key_scales = run_scales(key_cache, i0, base);  // read only for int8 / fp8
     for (int64_t j0 = 0; j0 < run; j0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, run - j0));
       __m512 partial[G][16];
@@ -633,7 +613,7 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
   std::vector<float> value_scales(kScaled ? count + 16 : 0, 0.f);
   if constexpr (kScaled)
     for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
-      const uint8_t* scales = run_scales(value_cache, i0, base);
+      const RunScales scales = run_scales(value_cache, i0, base);
       for (int64_t j = 0; j < run; ++j) value_scales[i0 + j] = scale_at(scales, j);
     });
   const int64_t padded = count + (count & 1);
