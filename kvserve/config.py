@@ -49,6 +49,7 @@ class EngineConfig:
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale
     kv_quant_residual: int = 128  # int4/int2: recent tokens kept in full precision
     kv_cache_scales: str | None = None  # fp8: a JSON file of calibrated per-layer, per-head K and V scales
+    kv_key_centering: bool = True  # int8 / fp8 without calibrated scales: keys stored minus a per-layer, per-head mean
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -96,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"kv_quant_residual must be at most {MAX_KV_QUANT_RESIDUAL} tokens, got {self.kv_quant_residual}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", block_size_for(self.kv_cache_dtype, None, self.kv_quant_group_size))
+        if not isinstance(self.kv_key_centering, bool):
+            raise ValueError(f"kv_key_centering must be true or false, got {self.kv_key_centering!r}")
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"kv_cache_scales calibrates fp8 caches; --kv-cache-dtype is {self.kv_cache_dtype}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
@@ -120,6 +123,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def centers_keys(self) -> bool:
+        """Whether an int8 / fp8 cache stores centered keys (kv/centering.py)."""
+        return self.kv_key_centering and self.kv_cache_scales is None and KV_FORMATS[normalize_kv_dtype(self.kv_cache_dtype)].kind == "scaled"
 
     @classmethod
     def field_names(cls) -> set[str]:

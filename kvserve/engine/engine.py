@@ -21,6 +21,7 @@ from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_means
 from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
@@ -125,9 +126,13 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer,
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, backend)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
-        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec))
+        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
+                                key_centering=config.centers_keys)  # fmt: skip
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
+        if config.centers_keys:
+            count = min(CALIBRATION_TOKENS, self.max_model_len)
+            self.pool.set_key_centers(key_means(self.model, calibration_tokens(tokenizer, checkpoint.config.vocab_size, count), self.device))
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
@@ -149,7 +154,8 @@ class LLMEngine:
         return {
             "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
-            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}",
+            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}"
+                               + ("/keys centered" if config.centers_keys else ""),
         }  # fmt: skip
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
@@ -542,6 +548,7 @@ class LLMEngine:
             "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block + self.num_residual_blocks * self.kv_spec.residual_block_bytes,
             "kv_cache_dtype": self.kv_spec.kv_dtype,
             "kv_quant_residual_blocks": self.num_residual_blocks,
+            "kv_key_centering": self.config.centers_keys,
             "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -94,7 +94,7 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     return n;
   }
   if (!std::strcmp(name, "KVStoreArgs")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVStoreArgs)), KVSERVE_FIELD(KVStoreArgs, x), KVSERVE_FIELD(KVStoreArgs, slots), KVSERVE_FIELD(KVStoreArgs, records), KVSERVE_FIELD(KVStoreArgs, head_scales), KVSERVE_FIELD(KVStoreArgs, num_tokens), KVSERVE_FIELD(KVStoreArgs, x_token_stride), KVSERVE_FIELD(KVStoreArgs, num_blocks), KVSERVE_FIELD(KVStoreArgs, record_bytes), KVSERVE_FIELD(KVStoreArgs, token_bytes), KVSERVE_FIELD(KVStoreArgs, x_dtype), KVSERVE_FIELD(KVStoreArgs, format), KVSERVE_FIELD(KVStoreArgs, block_size), KVSERVE_FIELD(KVStoreArgs, num_kv_heads), KVSERVE_FIELD(KVStoreArgs, head_dim), KVSERVE_FIELD(KVStoreArgs, pad_)};
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVStoreArgs)), KVSERVE_FIELD(KVStoreArgs, x), KVSERVE_FIELD(KVStoreArgs, slots), KVSERVE_FIELD(KVStoreArgs, records), KVSERVE_FIELD(KVStoreArgs, head_scales), KVSERVE_FIELD(KVStoreArgs, center), KVSERVE_FIELD(KVStoreArgs, num_tokens), KVSERVE_FIELD(KVStoreArgs, x_token_stride), KVSERVE_FIELD(KVStoreArgs, num_blocks), KVSERVE_FIELD(KVStoreArgs, record_bytes), KVSERVE_FIELD(KVStoreArgs, token_bytes), KVSERVE_FIELD(KVStoreArgs, x_dtype), KVSERVE_FIELD(KVStoreArgs, format), KVSERVE_FIELD(KVStoreArgs, block_size), KVSERVE_FIELD(KVStoreArgs, num_kv_heads), KVSERVE_FIELD(KVStoreArgs, head_dim), KVSERVE_FIELD(KVStoreArgs, pad_)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

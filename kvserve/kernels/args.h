@@ -214,6 +214,7 @@ struct KVStoreArgs {
   const int64_t* slots;
   uint8_t* records;           // [num_blocks][record_bytes]
   const float* head_scales;   // fp8: calibrated scales [num_kv_heads], or null for each token's own
+  const float* center;        // [num_kv_heads][head_dim] subtracted (in float) before quantizing, or null
   int64_t num_tokens;
   int64_t x_token_stride;
   int64_t num_blocks;

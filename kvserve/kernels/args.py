@@ -104,7 +104,7 @@ class SamplerArgs(ctypes.Structure):
 
 class KVStoreArgs(ctypes.Structure):
     _fields_ = [
-        ("x", _p), ("slots", _p), ("records", _p), ("head_scales", _p), ("num_tokens", _i64), ("x_token_stride", _i64), ("num_blocks", _i64),
+        ("x", _p), ("slots", _p), ("records", _p), ("head_scales", _p), ("center", _p), ("num_tokens", _i64), ("x_token_stride", _i64), ("num_blocks", _i64),
         ("record_bytes", _i64), ("token_bytes", _i64), ("x_dtype", _i32), ("format", _i32), ("block_size", _i32), ("num_kv_heads", _i32),
         ("head_dim", _i32), ("pad_", _i32),
     ]  # fmt: skip

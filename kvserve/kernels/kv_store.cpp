@@ -2,7 +2,8 @@
 // what kvserve/kv/quant.py's encode writes: per token and head, scale = amax / limit (int8: 127;
 // fp8: the format's largest value; or a calibrated per-head scale), at least 2^-24, rounded to
 // fp16 and stored as such; values = x / scale rounded to nearest even (int8: clamped to +-127;
-// fp8: clamped to +-limit, then rounded to the format). The decode step stores one token per
+// fp8: clamped to +-limit, then rounded to the format), after subtracting a centered cache's
+// per-head center in float (kv/centering.py). The decode step stores one token per
 // sequence and layer, where the torch codec's dozen small ops cost more than the attention.
 
 #include <algorithm>
@@ -71,6 +72,8 @@ void store_rows(const KVStoreArgs& a, Load load) {
     uint8_t* scale_at = record + a.block_size * a.token_bytes + (within * heads + h) * 2;
     float x[512];
     load(t, h, x);
+    if (a.center != nullptr)
+      for (int d = 0; d < dim; ++d) x[d] -= a.center[h * dim + d];
     float scale;
     if (a.head_scales != nullptr) {
       scale = a.head_scales[h];

@@ -75,6 +75,7 @@ class LayerKV:
     first_residual: int  # block ids from here on are float blocks: 0 for a float cache
     view: KVView  # the same, described for the native kernels
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp8: calibrated (K, V) scales per head
+    key_center: torch.Tensor | None = None  # int8 / fp8: float32 [kv_heads, head_dim] subtracted from keys as stored (kv/centering.py)
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset)."""
@@ -86,8 +87,10 @@ class LayerKV:
         spec = self.spec
         if self.key_records.device.type == "cpu" and kernels.cpu_kernels_available():
             for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
-                kernels.kv_store(spec, records, slots, x, self.scales[w] if self.scales is not None else None)
+                kernels.kv_store(spec, records, slots, x, self.scales[w] if self.scales is not None else None, self.key_center if w == 0 else None)
             return
+        if self.key_center is not None:
+            k = k.float() - self.key_center
         blocks, within = slots // self.block_size, slots % self.block_size
         for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
             data, scales = quant.encode_tokens(spec, x, self.scales[w] if self.scales is not None else None)
@@ -117,7 +120,7 @@ class LayerKV:
 class PagedKVPool:
     def __init__(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_residual_blocks: int = 0,
-        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None, key_centering: bool = False,
     ) -> None:  # fmt: skip
         self.spec = spec
         self.num_blocks = num_blocks
@@ -132,9 +135,19 @@ class PagedKVPool:
             self.first_residual = 0
         else:
             self.first_residual = num_blocks if self.num_residual_blocks else NO_RESIDUAL
-        self.layers = tuple(self._layer(group, index, scales[layer] if scales else None) for layer, (group, index) in enumerate(spec.layer_slots))
+        # int8 / fp8 keys are stored minus a per-layer, per-head center (zero until set_key_centers)
+        centered = key_centering and fmt.kind == "scaled"
+        self.key_centers = torch.zeros(spec.num_layers, spec.num_kv_heads, spec.head_dim, device=device) if centered else None
+        self.layers = tuple(self._layer(group, index, scales[layer] if scales else None, self.key_centers[layer] if centered else None)
+                            for layer, (group, index) in enumerate(spec.layer_slots))  # fmt: skip
 
-    def _layer(self, group: int, index: int, scales: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKV:
+    def set_key_centers(self, centers: list[torch.Tensor]) -> None:
+        """Set the keys' centers, [kv_heads, head_dim] per layer, before anything is stored."""
+        if self.key_centers is None:
+            raise ValueError("this pool does not center keys (only int8 / fp8 caches do)")
+        self.key_centers.copy_(torch.stack([c.float().to(self.key_centers.device) for c in centers]))
+
+    def _layer(self, group: int, index: int, scales: tuple[torch.Tensor, torch.Tensor] | None, key_center: torch.Tensor | None) -> LayerKV:
         key = value = key_records = value_records = None
         if self.kv is not None:
             key, value = self.kv[index, 0], self.kv[index, 1]
@@ -144,7 +157,7 @@ class PagedKVPool:
         device = (key if key is not None else key_records).device
         if kernels.cpu_kernels_available() and device.type == "cpu":
             view = kernels.kv_view(self.spec, key, value, key_records, value_records, self.first_residual if key_records is not None else kernels.NO_RESIDUAL)
-        return LayerKV(self.spec, group, self.block_size, key, value, key_records, value_records, self.first_residual, view, scales)
+        return LayerKV(self.spec, group, self.block_size, key, value, key_records, value_records, self.first_residual, view, scales, key_center)
 
     @property
     def nbytes(self) -> int:
