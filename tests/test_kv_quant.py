@@ -347,6 +347,13 @@ def test_int8_and_fp8_keys_are_stored_centered(tiny_dir, tmp_path):
         assert good >= 0.9 and good > bad + 0.1, (kv_dtype, good, bad)
     # the centers are part of the cache identity: blocks never move between centered and plain caches
     assert centered.engine.cache_identity != plain.engine.cache_identity
+    # fp8 keeps the mean only where RoPE turns a dim by at most a radian over max_model_len (512):
+    # dims 6-11 and 18-23 of 24 here; int8 keeps the mean turned and averaged over the positions
+    fp8 = LLM(path, dtype="float32", kv_cache_memory=0.05, kv_cache_dtype="fp8_e4m3").engine.pool.key_centers
+    turn = 512 * 1e6 ** (-torch.arange(12) / 12.0)
+    slow = torch.cat((turn, turn)) <= 1
+    assert torch.all(fp8[:, :, ~slow] == 0) and torch.all((fp8[:, :, 11] - 60).abs() < 15)
+    assert float(fp8[:, :, slow].sub(centers[:, :, slow]).abs().max()) < 0.5  # int8's average barely moves the slow dims
 
 
 def test_key_centering_is_only_for_per_token_scales(tiny_dir, tmp_path):

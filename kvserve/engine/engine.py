@@ -21,7 +21,7 @@ from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
-from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_means
+from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_centers
 from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
@@ -132,7 +132,8 @@ class LLMEngine:
             self.model.enable_native_kernels()
         if config.centers_keys:
             count = min(CALIBRATION_TOKENS, self.max_model_len)
-            self.pool.set_key_centers(key_means(self.model, calibration_tokens(tokenizer, checkpoint.config.vocab_size, count), self.device))
+            self.pool.set_key_centers(key_centers(self.model, calibration_tokens(tokenizer, checkpoint.config.vocab_size, count), self.device,
+                                                      self.max_model_len, self.kv_spec.kv_dtype))
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 

@@ -7,10 +7,10 @@ constant (Qwen2's k_proj bias, the massive channels of small Llamas) rather than
 With that constant removed, the informative channels get the levels: Qwen2.5-Coder-0.5B's int8
 perplexity delta falls from +8.6% to -0.4% (README, KV cache quantization).
 
-c is the mean key of each layer and head over a short calibration text (the first
+c comes from the mean key of each layer and head over a short calibration text (the first
 CALIBRATION_TOKENS tokens of textwrap.py from Python's standard library), computed once at start
 in one causal prefill outside the pool, so it is the same in every process that loads the same
-weights.
+weights; key_centers() adapts it to RoPE, which turns a key's constant part with its position.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.model.layers import rope_inverse_frequencies
 
 CALIBRATION_TOKENS = 512
 
@@ -53,6 +54,36 @@ def calibration_tokens(tokenizer, vocab_size: int, count: int) -> list[int]:
         return [(7919 * i + 1) % vocab_size for i in range(count)]
     ids = tokenizer.encode(Path(textwrap.__file__).read_text(encoding="utf-8"))
     return list(ids[:count])
+
+
+@torch.inference_mode()
+def key_centers(model, token_ids: list[int], device: torch.device, max_positions: int, kv_dtype: str) -> list[torch.Tensor]:
+    """Each layer's center [kv_heads, head_dim] for a cache of `kv_dtype` serving up to
+    `max_positions` positions, from the mean key over token_ids (stored at positions 0..n-1).
+
+    RoPE turns a key's constant part with its position, so a mean measured at the first positions
+    is a constant only in the dims RoPE turns slowly. int8's error is one step (the token's
+    largest |k - c| / 127) for every channel, so it takes the mean turned and averaged over all
+    positions below max_positions: closed form per rotary pair, the measured mean in the slow
+    dims, near zero in the fast ones, the mean over every position in between. fp8's error is
+    relative to each |k - c|, so a center wrong at some positions costs directly: it keeps the
+    measured mean only in the dims RoPE turns by at most one radian over max_positions.
+    """
+    means = key_means(model, token_ids, device)
+    centers = []
+    for i, mean in enumerate(means):
+        turn = (rope_inverse_frequencies(model.config.layer_rope(i), model.config.head_dim).float() * max_positions).to(mean.device)
+        half = mean.shape[-1] // 2
+        if kv_dtype == "int8":
+            tiny = turn < 1e-4
+            cos_mean = torch.where(tiny, torch.ones_like(turn), torch.sin(turn) / turn.clamp_min(1e-4))
+            sin_mean = torch.where(tiny, turn / 2, (1 - torch.cos(turn)) / turn.clamp_min(1e-4))
+            first, second = mean[..., :half], mean[..., half:]
+            centers.append(torch.cat((first * cos_mean - second * sin_mean, second * cos_mean + first * sin_mean), dim=-1))
+        else:
+            slow = torch.cat((turn, turn)) <= 1.0
+            centers.append(torch.where(slow, mean, torch.zeros_like(mean)))
+    return centers
 
 
 @torch.inference_mode()
