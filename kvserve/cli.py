@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:
+        from kvserve.eval.cli import attach_config_values
+
+        argv = attach_config_values(argv)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:

@@ -58,6 +58,15 @@ def test_eval_table_has_every_column(tiny_dir, capsys):
     assert out.splitlines()[3].startswith("reference") and out.splitlines()[4].startswith("--kv-cache-dtype fp8")
 
 
+def test_a_config_of_one_dashed_flag_is_taken_as_the_configuration(tiny_dir, capsys):
+    """argparse alone would read `--config --no-kv-key-centering` as two options and refuse it."""
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--kv-cache-dtype", "int8", "--json", "--config",
+                          "--no-kv-key-centering", *FAST)  # fmt: skip
+    assert code == 0, err
+    (plain,) = json.loads(out)["configs"]
+    assert plain["flags"] == "--no-kv-key-centering" and plain["kv_cache_dtype"] == "int8" and plain["mean_kl"] > 0.0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -347,6 +347,10 @@ def test_int8_and_fp8_keys_are_stored_centered(tiny_dir, tmp_path):
         assert good >= 0.9 and good > bad + 0.1, (kv_dtype, good, bad)
     # the centers are part of the cache identity: blocks never move between centered and plain caches
     assert centered.engine.cache_identity != plain.engine.cache_identity
+    # ... and so is their digest: a shorter max_model_len averages int8's centers over fewer positions
+    short = LLM(path, dtype="float32", kv_cache_memory=0.05, kv_cache_dtype="int8", max_model_len=128)
+    assert short.engine.cache_identity != centered.engine.cache_identity
+    assert not torch.equal(short.engine.pool.key_centers, centers)
     # fp8 keeps the mean only where RoPE turns a dim by at most a radian over max_model_len (512):
     # dims 6-11 and 18-23 of 24 here; int8 keeps the mean turned and averaged over the positions
     fp8 = LLM(path, dtype="float32", kv_cache_memory=0.05, kv_cache_dtype="fp8_e4m3").engine.pool.key_centers

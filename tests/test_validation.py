@@ -54,6 +54,8 @@ def test_bad_engine_config(field, value):
 def test_max_model_len_beyond_capacity(tiny_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny_dir("qwen2")), dtype="float32", num_kv_blocks=2, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len must be at least 2"):
+        LLM(str(tiny_dir("qwen2")), dtype="float32", kv_cache_memory=0.01, max_model_len=1)
 
 
 def test_unknown_engine_argument(tiny_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -11,6 +12,7 @@ from pathlib import Path
 from collections.abc import Callable, Sequence as Seq
 
 import torch
+import xxhash
 
 from kvserve import kernels
 from kvserve.attention.backend import create_backend
@@ -131,11 +133,23 @@ class LLMEngine:
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
         if config.centers_keys:
-            count = min(CALIBRATION_TOKENS, self.max_model_len)
-            self.pool.set_key_centers(key_centers(self.model, calibration_tokens(tokenizer, checkpoint.config.vocab_size, count), self.device,
-                                                      self.max_model_len, self.kv_spec.kv_dtype))
+            self._center_keys(checkpoint.config.vocab_size)
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
+
+    def _center_keys(self, vocab_size: int) -> None:
+        """Calibrate the int8 / fp8 key centers (kv/centering.py) before anything is stored. They
+        depend on max_model_len, the tokenizer and the calibration text's version, so their digest
+        joins the cache identity: no block moves between caches centered differently."""
+        count = min(CALIBRATION_TOKENS, self.max_model_len)
+        tokens = calibration_tokens(self.tokenizer, vocab_size, count)
+        self.pool.set_key_centers(key_centers(self.model, tokens, self.device, self.max_model_len, self.kv_spec.kv_dtype))
+        digest = xxhash.xxh3_64_hexdigest(self.pool.key_centers.cpu().numpy().tobytes())
+        self.cache_identity = dataclasses.replace(
+            self.cache_identity, kv_quantization=f"{self.cache_identity.kv_quantization} {digest}"
+        )  # fmt: skip
+        if self.kv.prefix_cache is not None:
+            self.kv.prefix_cache.root = root_hash(self.cache_identity)  # nothing is cached yet
 
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
@@ -185,6 +199,8 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens for one sequence "
                     f"({num_blocks} blocks); raise kv_cache_memory or lower max_model_len"
                 )
+        if config.max_model_len is not None and config.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {config.max_model_len}")
         if self.max_model_len < 2:
             raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; raise kv_cache_memory")
         self.cache_identity = identity

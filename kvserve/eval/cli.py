@@ -54,6 +54,20 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def attach_config_values(argv: list[str]) -> list[str]:
+    """`--config "--no-kv-key-centering"` as `--config=--no-kv-key-centering`: argparse takes a
+    value that starts with a dash for an option of its own and would refuse the flag's value."""
+    out: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        if arg == "--config":
+            value = next(values, None)
+            out.append(arg if value is None else f"--config={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def config_args(base: argparse.Namespace, flags: str) -> argparse.Namespace:
     """The reference's engine flags with `flags` on top."""
     parser = argparse.ArgumentParser(prog="--config", add_help=False, exit_on_error=False)
