@@ -76,7 +76,7 @@ def main() -> None:
         for r in levels:
             noise.relative, noise.changed, noise.total = r, 0, 0
             result = evaluation.run(f"noise {r}", "", config)
-            print(f"| {r:g} | {noise.changed / max(noise.total, 1):.1%} | {result.perplexity_delta_pct:+.2f}% | {result.mean_kl:.2e} | "
+            print(f"| {r:g} | {noise.changed / max(noise.total, 1):.3%} | {result.perplexity_delta_pct:+.2f}% | {result.mean_kl:.2e} | "
                   f"{result.top1_agreement:.1%} |", flush=True)
     finally:
         evaluation.close()
