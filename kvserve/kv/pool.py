@@ -78,7 +78,8 @@ class LayerKV:
     key_center: torch.Tensor | None = None  # int8 / fp8: float32 [kv_heads, head_dim] subtracted from keys as stored (kv/centering.py)
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset)."""
+        """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset);
+        a centered cache stores k - key_center."""
         if self.key_records is None or self.spec.format.kind == "kivi":
             offset = self.first_residual * self.block_size if self.key_records is not None else 0
             self.key.index_copy_(0, slots - offset, k.to(self.key.dtype))
@@ -145,7 +146,10 @@ class PagedKVPool:
         """Set the keys' centers, [kv_heads, head_dim] per layer, before anything is stored."""
         if self.key_centers is None:
             raise ValueError("this pool does not center keys (only int8 / fp8 caches do)")
-        self.key_centers.copy_(torch.stack([c.float().to(self.key_centers.device) for c in centers]))
+        stacked = torch.stack([c.float().to(self.key_centers.device) for c in centers])
+        if stacked.shape != self.key_centers.shape or not bool(torch.isfinite(stacked).all()):
+            raise ValueError(f"key centers must be finite, {tuple(self.key_centers.shape)} (layers, kv heads, head dim)")
+        self.key_centers.copy_(stacked)
 
     def _layer(self, group: int, index: int, scales: tuple[torch.Tensor, torch.Tensor] | None, key_center: torch.Tensor | None) -> LayerKV:
         key = value = key_records = value_records = None
