@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_sdpa import context_mask
 from kvserve.model.layers import rope_inverse_frequencies
 
 CALIBRATION_TOKENS = 512
@@ -39,12 +40,9 @@ class _KeyMeans:
     ) -> torch.Tensor:
         self.means[layer] = k.double().mean(0).float()
         n = q.shape[0]
-        mask = None
-        if window is not None and window < n:
-            rows = torch.arange(n, device=q.device)
-            mask = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - window)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                             is_causal=mask is None, scale=scale, enable_gqa=True)  # fmt: skip
+        mask = context_mask(torch.arange(n, device=q.device), torch.tensor(n, device=q.device), n, window)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+                                             enable_gqa=True)  # fmt: skip
         return out.transpose(0, 1).contiguous()
 
 
