@@ -29,13 +29,14 @@ def test_eval_scores_lossless_exactly_and_lossy_honestly(tiny_dir, capsys):
     assert report["windows"] == 2 and report["scored_tokens"] == 2 * 191
     ref, same, int8, int4 = report["reference"], *report["configs"]
     columns = {"name", "flags", "kv_cache_dtype", "bytes_per_token", "token_capacity", "perplexity", "perplexity_delta_pct",
-               "mean_kl", "top1_agreement", "greedy_agreement", "needle"}  # fmt: skip
+               "mean_kl", "top1_agreement", "greedy_agreement", "needle", "needle_outside"}  # fmt: skip
     for row in (ref, same, int8, int4):
         assert set(row) == columns
         assert row["perplexity"] > 1.0
         # 4096 is longer than the tiny model's 512 positions: skipped, not failed
         assert set(row["needle"]) == {"96", "200", "4096"} and row["needle"]["4096"] is None
         assert all(0.0 <= row["needle"][n] <= 1.0 for n in ("96", "200"))
+        assert row["needle_outside"] == {}  # --needle-question inside only
     assert ref["mean_kl"] is None and ref["perplexity_delta_pct"] is None
     # the same flags again: the same computation, scored exactly
     assert same["mean_kl"] == 0.0 and same["perplexity_delta_pct"] == 0.0
@@ -67,6 +68,30 @@ def test_a_config_of_one_dashed_flag_is_taken_as_the_configuration(tiny_dir, cap
     assert plain["flags"] == "--no-kv-key-centering" and plain["kv_cache_dtype"] == "int8" and plain["mean_kl"] > 0.0
 
 
+def test_eval_scores_a_compressed_window_and_asks_needles_after_compressing(tiny_dir, capsys):
+    """--score-from compresses each window's first tokens and scores the rest against the compressed
+    cache; --needle-question both asks each needle with the question inside and outside the window."""
+    flags = "--kv-compression snapkv --kv-budget 48 --snapkv-window 8"
+    fast = [*FAST]
+    fast[fast.index("--needle-lengths") + 1] = "96,200"
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--json", "--score-from", "128", "--needle-question", "both",
+                          "--config", "--kv-compression snapkv --kv-keep-ratio 1", "--config", flags, *fast)  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["score_from"] == 128 and report["scored_tokens"] == 2 * (192 - 128 - 1)
+    ref, whole, squeezed = report["reference"], *report["configs"]
+    assert set(ref["needle_outside"]) == {"96", "200"} and ref["needle_outside"] == ref["needle"]
+    # keeping everything is the reference's computation; 48 of 128 tokens kept is not
+    assert whole["mean_kl"] == 0.0 and whole["needle_outside"] == ref["needle_outside"]
+    assert squeezed["mean_kl"] > 0.0 and squeezed["top1_agreement"] < 1.0
+    assert all(0.0 <= squeezed["needle_outside"][n] <= 1.0 for n in ("96", "200"))
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--score-from", "128", "--needle-question", "both",
+                          "--config", flags, *fast)  # fmt: skip
+    assert code == 0, err
+    header = out.splitlines()[1]
+    assert "needle 96" in header and "q-out 200" in header and "from position 128" in out.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -79,6 +104,8 @@ def test_a_config_of_one_dashed_flag_is_taken_as_the_configuration(tiny_dir, cap
         (["--config", "", "--score-chunk", "0"], "score-chunk"),
         (["--config", "garbage --block-size 16"], "not engine flags: garbage"),
         (["--config", "", "--greedy-tokens", "0"], "greedy-tokens"),
+        (["--config", "", "--context", "192", "--score-from", "191"], "score-from"),
+        (["--config", "", "--score-from", "-1"], "score-from"),
         (["--config", "", "--greedy-prompts", "100000"], "greedy-prompts"),
         (["--config", "", "--text", "/usr/bin/env"], "not a text file"),
     ],

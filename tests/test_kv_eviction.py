@@ -82,12 +82,12 @@ def test_budget_counts_every_kept_token():
     assert set(top_positions(scores, 4, 4, 3)[0, 0, :2].tolist()) <= {2, 3, 4}  # max-pooled: 3's neighbours score as 3 does
 
 
-def test_sliding_window_models_are_refused(tiny_dir):
-    path = tiny_dir("gemma3")
-    with pytest.raises(ValueError, match="sliding-window"):
+def test_a_model_of_sliding_window_layers_only_is_refused(tiny_dir):
+    path = tiny_dir("gemma3-sliding")
+    with pytest.raises(ValueError, match="every layer"):
         _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5)
     llm = _llm(path)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="every layer"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, kv_compression="streaming", kv_keep_ratio=0.5), use_tqdm=False)
     assert llm.stats()["num_waiting"] == 0
 
@@ -191,7 +191,7 @@ def _hand_built(kv_dtype: str):
         q[n - window :, 2 * head : 2 * head + 2] = 0
         q[n - window :, 2 * head : 2 * head + 2, head] = 4.0
     out = torch.zeros(1, 2, n)
-    meta = AttentionMetadata(positions=positions, slot_mappings=[slots], prefills=[PrefillSpan(0, n, 0, [table])],
+    meta = AttentionMetadata(positions=positions, slot_mappings=[slots], prefills=[PrefillSpan(0, n, [0], [table])],
                              window_scores=[WindowScoreSpan(n - window, n, n - window, [table], out)])  # fmt: skip
     return pool, table, q, k, v, meta, out, targets
 
@@ -279,4 +279,145 @@ def test_int8_cache_compresses(tiny_dir):
     llm = _llm(path, kv_cache_dtype="int8", kv_compression="snapkv", kv_keep_ratio=0.3, snapkv_window=8)
     outs = llm.generate(random_prompts(3, 60, 90, seed=6), GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == 12 for o in outs) and llm.stats()["kv_evicted_tokens_total"] > 0
+    _check_free(llm)
+
+
+# ---------------------------------------------------------------------- compressing before the rest of the prompt
+def _hf_logits_with_mask(hf, tokens: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """transformers' logits when query i may attend to key j only where allowed[i, j]."""
+    mask = torch.zeros(1, 1, len(tokens), len(tokens))
+    mask[0, 0][~allowed] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        return hf(torch.tensor([tokens]), attention_mask=mask).logits[0].float()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compress_at_computes_the_rest_against_the_kept_positions_as_transformers_masks_them(tiny_dir, backend):
+    """score(compress_at=k): positions before k see everything; k and after see the kept ones and their own."""
+    path = tiny_dir("llama")
+    tokens = random_prompts(1, 100, 100, seed=21)[0]
+    k = 64
+    llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
+    kept = []
+    compact = llm.engine.pool.compact
+    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)  # a chunk ends at 64, not 72
+    (keep,) = kept  # random keeps the same positions in every layer and head
+    positions = keep[0, 0]
+    assert (keep == positions).all() and positions.numel() == 24 and (positions[-8:] == torch.arange(k - 8, k)).all()
+    allowed = torch.ones(100, 100).tril().bool()
+    evicted = torch.ones(100, dtype=torch.bool)
+    evicted[positions] = False
+    evicted[k:] = False
+    allowed[k:, evicted] = False
+    expected = _hf_logits_with_mask(hf_model(path), tokens, allowed)
+    with torch.inference_mode():
+        logits = llm.engine.model.compute_logits(hidden).float()
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
+    # and the cache really holds only the kept positions plus the rest of the prompt
+    assert llm.stats()["kv_evicted_tokens_total"] == k - 24
+    _check_free(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemma3_compresses_its_full_attention_layers_and_its_sliding_layers_keep_their_window(tiny_dir, backend):
+    """Hybrid models: the full-attention group is compacted, the sliding groups are not (their slots
+    stay positions), and the result is transformers' with the evicted positions masked out of the
+    full layers only."""
+    path = tiny_dir("gemma3-w4")
+    tokens = random_prompts(1, 100, 100, seed=24)[0]
+    k = 64
+    llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
+    kept = []
+    compact = llm.engine.pool.compact
+    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)
+    assert len(kept) == 1 and kept[0].shape[0] == 2  # one group: layers 2 and 5
+    positions = kept[0][0, 0]
+    causal = torch.ones(100, 100).tril().bool()
+    full = causal.clone()
+    evicted = torch.ones(100, dtype=torch.bool)
+    evicted[positions] = False
+    evicted[k:] = False
+    full[k:, evicted] = False
+    sliding = causal & ~torch.ones(100, 100).tril(-4).bool()  # query i sees keys i-3 .. i
+    masks = {}
+    for name, allowed in (("full_attention", full), ("sliding_attention", sliding)):
+        masks[name] = torch.zeros(1, 1, 100, 100)
+        masks[name][0, 0][~allowed] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        expected = hf_model(path)(torch.tensor([tokens]), attention_mask=masks).logits[0].float()
+    with torch.inference_mode():
+        logits = llm.engine.model.compute_logits(hidden).float()
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
+    _check_free(llm)
+
+
+def test_gemma3_compression_frees_blocks_and_works_batched_chunked_and_preempted(tiny_dir):
+    path = tiny_dir("gemma3-w8")
+    prompts = random_prompts(6, 100, 140, seed=25)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    for method in ("snapkv", "streaming"):
+        flags = dict(kv_compression=method, kv_keep_ratio=0.5, snapkv_window=8)
+        alone = [_llm(path, **flags).generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+        batched = _llm(path, max_num_batched_tokens=48, **flags)
+        assert [o.token_ids for o in batched.generate(prompts, params, use_tqdm=False)] == alone, method
+        # two sliding groups hold ~2 blocks each, the full group half the prompt and what it generates: 30 blocks preempt
+        # (a preempted sequence is recomputed and compressed again, its output so far included: its tokens may change)
+        squeezed = _llm(path, num_kv_blocks=30, max_num_batched_tokens=48, **flags)
+        assert [len(o.token_ids) for o in squeezed.generate(prompts, params, use_tqdm=False)] == [100] * 6
+        assert squeezed.stats()["num_preemptions"] > 0 and squeezed.stats()["kv_evicted_tokens_total"] > 0
+        _check_free(batched)
+        _check_free(squeezed)
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.25, block_size=16)
+    engine = llm.engine
+    seq = engine.add_request(random_prompts(1, 400, 400, seed=26)[0], SamplingParams(max_tokens=4))
+    while not seq.eviction_started:
+        engine.step()
+    full = [g for g, group in enumerate(engine.kv.groups) if group.window is None]
+    assert [engine.kv.num_held_blocks(seq.request_id, g) for g in full] == [math.ceil(100 / 16)]
+    assert all(engine.kv.num_held_blocks(seq.request_id, g) <= 2 for g in range(len(engine.kv.groups)) if g not in full)
+
+
+def test_compress_at_the_prompt_end_is_compressing_after_prefill_and_bad_points_are_refused(tiny_dir):
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 90, 90, seed=22)[0]
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.3, snapkv_window=8, max_num_batched_tokens=32)
+    engine = llm.engine
+
+    def run(compress_at):
+        seq = engine.add_request(prompt, GREEDY, compress_at=compress_at)
+        while not seq.is_finished:
+            engine.step()
+        return seq.output_token_ids
+
+    at_end = run(None)
+    assert run(len(prompt)) == at_end
+    assert run(50) != at_end  # the question-agnostic cache is another cache
+    for bad in (0, len(prompt) + 1, 2.5, True):
+        with pytest.raises(ValueError, match="compress_at"):
+            engine.add_request(prompt, GREEDY, compress_at=bad)
+    with pytest.raises(ValueError, match="leaves none"):
+        engine.score(prompt, compress_at=len(prompt))
+    _check_free(llm)
+
+
+def test_streaming_keeps_evicting_while_the_rest_of_the_prompt_is_computed(tiny_dir):
+    path = tiny_dir("llama")
+    tokens = random_prompts(1, 200, 200, seed=23)[0]
+    llm = _llm(path, kv_compression="streaming", kv_budget=24, sink_tokens=4, block_size=16)
+    engine = llm.engine
+    held = []
+    score_step = engine.step
+
+    def step():
+        out = score_step()
+        for seq in engine.scheduler.running:
+            held.append(engine.kv.num_held_blocks(seq.request_id, 0))
+        return out
+
+    engine.step = step
+    engine.score(tokens, chunk=8, compress_at=40)
+    # after the compression at 40, never more than budget + a block + a chunk: 48 slots, 3 blocks
+    assert max(held[5:]) <= 3 and llm.stats()["kv_compactions_total"] > 5
     _check_free(llm)

@@ -45,6 +45,8 @@ def _config(family: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             query_pre_attn_scalar=32,
         )
+    if family == "gemma3-sliding":  # every layer sliding: nothing for KV eviction to compress
+        return tf.Gemma3TextConfig(**common, sliding_window=12, layer_types=["sliding_attention"] * 3, query_pre_attn_scalar=32)
     if family.startswith("gemma3-w"):  # gemma3-w4, gemma3-w8: 4 sliding and 2 full layers, KV groups of two layers
         sliding, full = "sliding_attention", "full_attention"
         return tf.Gemma3TextConfig(

@@ -33,8 +33,11 @@ class AttentionBackend(abc.ABC):
         """q [T, H, D]; k, v [T, KVH, D] of the step's tokens. Stores k/v in the layer's slots and
         returns the attention output [T, H, D]; a sliding-window layer sees the last `window` slots."""
 
-    def score_windows(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
-        """Add the SnapKV scores of this layer's window queries (after their K/V are stored)."""
+    def score_windows(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None) -> None:
+        """Add the SnapKV scores of this layer's window queries (after their K/V are stored); a
+        sliding-window layer is not compressed and scores nothing."""
+        if window is not None:
+            return
         kv = self.layers[layer]
         for span in meta.window_scores:
             keys, _ = kv.gather(span.block_tables[kv.group])

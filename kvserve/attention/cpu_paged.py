@@ -22,12 +22,12 @@ class CpuPagedBackend(AttentionBackend):
         num_decode = meta.num_decode_tokens
         if num_decode:
             kernels.paged_decode_attention(
-                q[:num_decode], kv.view, meta.decode_block_tables[kv.group], meta.decode_kv_lens, scale, window, out=out[:num_decode]
+                q[:num_decode], kv.view, meta.decode_block_tables[kv.group], meta.decode_kv_lens[kv.group], scale, window, out=out[:num_decode]
             )
         for span in meta.prefills:
             kernels.paged_prefill_attention(
-                q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_start, scale, window, out=out[span.start : span.end]
+                q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_starts[kv.group], scale, window, out=out[span.start : span.end]
             )
         if meta.window_scores:
-            self.score_windows(layer, q, meta, scale)
+            self.score_windows(layer, q, meta, scale, window)
         return out

@@ -2,7 +2,8 @@
 
 Positions (for RoPE) and cached slots are different numbers: a token's position is its index in
 its sequence; `decode_kv_lens` counts the slots a sequence holds in the cache. Every KV cache group
-has its own block tables and slot mapping.
+has its own block tables, slot mapping and slot counts (KV eviction compacts only full-attention
+groups; a sliding-window group's slots stay positions).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 class PrefillSpan:
     start: int  # first row of this chunk in the flat batch
     end: int
-    kv_start: int  # slot of the chunk's first token
+    kv_starts: list[int]  # per group: slot of the chunk's first token
     block_tables: list[torch.Tensor]  # per group: [nb] blocks covering every slot up to the chunk's end
 
     @property
@@ -33,7 +34,7 @@ class WindowScoreSpan:
     end: int
     first_slot: int  # slot of the first row's query
     block_tables: list[torch.Tensor]  # per group: [nb] blocks covering kv_len slots
-    out: torch.Tensor
+    out: torch.Tensor  # full-attention layers' rows are filled; sliding-window layers evict nothing
 
     @property
     def kv_len(self) -> int:
@@ -45,7 +46,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] each token's position in its sequence
     slot_mappings: list[torch.Tensor]  # per group: [T] where each token's K/V goes
     num_decode_tokens: int = 0  # decode rows come first, one per sequence
-    decode_kv_lens: torch.Tensor | None = None  # [B] cached slots, the new token's included
+    decode_kv_lens: list[torch.Tensor] = field(default_factory=list)  # per group: [B] cached slots, the new token's included
     decode_block_tables: list[torch.Tensor] = field(default_factory=list)  # per group: [B, nb]
     prefills: list[PrefillSpan] = field(default_factory=list)
     window_scores: list[WindowScoreSpan] = field(default_factory=list)

@@ -40,7 +40,7 @@ class TorchSdpaBackend(AttentionBackend):
         for i, span in enumerate(meta.prefills):
             out[span.start : span.end] = self._prefill(q, k, v, i, span, layer, meta, scale, window)
         if meta.window_scores:
-            self.score_windows(layer, q, meta, scale)
+            self.score_windows(layer, q, meta, scale, window)
         return out
 
     def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,7 @@ class TorchSdpaBackend(AttentionBackend):
         queries = q.view(num_decode, kv_heads, num_heads // kv_heads, head_dim)
         key = ("decode", group, window)
         if key not in meta.cache:
-            lengths = meta.decode_kv_lens
+            lengths = meta.decode_kv_lens[group]
             padded = tables.shape[1] * self.layers[layer].block_size
             meta.cache[key] = context_mask(lengths - 1, lengths, padded, window).view(num_decode, 1, 1, padded)
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.cache[key], scale=scale)
@@ -89,21 +89,22 @@ class TorchSdpaBackend(AttentionBackend):
         n, num_heads, head_dim = span.num_tokens, q.shape[1], q.shape[2]
         kv = self.layers[layer]
         stored_as_given = kv.key_records is None or kv.spec.format.kind == "kivi"  # int8 / fp8 read back what they quantized
-        if span.kv_start == 0 and (window is None or window >= n) and stored_as_given:
+        group = kv.group
+        kv_start = span.kv_starts[group]
+        if kv_start == 0 and (window is None or window >= n) and stored_as_given:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             keys = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
             values = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             return attn[0].transpose(0, 1)
-        group = self.layers[layer].group
         table = span.block_tables[group]
         keys, values = self._gather(layer, table)  # [L, KVH, D]
         kv_heads = keys.shape[1]
         keys, values = keys.to(q.dtype).transpose(0, 1), values.to(q.dtype).transpose(0, 1)
         key = ("prefill", index, group, window)
         if key not in meta.cache:
-            slots = torch.arange(span.kv_start, span.kv_start + n, device=q.device)
-            end = torch.tensor(span.kv_start + n, device=q.device)
+            slots = torch.arange(kv_start, kv_start + n, device=q.device)
+            end = torch.tensor(kv_start + n, device=q.device)
             meta.cache[key] = context_mask(slots, end, table.numel() * self.layers[layer].block_size, window)
         # fold the query-head group into the query axis so each kv head serves its group without a copy
         groups = num_heads // kv_heads

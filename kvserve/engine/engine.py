@@ -239,9 +239,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         stream: bool = False,
         queue: bool = True,
+        compress_at: int | None = None,
     ) -> Sequence:
         """Queue a request. With ``stream``, step() hands out an output for it every step holding
-        only what is new; otherwise only its finished output."""
+        only what is new; otherwise only its finished output. A compressing request compresses its
+        first `compress_at` prompt tokens before it computes the rest (None: the whole prompt), so
+        what follows, a question say, is read against the compressed cache."""
         validate_cache_salt(cache_salt)
         if isinstance(prompt, str):
             if not prompt:
@@ -256,6 +259,9 @@ class LLMEngine:
         else:
             prompt_text, token_ids = None, list(prompt)
         self.validate_prompt_tokens(token_ids)
+        if compress_at is not None and (isinstance(compress_at, bool) or not isinstance(compress_at, int)
+                                        or not 1 <= compress_at <= len(token_ids)):  # fmt: skip
+            raise ValueError(f"compress_at must be a number of prompt tokens in [1, {len(token_ids)}], got {compress_at!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -264,7 +270,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
-                       eviction=self.eviction_policy(params))  # fmt: skip
+                       eviction=self.eviction_policy(params), compress_at=compress_at)  # fmt: skip
         self.requests[request_id] = seq
         if queue:
             self.scheduler.add(seq)
@@ -293,19 +299,27 @@ class LLMEngine:
             seqs.append(seq)
         return seqs
 
-    def score(self, token_ids: list[int], cache_salt: str | None = None, chunk: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], cache_salt: str | None = None, chunk: int | None = None,
+              compress_at: int | None = None) -> torch.Tensor:  # fmt: skip
         """The last layer's hidden state at every position of token_ids [T, hidden] (the logits of
         position i, model.compute_logits of row i, predict token i + 1), computed through the KV
         cache as a prompt is: in chunks of --max-num-batched-tokens (or `chunk`, when smaller),
         each reading the cache of the ones before. Small chunks score the text as decoding reads
         it: a KIVI cache quantizes the tokens that leave its residual window between steps.
-        Steps the engine until done; other requests step along."""
+        With `compress_at`, an engine with --kv-compression compresses the first compress_at
+        tokens before it computes the rest (a streaming cache keeps evicting as the rest goes by),
+        so the positions after it are scored against the compressed cache; without, nothing is
+        compressed. Steps the engine until done; other requests step along."""
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be at least 1, got {chunk}")
-        seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
+        if compress_at is not None and compress_at >= len(token_ids):
+            raise ValueError(f"compress_at {compress_at} leaves none of the {len(token_ids)} tokens to score after it")
+        seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt,
+                               compress_at=compress_at)  # fmt: skip
         seq.captured = []
         seq.max_chunk = chunk
-        seq.eviction = None  # compression follows a prefill, and scoring ends with it
+        if compress_at is None:
+            seq.eviction = None  # compression follows a prefill, and scoring ends with it
         if seq.num_computed_tokens:
             raise ValueError("score() needs the whole text computed")
         while not seq.is_finished:
@@ -432,18 +446,18 @@ class LLMEngine:
             policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks)
         if not policy.active:
             return None
-        if any(w is not None for w in self.kv_spec.layer_windows):
-            raise ValueError(f"kv_compression {policy.method}: {self.config.model} has sliding-window layers, and compression is "
-                             "implemented for full-attention models only")  # fmt: skip
+        if self.kv_spec.layer_windows and all(w is not None for w in self.kv_spec.layer_windows):
+            raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
+                             "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy
 
     def _evict(self, seq: Sequence) -> None:
-        """Compress a prompt that has just been computed; a streaming sequence again each time it
-        holds a block more than its budget."""
+        """Compress a prompt computed up to its compression point (its end, or `compress_at`); a
+        streaming sequence again each time it holds a block more than its budget."""
         policy, n = seq.eviction, seq.num_computed_tokens
-        if self.pool is None or n < seq.num_tokens:
+        if self.pool is None or (not seq.eviction_started and n < seq.compression_point):
             return
         held = n - self.kv.num_evicted(seq.request_id)
         kept = policy.tokens_kept(n)
@@ -464,6 +478,8 @@ class LLMEngine:
                 scores = torch.rand(held, generator=draws).expand(spec.num_layers, spec.num_kv_heads, held)
             keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
         for g, group in enumerate(self.kv.groups):
+            if group.window is not None:
+                continue  # a sliding window already keeps only the recent tokens; its slots stay positions
             slices = [spec.layer_slots[layer][1] for layer in group.layers]
             self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)])
         self.kv.evict(seq.request_id, n, kept)

@@ -102,12 +102,13 @@ class ModelRunner:
             positions = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=len(decodes))
             ids_parts.append(np.fromiter((s.token_ids[s.num_computed_tokens] for s in decodes), dtype=np.int64, count=len(decodes)))
             position_parts.append(positions)
-            slots = positions - np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
-            lengths = slots + 1
-            tables = self.kv.block_id_rows([s.request_id for s in decodes], -(-int(lengths.max()) // bs))
+            evicted = np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
+            full_slots = positions - evicted  # a sliding group's slots are positions: it evicts nothing
+            slots = [positions if self.kv.groups[g].window is not None else full_slots for g in range(groups)]
+            tables = self.kv.block_id_rows([s.request_id for s in decodes], -(-int(positions.max() + 1) // bs))
             rows = np.arange(len(decodes))
             for g, table in enumerate(tables):
-                slot_parts[g].append(table[rows, slots // bs] * bs + slots % bs)
+                slot_parts[g].append(table[rows, slots[g] // bs] * bs + slots[g] % bs)
             for row, seq in enumerate(decodes):
                 if seq.eviction is not None:
                     span = self._window_span(seq, row, int(positions[row]), int(positions[row]) + 1, [t[row] for t in tables])
@@ -118,7 +119,8 @@ class ModelRunner:
                         sample_rows.append(row)
                         samplers.append(sampler)
             meta.num_decode_tokens = len(decodes)
-            meta.decode_kv_lens = torch.from_numpy(lengths).to(self.device)
+            lengths = {id(x): torch.from_numpy(x + 1).to(self.device) for x in (positions, full_slots)}
+            meta.decode_kv_lens = [lengths[id(x)] for x in slots]
             meta.decode_block_tables = [torch.from_numpy(t).to(self.device) for t in tables]
 
         row = len(decodes)
@@ -127,11 +129,12 @@ class ModelRunner:
             positions = np.arange(start, end, dtype=np.int64)
             ids_parts.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
             position_parts.append(positions)
-            slots = positions - self.kv.num_evicted(seq.request_id)
-            tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-int(slots[-1] + 1) // bs))]
+            evicted = [self.kv.num_evicted(seq.request_id, g) for g in range(groups)]
+            tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-end // bs))]
             for g, table in enumerate(tables):
+                slots = positions - evicted[g]
                 slot_parts[g].append(table[slots // bs] * bs + slots % bs)
-            meta.prefills.append(PrefillSpan(row, row + n, int(slots[0]), [torch.from_numpy(t).to(self.device) for t in tables]))
+            meta.prefills.append(PrefillSpan(row, row + n, [start - e for e in evicted], [torch.from_numpy(t).to(self.device) for t in tables]))
             span = self._window_span(seq, row, start, end, tables)
             if span is not None:
                 meta.window_scores.append(span)
@@ -150,10 +153,10 @@ class ModelRunner:
     def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
         """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
         prompt that will be compressed."""
-        policy, total = seq.eviction, seq.num_tokens
+        policy, total = seq.eviction, seq.compression_point
         if policy is None or policy.method != "snapkv" or seq.eviction_started or policy.tokens_kept(total) >= total:
             return None
-        first = max(start, total - policy.window)
+        first, end = max(start, total - policy.window), min(end, total)
         if first >= end:
             return None
         if seq.window_scores is None:

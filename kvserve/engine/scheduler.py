@@ -60,7 +60,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
+            n = seq.next_chunk(budget)
             while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -85,7 +85,7 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
                 if seq.eviction is None:  # a compressing request is not looked up
                     self.kv.prefix_stats.record(hit, seq.prompt_len)
-            n = min(seq.num_uncomputed_tokens, budget, seq.max_chunk or budget)
+            n = seq.next_chunk(budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -55,6 +55,7 @@ class Sequence:
     num_preemptions: int = 0
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
+    compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)
     window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention of the window's queries
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -100,3 +101,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def compression_point(self) -> int:
+        """The tokens computed when the prompt is compressed: the SnapKV window ends there."""
+        return self.compress_at if self.compress_at is not None else self.num_tokens
+
+    def next_chunk(self, budget: int) -> int:
+        """Tokens to compute next within `budget`: a chunk stops at the compression point, so the
+        tokens after it are computed against the compressed cache."""
+        n = min(self.num_uncomputed_tokens, budget, self.max_chunk or budget)
+        if self.eviction is not None and not self.eviction_started and self.num_computed_tokens < self.compression_point:
+            n = min(n, self.compression_point - self.num_computed_tokens)
+        return n

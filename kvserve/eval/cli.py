@@ -49,6 +49,15 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--needle-depths", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9),
                        help="where the needle lies in the haystack, 0 = start, 1 = end")
     group.add_argument("--needle-seed", type=int, default=0, help="seed of the needles' random passkeys")
+    group.add_argument("--needle-question", choices=("inside", "outside", "both"), default="inside",
+                       help="KV compression (--kv-compression) of a needle case: inside compresses the prompt with the question "
+                       "at its end (SnapKV's window reads it); outside compresses the haystack before the question is read "
+                       "(question-agnostic); both runs each (default: %(default)s)")
+    group.add_argument("--score-from", type=int, default=0,
+                       help="score each window's positions from this one on; a configuration with --kv-compression compresses "
+                       "the window's first N tokens before it computes the rest, so e.g. --context 2048 --score-from 1536 "
+                       "--config \"--kv-compression snapkv --kv-budget 512\" scores 512 tokens against a 512-token cache "
+                       "(default: %(default)s, every position, nothing compressed)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(parser)
@@ -91,21 +100,25 @@ def _pct(value: float | None, digits: int = 1) -> str:
 
 def format_table(report: dict) -> str:
     rows = [report["reference"], *report["configs"]]
-    lengths = list(report["reference"]["needle"])
-    header = ["config", "B/token", "capacity", "ppl", "Δppl", "mean KL", "top-1", "greedy", *[f"needle {n}" for n in lengths]]
+    needles = [(kind, n) for kind in ("needle", "needle_outside") for n in report["reference"][kind]]
+    lengths = sorted({n for _, n in needles}, key=int)
+    header = ["config", "B/token", "capacity", "ppl", "Δppl", "mean KL", "top-1", "greedy",
+              *[f"needle {n}" if kind == "needle" else f"q-out {n}" for kind, n in needles]]  # fmt: skip
     table = [header]
     for r in rows:
         delta = "-" if r["perplexity_delta_pct"] is None else f"{r['perplexity_delta_pct']:+.2f}%"
         kl = "-" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
         table.append([r["name"], f"{r['bytes_per_token']:,}", f"{r['token_capacity']:,}", f"{r['perplexity']:.3f}", delta, kl,
-                      _pct(r["top1_agreement"]), _pct(r["greedy_agreement"]), *[_pct(r["needle"][n], 0) for n in lengths]])  # fmt: skip
+                      _pct(r["top1_agreement"]), _pct(r["greedy_agreement"]), *[_pct(r[kind][n], 0) for kind, n in needles]])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
     lines.insert(1, "─" * len(lines[0]))
     head = (f"{report['model']}: {report['windows']} windows of {report['context']} tokens of {report['text']} "
             f"in chunks of {report['score_chunk']} "
-            f"({report['scored_tokens']:,} scored), {report['greedy_prompts']} greedy prompts x {report['greedy_tokens']} tokens, "
-            + (f"needles at depths {', '.join(f'{d:g}' for d in report['needle_depths'])}" if lengths else "no needles"))  # fmt: skip
+            f"({report['scored_tokens']:,} scored" + (f", from position {report['score_from']}" if report["score_from"] else "")
+            + f"), {report['greedy_prompts']} greedy prompts x {report['greedy_tokens']} tokens, "
+            + (f"needles at depths {', '.join(f'{d:g}' for d in report['needle_depths'])}" if lengths else "no needles")
+            + (" (q-out: the haystack compressed before the question)" if any(k == "needle_outside" for k, _ in needles) else ""))  # fmt: skip
     return head + "\n" + "\n".join(lines)
 
 
@@ -116,6 +129,7 @@ def run_eval(args: argparse.Namespace) -> int:
         context=args.context, score_chunk=args.score_chunk, max_windows=args.max_windows, greedy_prompts=args.greedy_prompts,
         greedy_prompt_len=args.greedy_prompt_len, greedy_tokens=args.greedy_tokens,
         needle_lengths=tuple(args.needle_lengths), needle_depths=tuple(args.needle_depths), needle_seed=args.needle_seed,
+        needle_questions=("inside", "outside") if args.needle_question == "both" else (args.needle_question,), score_from=args.score_from,
     )  # fmt: skip
     text_path = args.text or default_text_path()
     text = read_text(text_path)
@@ -128,7 +142,7 @@ def run_eval(args: argparse.Namespace) -> int:
     finally:
         evaluation.close()
     report = {
-        "model": args.model, "text": str(text_path), "context": plan.context, "score_chunk": plan.score_chunk, "windows": evaluation.num_windows,
+        "model": args.model, "text": str(text_path), "context": plan.context, "score_chunk": plan.score_chunk, "score_from": plan.score_from, "windows": evaluation.num_windows,
         "scored_tokens": evaluation.scored_tokens, "greedy_prompts": plan.greedy_prompts, "greedy_tokens": plan.greedy_tokens,
         "needle_depths": list(plan.needle_depths), "reference": reference.as_dict(), "configs": [r.as_dict() for r in results],
     }  # fmt: skip

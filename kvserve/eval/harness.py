@@ -17,6 +17,7 @@ from kvserve.eval.text import EvalText, NeedleCase, needle_cases, retrieved
 from kvserve.sampling_params import SamplingParams
 
 NEEDLE_ANSWER_TOKENS = 12
+NEEDLE_QUESTIONS = ("inside", "outside")
 MAX_GREEDY_PROMPTS = 256
 
 
@@ -31,6 +32,8 @@ class EvalPlan:
     needle_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     needle_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     needle_seed: int = 0
+    needle_questions: tuple[str, ...] = ("inside",)  # inside: compressed with the question; outside: before it
+    score_from: int = 0  # score positions from here on; a compressing configuration compresses the window's first score_from tokens
 
     def __post_init__(self) -> None:
         for name in ("context", "score_chunk", "max_windows", "greedy_prompt_len", "greedy_tokens"):
@@ -42,6 +45,10 @@ class EvalPlan:
             raise ValueError(f"--needle-depths must lie in [0, 1], got {list(self.needle_depths)}")
         if any(n < 1 for n in self.needle_lengths):
             raise ValueError(f"--needle-lengths must be positive, got {list(self.needle_lengths)}")
+        if not self.needle_questions or any(q not in NEEDLE_QUESTIONS for q in self.needle_questions):
+            raise ValueError(f"--needle-question must be one of inside, outside, both; got {list(self.needle_questions)}")
+        if not 0 <= self.score_from < self.context - 1:
+            raise ValueError(f"--score-from must be in [0, --context - 1) = [0, {self.context - 1}), got {self.score_from}")
 
 
 @dataclass
@@ -50,7 +57,7 @@ class RunOutputs:
 
     window_hidden: list[torch.Tensor] = field(default_factory=list)
     greedy: list[list[int]] = field(default_factory=list)
-    needle_hits: list[bool] = field(default_factory=list)
+    needle_hits: dict[str, list[bool]] = field(default_factory=dict)  # question inside/outside -> per case
 
 
 @dataclass
@@ -66,9 +73,11 @@ class ConfigResult:
     top1_agreement: float | None
     greedy_agreement: float | None
     needle: dict[int, float | None]  # context length -> share of cases retrieved (None: longer than the model allows)
+    needle_outside: dict[int, float | None]  # the same with the haystack compressed before the question is read ({}: not run)
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "needle": {str(k): v for k, v in self.needle.items()}}
+        return {**self.__dict__, "needle": {str(k): v for k, v in self.needle.items()},
+                "needle_outside": {str(k): v for k, v in self.needle_outside.items()}}  # fmt: skip
 
 
 class Evaluation:
@@ -102,7 +111,7 @@ class Evaluation:
         try:
             windows, prompts, needles = self._inputs(llm)
             is_reference = self.reference is None
-            units = len(windows) + (1 if prompts else 0) + len(needles)
+            units = len(windows) + (1 if prompts else 0) + len(needles) * len(self.plan.needle_questions)
             bar = tqdm(total=units, desc=f"eval {name}", unit="step", disable=not self.progress, leave=False)
             try:
                 outputs, scores = self._run(llm, windows, prompts, needles, bar, is_reference)
@@ -125,34 +134,44 @@ class Evaluation:
         scores = TextScores()
         for i, window in enumerate(windows):
             # a salt of its own per window: score() must compute every position
-            hidden = engine.score(window, cache_salt=f"kvserve-eval-{uuid.uuid4().hex}", chunk=self.plan.score_chunk)
+            start = self.plan.score_from
+            hidden = engine.score(window, cache_salt=f"kvserve-eval-{uuid.uuid4().hex}", chunk=self.plan.score_chunk,
+                                  compress_at=start or None)[start:]  # fmt: skip
             if is_reference:
                 outputs.window_hidden.append(hidden)
-                scores.add(score_window(engine.model, hidden, window))
+                scores.add(score_window(engine.model, hidden, window[start:]))
             else:
-                scores.add(score_window(engine.model, hidden, window, self.reference.engine.model,
+                scores.add(score_window(engine.model, hidden, window[start:], self.reference.engine.model,
                                         self.reference_outputs.window_hidden[i]))  # fmt: skip
             bar.update(1)
         if prompts:
             params = SamplingParams(max_tokens=self.plan.greedy_tokens, temperature=0.0, ignore_eos=True)
             outputs.greedy = [list(out.token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
             bar.update(1)
-        if needles:
-            params = SamplingParams(max_tokens=NEEDLE_ANSWER_TOKENS, temperature=0.0)
+        params = SamplingParams(max_tokens=NEEDLE_ANSWER_TOKENS, temperature=0.0)
+        for question in self.plan.needle_questions:
+            hits = outputs.needle_hits[question] = []
             for case in needles:
-                out = llm.generate([case.token_ids], params, use_tqdm=False)[0]
-                outputs.needle_hits.append(retrieved(case.key, llm.tokenizer.decode(list(out.token_ids))))
+                if question == "outside" and not engine.config.eviction.active and "inside" in outputs.needle_hits:
+                    hits.append(outputs.needle_hits["inside"][len(hits)])  # nothing compresses: the same computation
+                else:
+                    seq = engine.add_request(case.token_ids, params, compress_at=case.question_at if question == "outside" else None)
+                    while not seq.is_finished:
+                        engine.step()
+                    hits.append(retrieved(case.key, llm.tokenizer.decode(seq.output_token_ids)))
                 bar.update(1)
         return outputs, scores
 
     def _result(self, name, flags, llm: LLM, outputs: RunOutputs, scores: TextScores, needles, is_reference) -> ConfigResult:
         stats = llm.stats()
         perplexity = math.exp(scores.nll / scores.positions)
-        needle: dict[int, float | None] = {n: None for n in self.plan.needle_lengths}
-        for length in needle:
-            hits = [hit for case, hit in zip(needles, outputs.needle_hits) if case.length == length]
-            if hits:
-                needle[length] = sum(hits) / len(hits)
+        retrieval: dict[str, dict[int, float | None]] = {}
+        for question, case_hits in outputs.needle_hits.items():
+            retrieval[question] = {n: None for n in self.plan.needle_lengths}
+            for length in self.plan.needle_lengths:
+                hits = [hit for case, hit in zip(needles, case_hits) if case.length == length]
+                if hits:
+                    retrieval[question][length] = sum(hits) / len(hits)
         delta = kl = top1 = greedy = None
         if not is_reference:
             ref = self.reference_result
@@ -165,7 +184,8 @@ class Evaluation:
         return ConfigResult(
             name=name, flags=flags, kv_cache_dtype=stats["kv_cache_dtype"], bytes_per_token=stats["bytes_per_token"],
             token_capacity=stats["token_capacity"], perplexity=perplexity, perplexity_delta_pct=delta, mean_kl=kl,
-            top1_agreement=top1, greedy_agreement=greedy, needle=needle,
+            top1_agreement=top1, greedy_agreement=greedy, needle=retrieval.get("inside", {}),
+            needle_outside=retrieval.get("outside", {}),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -71,6 +71,7 @@ class NeedleCase:
     depth: float
     key: str
     token_ids: list[int]
+    question_at: int  # where the question starts: everything before it is the haystack
 
 
 def needle_cases(tokenizer, text: EvalText, lengths: list[int], depths: list[float], seed: int) -> list[NeedleCase]:
@@ -89,7 +90,7 @@ def needle_cases(tokenizer, text: EvalText, lengths: list[int], depths: list[flo
             haystack = text.filler(room)
             at = round(room * depth)
             ids = text.prefix + haystack[:at] + needle + haystack[at:] + question
-            cases.append(NeedleCase(length, depth, key, ids))
+            cases.append(NeedleCase(length, depth, key, ids, len(ids) - len(question)))
     return cases
 
 

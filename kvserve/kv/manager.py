@@ -9,9 +9,10 @@ With a prefix cache, a request's full blocks are published as they are computed 
 hash in the free queue after the request ends), and an admitted request starts from the longest
 cached prefix: it takes references to those blocks and computes only the rest.
 
-A request that evicts tokens (kv/eviction.py) holds fewer slots than it has positions: its tables
-are indexed by slot // block_size, and `num_evicted` is the difference. Callers speak in positions;
-the manager converts.
+A request that evicts tokens (kv/eviction.py) holds fewer slots than it has positions in its
+full-attention groups: their tables are indexed by slot // block_size, and `num_evicted` is the
+difference. Sliding-window groups evict nothing (they free what leaves their window), so their
+slots stay positions. Callers speak in positions; the manager converts.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str, group: int) -> int:
         return sum(b is not None for b in self._tables.get(request_id, [[]] * len(self.groups))[group])
 
-    def num_evicted(self, request_id: str) -> int:
+    def num_evicted(self, request_id: str, group: int | None = None) -> int:
+        """Positions the request holds no slot for in its full-attention groups (in `group`: 0 for a sliding one)."""
+        if group is not None and self.groups[group].window is not None:
+            return 0
         return self._evicted.get(request_id, 0)
 
     def block_id_rows(self, request_ids: list[str], width: int) -> list[np.ndarray]:
@@ -131,13 +135,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ needs
     def _new_blocks(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
-        """Per group, (first block index to add, one past the last) so tokens [start, end) can be computed."""
+        """Per group, (first block index to add, one past the last) so positions [start, end) can be computed."""
         tables = self._tables.get(request_id)
-        last = blocks_for_tokens(end, self.block_size)
         spans = []
         for g, group in enumerate(self.groups):
+            evicted = self.num_evicted(request_id, g)
             have = len(tables[g]) if tables is not None else 0
-            spans.append((max(have, group.first_block(start, self.block_size)), last))
+            spans.append((max(have, group.first_block(start - evicted, self.block_size)), blocks_for_tokens(end - evicted, self.block_size)))
         return spans
 
     def num_blocks_needed(self, request_id: str, start: int, end: int) -> int:
@@ -289,13 +293,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------ changing
     def allocate_slots(self, request_id: str, start: int, end: int) -> bool:
         """Give the request blocks to compute tokens [start, end); False (and nothing taken) if short."""
-        evicted = self.num_evicted(request_id)
-        start, end = start - evicted, end - evicted
         spans = self._new_blocks(request_id, start, end)
         needed = sum(max(0, hi - lo) for lo, hi in spans)
         if needed > self._fresh.num_free_blocks:
             return False
-        if end > self.max_blocks_per_seq * self.block_size:
+        if max(hi for _, hi in spans) > self.max_blocks_per_seq:
             raise ValueError(f"request {request_id} grew past {self.max_blocks_per_seq} blocks")
         tables = self._tables.get(request_id)
         if tables is None:
@@ -317,7 +319,6 @@ class KVCacheManager:
         tables = self._tables.get(request_id)
         if tables is None:
             return
-        num_computed -= self.num_evicted(request_id)
         row = self._rows[request_id]
         for g, group in enumerate(self.groups):
             if group.window is None:
@@ -333,8 +334,8 @@ class KVCacheManager:
             self._release(list(reversed(gone)))
 
     def evict(self, request_id: str, num_computed: int, kept: int) -> int:
-        """The request now holds only its first `kept` slots (the caller compacted them): the blocks
-        past them return to the pool at once. Returns how many were freed."""
+        """The request's full-attention groups now hold only their first `kept` slots (the caller
+        compacted them): the blocks past them return to the pool at once. Returns how many were freed."""
         tables, row = self._tables[request_id], self._rows[request_id]
         held = num_computed - self.num_evicted(request_id)
         if kept >= held:
@@ -342,6 +343,8 @@ class KVCacheManager:
         last = blocks_for_tokens(kept, self.block_size)
         freed = 0
         for g, table in enumerate(tables):
+            if self.groups[g].window is not None:
+                continue
             gone = [b for b in table[last:] if b is not None]
             del table[last:]
             self._ids[g][row, last:] = 0
