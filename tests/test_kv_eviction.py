@@ -160,7 +160,7 @@ def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkey
     monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
     llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29)
     compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
     llm.generate([prompt], GREEDY, use_tqdm=False)
     expected = _hf_window_scores(path, prompt, 8, 2)
     torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
@@ -257,20 +257,41 @@ def test_preemption_with_compression_finishes_every_request(tiny_dir, method):
     _check_free(llm)
 
 
-def test_compressed_requests_share_no_block_with_the_prefix_cache_and_n_samples_work(tiny_dir):
+@pytest.mark.parametrize("method", ["snapkv", "streaming"])
+def test_compressing_requests_read_prefix_hits_write_no_shared_block_and_publish_nothing(tiny_dir, method):
     path = tiny_dir("llama")
     prompt = random_prompts(1, 80, 80, seed=9)[0]
     llm = _llm(path)
-    squeezed = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.5)
+    squeezed = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_compression=method, kv_keep_ratio=0.5)
     first = llm.generate([prompt], squeezed, use_tqdm=False)[0]
-    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens == 0  # the compressed request published nothing
+    plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert plain.num_cached_tokens == 0  # the compressed request published nothing
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
-    assert llm.generate([prompt], squeezed, use_tqdm=False)[0].num_cached_tokens == 0  # and reads no hit
-    assert llm.stats()["prefix_cache_requests_total"] == 2  # nor is counted as a lookup
-    samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True, kv_compression="snapkv",
+    # 80 tokens, 40 kept: 5 blocks, 3 kept, so at most 2 blocks come from the cache; the kept tokens
+    # found in them are moved into blocks of the request's own, and the tokens are those computed alone
+    hit = llm.generate([prompt], squeezed, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 32 and hit.token_ids == first.token_ids
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # the shared blocks still hold the prompt's K/V
+    assert again.num_cached_tokens == 64 and again.token_ids == plain.token_ids
+    assert llm.stats()["prefix_cache_requests_total"] == 5  # every request looked up
+    samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True, kv_compression=method,
                                                     kv_keep_ratio=0.5), use_tqdm=False)  # fmt: skip
     assert [o.token_ids for o in samples] == [first.token_ids] * 3
+    _check_free(llm)
+
+
+def test_compressing_requests_with_hits_batched_and_chunked_decode_as_alone(tiny_dir):
+    path = tiny_dir("llama")
+    shared = random_prompts(1, 64, 64, seed=30)[0]
+    prompts = [shared + p for p in random_prompts(6, 30, 60, seed=31)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.5)
+    alone = [_llm(path, snapkv_window=8, enable_prefix_caching=False).generate([p], params, use_tqdm=False)[0].token_ids
+             for p in prompts]  # fmt: skip
+    llm = _llm(path, snapkv_window=8, max_num_batched_tokens=40)
+    llm.generate([shared + [5]], GREEDY, use_tqdm=False)  # the shared part in the cache
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in outs)
+    assert [o.token_ids for o in outs] == alone
     _check_free(llm)
 
 
@@ -300,7 +321,7 @@ def test_compress_at_computes_the_rest_against_the_kept_positions_as_transformer
     llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
     kept = []
     compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
     hidden = llm.engine.score(tokens, chunk=24, compress_at=k)  # a chunk ends at 64, not 72
     (keep,) = kept  # random keeps the same positions in every layer and head
     positions = keep[0, 0]
@@ -330,7 +351,7 @@ def test_gemma3_compresses_its_full_attention_layers_and_its_sliding_layers_keep
     llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
     kept = []
     compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep: kept.append(keep.clone()) or compact(ids, slices, keep)
+    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
     hidden = llm.engine.score(tokens, chunk=24, compress_at=k)
     assert len(kept) == 1 and kept[0].shape[0] == 2  # one group: layers 2 and 5
     positions = kept[0][0, 0]

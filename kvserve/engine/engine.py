@@ -481,7 +481,8 @@ class LLMEngine:
             if group.window is not None:
                 continue  # a sliding window already keeps only the recent tokens; its slots stay positions
             slices = [spec.layer_slots[layer][1] for layer in group.layers]
-            self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)])
+            targets = [b.block_id for b in self.kv.compaction_targets(seq.request_id, g, kept)]
+            self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)], targets)
         self.kv.evict(seq.request_id, n, kept)
         self.num_evicted_tokens += held - kept
         self.num_compactions += 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import blocks_for_tokens
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
-            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, shared=seq.eviction is None)
+            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, self._hit_limit(seq))
             if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
                 break
             self.kv.take_hit(seq.request_id, hit)
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
-                if seq.eviction is None:  # a compressing request is not looked up
-                    self.kv.prefix_stats.record(hit, seq.prompt_len)
+                self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = seq.next_chunk(budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.popleft()
@@ -93,6 +93,15 @@ class Scheduler:
             batch.entries.append((seq, n))
             budget -= n
         return batch
+
+    def _hit_limit(self, seq: Sequence) -> int | None:
+        """A compressing request reads at most its prompt's blocks less its budget's from the prefix
+        cache: compaction writes no shared block, and moves the kept tokens it finds in shared blocks
+        into blocks of its own that the budget frees (kv/manager.py compaction_targets)."""
+        if seq.eviction is None:
+            return None
+        point, bs = seq.compression_point, self.kv.block_size
+        return (blocks_for_tokens(point, bs) - blocks_for_tokens(seq.eviction.tokens_kept(point), bs)) * bs
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)

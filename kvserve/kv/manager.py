@@ -166,15 +166,15 @@ class KVCacheManager:
         return need <= self.pool.num_free_blocks
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None, shared: bool = True) -> PrefixHit:
-        """The cached prefix a request could start from (all but its last token at most); no side effects.
-        A request that will rewrite its blocks in place (KV eviction) is not `shared`: it takes no hit."""
+    def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None, limit: int | None = None) -> PrefixHit:
+        """The cached prefix a request could start from (all but its last token, and at most `limit`
+        tokens); no side effects."""
         empty = PrefixHit(blocks=[[] for _ in self.groups])
-        if self.prefix_cache is None or self._tables.get(request_id) or not shared:
+        if self.prefix_cache is None or self._tables.get(request_id):
             return empty
         self._salts[request_id] = salt
         hashes = self._hashes[request_id] = chain_hashes(self.prefix_cache.root, token_ids, self.block_size, salt, self._hashes.get(request_id))
-        return self.prefix_cache.lookup(token_ids, hashes, len(token_ids) - 1, salt)
+        return self.prefix_cache.lookup(token_ids, hashes, min(len(token_ids) - 1, len(token_ids) if limit is None else limit), salt)
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
         """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""
@@ -333,25 +333,46 @@ class KVCacheManager:
             self._ids[g][row, :first] = 0
             self._release(list(reversed(gone)))
 
+    def compaction_targets(self, request_id: str, group: int, kept: int) -> list[KVBlock]:
+        """The blocks a compaction of a full-attention group to `kept` slots writes: the request's
+        own, except that a block it shares (a prefix hit: another request or the cache reads it) is
+        replaced by one of the request's own blocks past the kept ones, so nothing shared is written.
+        The scheduler takes at most prompt - budget tokens from the cache, so there are enough."""
+        table = self._tables[request_id][group]
+        last = blocks_for_tokens(kept, self.block_size)
+        spare = [b for b in table[last:] if b is not None and _private(b)]
+        targets = []
+        for block in table[:last]:
+            if _private(block):
+                targets.append(block)
+            elif spare:
+                targets.append(spare.pop())
+            else:
+                raise RuntimeError(f"request {request_id}: no block of its own to compact a shared block into")
+        return targets
+
     def evict(self, request_id: str, num_computed: int, kept: int) -> int:
-        """The request's full-attention groups now hold only their first `kept` slots (the caller
-        compacted them): the blocks past them return to the pool at once. Returns how many were freed."""
+        """The request's full-attention groups now hold only their first `kept` slots, in the blocks
+        compaction_targets named (the caller compacted them there): every other block is released at
+        once. Returns how many blocks the request let go."""
         tables, row = self._tables[request_id], self._rows[request_id]
         held = num_computed - self.num_evicted(request_id)
         if kept >= held:
             return 0
-        last = blocks_for_tokens(kept, self.block_size)
-        freed = 0
+        released = 0
         for g, table in enumerate(tables):
             if self.groups[g].window is not None:
                 continue
-            gone = [b for b in table[last:] if b is not None]
-            del table[last:]
-            self._ids[g][row, last:] = 0
+            targets = self.compaction_targets(request_id, g, kept)
+            keep = {id(b) for b in targets}
+            gone = [b for b in table if b is not None and id(b) not in keep]
+            table[:] = targets
+            self._ids[g][row, :] = 0
+            self._ids[g][row, : len(targets)] = [b.block_id for b in targets]
             self._release(list(reversed(gone)))
-            freed += len(gone)
+            released += len(gone)
         self._evicted[request_id] = self.num_evicted(request_id) + held - kept
-        return freed
+        return released
 
     def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0, publish: bool = True) -> None:
         """Return the request's blocks. A radix cache keeps its last, partly filled block too (unless not `publish`)."""
@@ -391,3 +412,8 @@ class KVCacheManager:
             self._ids = [np.concatenate([ids, np.zeros((grown - old, self.max_blocks_per_seq), dtype=np.int64)]) for ids in self._ids]
             self._free_rows = list(range(grown - 1, old - 1, -1))
         return self._free_rows.pop()
+
+
+def _private(block: KVBlock) -> bool:
+    """Only its holder reads it: no other request holds it and the prefix cache does not know it."""
+    return block.ref_count == 1 and block.block_hash is None

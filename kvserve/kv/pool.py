@@ -202,17 +202,19 @@ class PagedKVPool:
             raise ValueError(f"{self.spec.kv_dtype} blocks cannot be compacted per token")
         return [rows(self.spec, self.records[index, w]).unflatten(2, (heads, -1)) for w in range(2) for rows in (quant.data_rows, quant.scale_rows)]
 
-    def compact(self, block_ids: list[int], layer_slices: list[int], keep: torch.Tensor) -> None:
+    def compact(self, block_ids: list[int], layer_slices: list[int], keep: torch.Tensor, target_ids: list[int] | None = None) -> None:
         """Move each kept token to the front of a sequence's blocks, per layer and KV head: slot i of
-        slice layer_slices[j], head h, takes slot keep[j, h, i] (slots counted through block_ids). keep is
-        sorted per row, so a token moves only to an earlier slot of its own sequence."""
+        slice layer_slices[j], head h, takes slot keep[j, h, i] (slots counted through block_ids,
+        written through target_ids, by default the same blocks). Every kept token is read before
+        any is written."""
         bs, device = self.block_size, (self.kv if self.kv is not None else self.records).device
         ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        targets = ids if target_ids is None else torch.tensor(target_ids, dtype=torch.int64, device=device)
         keep = keep.to(device)
         heads, kept = keep.shape[1], keep.shape[2]
         head = torch.arange(heads, device=device)[:, None]
         target = torch.arange(kept, device=device).expand(heads, kept)
-        target_block, target_within = ids[target // bs], target % bs
+        target_block, target_within = targets[target // bs], target % bs
         for j, index in enumerate(layer_slices):
             source_block, source_within = ids[keep[j] // bs], keep[j] % bs
             for tokens in self._token_arrays(index):
