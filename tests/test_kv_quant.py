@@ -11,6 +11,7 @@ from conftest import random_prompts
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.kv import quant
 from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.rotation import Rotation, hadamard_rotation
 from kvserve.kv.spec import KV_FORMATS, KVCacheSpec
 from test_kernels import reference_attention
 
@@ -391,3 +392,77 @@ def test_a_centered_store_writes_the_bytes_of_the_shifted_keys(kv_dtype, native,
     plain.layers[0].store(slots, k - center, v)
     assert torch.equal(centered.records, plain.records)
     assert not torch.equal(centered.records[0, 0], PagedKVPool(spec, 4, torch.device("cpu")).records[0, 0])  # something was stored
+
+
+# ---------------------------------------------------------------------- Hadamard rotation
+def test_hadamard_rotation_is_orthonormal_and_exact_where_the_dtype_holds_it():
+    for dim in (16, 64, 128, 256):
+        r = hadamard_rotation(dim)
+        torch.testing.assert_close(r @ r.T, torch.eye(dim), atol=1e-6, rtol=0)
+    x = torch.randn(5, 3, 64).bfloat16()
+    rotation = Rotation(64, torch.device("cpu"))
+    y = rotation.forward(x)
+    assert torch.equal(y, (x.float() @ rotation.matrix).bfloat16())  # ±1/8 entries: one rounding, as in float32
+    torch.testing.assert_close(rotation.inverse(y).float(), x.float(), atol=0.05, rtol=0.02)
+    assert Rotation(128, torch.device("cpu"))._for(torch.bfloat16) is None  # ±1/sqrt(128) is not a bf16: float32 products
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_rotation(24)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_rotation_spreads_outlier_channels_so_the_codecs_lose_less(kv_dtype):
+    """Uniform levels (int8, int4) spend them on a vector's largest channel; turned, its energy is
+    spread. (fp8's levels are relative to each value: its gain on real models, README, is not this one.)"""
+    spec = spec_for(kv_dtype)
+    x = tensors(2, 3, spec.block_size, 2, 64, outliers=True)
+    r = hadamard_rotation(64)
+    # int4 keys are quantized per channel, which already isolates an outlier channel: rotation only has to not hurt there
+    for which, most in (("key", 1.0 if kv_dtype == "int4" else 0.6), ("value", 0.6)):
+        plain = quant.decode(spec, quant.encode(spec, x, which), which) - x
+        rotated = quant.decode(spec, quant.encode(spec, x @ r, which), which) @ r.T - x
+        assert rotated.norm() < most * plain.norm(), (which, float(rotated.norm() / plain.norm()))
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3-w4"])
+def test_a_rotated_cache_computes_the_same_attention(tiny_dir, backend, family):
+    """q, k, v turned by R and the output by R^T: in float32 the logits are the unrotated ones, and
+    SnapKV (whose scores are q . k) keeps the same positions."""
+    path = str(tiny_dir(family))
+    tokens = random_prompts(1, 100, 100, seed=40)[0]
+    logits, tokens_out = [], []
+    for rotate in (False, True):
+        llm = LLM(path, dtype="float32", num_kv_blocks=100, attention_backend=backend, kv_hadamard=rotate)
+        assert llm.stats()["kv_hadamard"] is rotate
+        hidden = llm.engine.score(tokens, chunk=24)
+        with torch.inference_mode():
+            logits.append(llm.engine.model.compute_logits(hidden).float().clone())
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.3)
+        tokens_out.append(llm.generate([tokens], params, use_tqdm=False)[0].token_ids)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    assert tokens_out[1] == tokens_out[0]
+
+
+def test_rotation_is_on_by_default_for_int8_fp8_and_int4_and_joins_the_cache_identity(tiny_dir, tmp_path):
+    path = str(tiny_dir("qwen3"))  # head dim 32
+    on = {}
+    for kv_dtype in ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"):
+        llm = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype=kv_dtype, max_num_seqs=4)
+        on[kv_dtype] = llm.stats()["kv_hadamard"]
+        assert (llm.engine.pool.rotation is not None) == on[kv_dtype]
+    assert on == {"auto": False, "int8": True, "fp8_e4m3": True, "fp8_e5m2": True, "int4": True, "int2": False}
+    rotated = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8")
+    plain = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=False)
+    assert rotated.engine.cache_identity != plain.engine.cache_identity
+    # the key centers are measured on the model's keys and stored rotated, as the keys are
+    r = rotated.engine.pool.rotation.matrix
+    torch.testing.assert_close(rotated.engine.pool.key_centers, plain.engine.pool.key_centers @ r, atol=1e-5, rtol=1e-5)
+    assert LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int2", kv_hadamard=True, max_num_seqs=4).stats()["kv_hadamard"]
+    with pytest.raises(ValueError, match="power-of-two"):
+        LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=True)
+    assert not LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8").stats()["kv_hadamard"]
+    scales = tmp_path / "scales.json"
+    scales.write_text('{"k_scale": [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05]], "v_scale": [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05]]}')
+    assert not LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales)).stats()["kv_hadamard"]
+    with pytest.raises(ValueError, match="kv_hadamard"):
+        LLM(path, dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales), kv_hadamard=True)

@@ -43,6 +43,17 @@ class AttentionBackend(abc.ABC):
             keys, _ = kv.gather(span.block_tables[kv.group])
             span.out[layer, :, : span.kv_len] += window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
 
+    def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v in the pool's Hadamard basis when it stores K/V rotated (kv/rotation.py)."""
+        rotation = self.pool.rotation
+        if rotation is None:
+            return q, k, v
+        return rotation.forward(q), rotation.forward(k), rotation.forward(v)
+
+    def rotate_out(self, out: torch.Tensor) -> torch.Tensor:
+        rotation = self.pool.rotation
+        return out if rotation is None else rotation.inverse(out)
+
     def store(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = self.layers[layer]
         kv.store(meta.slot_mappings[kv.group], k, v)

@@ -16,6 +16,7 @@ class CpuPagedBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
     ) -> torch.Tensor:
+        q, k, v = self.rotate_in(q, k, v)
         self.store(layer, meta, k, v)
         kv = self.layers[layer]
         out = torch.empty_like(q)
@@ -30,4 +31,4 @@ class CpuPagedBackend(AttentionBackend):
             )
         if meta.window_scores:
             self.score_windows(layer, q, meta, scale, window)
-        return out
+        return self.rotate_out(out)

@@ -32,6 +32,7 @@ class TorchSdpaBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
     ) -> torch.Tensor:
+        q, k, v = self.rotate_in(q, k, v)
         self.store(layer, meta, k, v)
         out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
@@ -41,7 +42,7 @@ class TorchSdpaBackend(AttentionBackend):
             out[span.start : span.end] = self._prefill(q, k, v, i, span, layer, meta, scale, window)
         if meta.window_scores:
             self.score_windows(layer, q, meta, scale, window)
-        return out
+        return self.rotate_out(out)
 
     def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks' K/V for block tables [..., n]: [..., n * block_size, kv_heads, head_dim] each.

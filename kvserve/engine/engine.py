@@ -25,6 +25,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_centers
 from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
@@ -129,7 +130,7 @@ class LLMEngine:
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, backend)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
-                                key_centering=config.centers_keys)  # fmt: skip
+                                key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
         if config.centers_keys:
@@ -143,7 +144,10 @@ class LLMEngine:
         joins the cache identity: no block moves between caches centered differently."""
         count = min(CALIBRATION_TOKENS, self.max_model_len)
         tokens = calibration_tokens(self.tokenizer, vocab_size, count)
-        self.pool.set_key_centers(key_centers(self.model, tokens, self.device, self.max_model_len, self.kv_spec.kv_dtype))
+        centers = key_centers(self.model, tokens, self.device, self.max_model_len, self.kv_spec.kv_dtype)
+        if self.pool.rotation is not None:  # measured on the model's keys: stored keys are rotated
+            centers = [self.pool.rotation.forward(c.float()) for c in centers]
+        self.pool.set_key_centers(centers)
         digest = xxhash.xxh3_64_hexdigest(self.pool.key_centers.cpu().numpy().tobytes())
         self.cache_identity = dataclasses.replace(
             self.cache_identity, kv_quantization=f"{self.cache_identity.kv_quantization} {digest}"
@@ -170,7 +174,7 @@ class LLMEngine:
             "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
             "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}"
-                               + ("/keys centered" if config.centers_keys else ""),
+                               + ("/keys centered" if config.centers_keys else "") + f"/hadamard {config.kv_hadamard}",
         }  # fmt: skip
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
@@ -179,6 +183,9 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.kv_spec = kv_cache_spec(config, model_config)
+        self.rotates_kv = config.rotates_kv(self.kv_spec.head_dim)
+        if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
+            raise ValueError(f"--kv-hadamard needs a power-of-two head dim; {config.model} has {self.kv_spec.head_dim}")
         self.num_residual_blocks = self.kv_spec.residual_blocks(config.max_num_seqs, config.max_num_batched_tokens)
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB, self.num_residual_blocks)
         if num_blocks <= 0:
@@ -583,6 +590,7 @@ class LLMEngine:
             "kv_cache_dtype": self.kv_spec.kv_dtype,
             "kv_quant_residual_blocks": self.num_residual_blocks,
             "kv_key_centering": self.config.centers_keys,
+            "kv_hadamard": self.rotates_kv,
             "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -28,6 +28,7 @@ import torch
 from kvserve import kernels
 from kvserve.kernels.args import KVView
 from kvserve.kv import quant
+from kvserve.kv.rotation import Rotation
 from kvserve.kv.spec import KVCacheSpec
 
 _MADV_HUGEPAGE = 14
@@ -121,9 +122,11 @@ class LayerKV:
 class PagedKVPool:
     def __init__(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_residual_blocks: int = 0,
-        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None, key_centering: bool = False,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None, key_centering: bool = False, rotate: bool = False,
     ) -> None:  # fmt: skip
         self.spec = spec
+        # K and V stored in a Hadamard basis (kv/rotation.py): the attention backends turn q, k, v and the output
+        self.rotation = Rotation(spec.head_dim, device) if rotate else None
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
         self.num_residual_blocks = num_residual_blocks if spec.format.kind == "kivi" else 0
