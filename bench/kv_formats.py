@@ -49,7 +49,8 @@ def decode_ms(llm: LLM, length: int, seqs: int, new_tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="--kv-cache-dtype values; the first is the baseline")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="--kv-cache-dtype values, the first the baseline; FORMAT/plain stores it without Hadamard rotation")
     parser.add_argument("--contexts", default="2048,8000", help="context lengths of the decode runs")
     parser.add_argument("--seqs", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -62,8 +63,9 @@ def main() -> None:
     stats: dict[str, dict] = {}
     for _ in range(args.rounds):
         for fmt in formats:
-            llm = LLM(args.model, kv_cache_dtype=fmt, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.seqs, 1),
-                      enable_prefix_caching=False)  # fmt: skip
+            dtype, _, variant = fmt.partition("/")
+            llm = LLM(args.model, kv_cache_dtype=dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.seqs, 1),
+                      enable_prefix_caching=False, kv_hadamard=False if variant == "plain" else None)  # fmt: skip
             stats[fmt] = llm.stats()
             spec = llm.engine.kv_spec  # the token capacity the default --max-num-seqs 64 leaves (int4/int2 set residual blocks apart)
             blocks = spec.num_blocks_for_memory(args.kv_cache_memory * GIB, spec.residual_blocks(64, llm.engine.config.max_num_batched_tokens))
@@ -76,11 +78,12 @@ def main() -> None:
     base = formats[0]
     print(f"{args.model}: --kv-cache-memory {args.kv_cache_memory:g} GiB, {args.seqs} sequence(s) decoding "
           f"{args.new_tokens} tokens, best of {args.rounds} rounds")  # fmt: skip
-    head = f"{'kv dtype':10} {'B/token':>8} {'capacity':>9} {'x':>5} {'cap@64seq':>9} {'x':>5}" + "".join(f" {f'ms@{n}':>9} {'x':>5}" for n in contexts)
+    head = f"{'kv dtype':14} {'B/token':>8} {'capacity':>9} {'x':>5} {'cap@64seq':>9} {'x':>5}" + "".join(f" {f'ms@{n}':>9} {'x':>5}" for n in contexts)
     print(head + "\n" + "─" * len(head))
     for fmt in formats:
         s = stats[fmt]
-        row = f"{s['kv_cache_dtype']:10} {s['bytes_per_token']:8,} {s['token_capacity']:9,} {s['token_capacity'] / stats[base]['token_capacity']:5.2f}"
+        name = s["kv_cache_dtype"] + (" rot" if s["kv_hadamard"] else "")
+        row = f"{name:14} {s['bytes_per_token']:8,} {s['token_capacity']:9,} {s['token_capacity'] / stats[base]['token_capacity']:5.2f}"
         row += f" {s['capacity_64']:9,} {s['capacity_64'] / stats[base]['capacity_64']:5.2f}"
         row += "".join(f" {best[fmt, n]:9.2f} {best[fmt, n] / best[base, n]:5.2f}" for n in contexts)
         print(row)

@@ -103,7 +103,7 @@ class ModelRunner:
             ids_parts.append(np.fromiter((s.token_ids[s.num_computed_tokens] for s in decodes), dtype=np.int64, count=len(decodes)))
             position_parts.append(positions)
             evicted = np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
-            full_slots = positions - evicted  # a sliding group's slots are positions: it evicts nothing
+            full_slots = positions - evicted if evicted.any() else positions  # a sliding group's slots are positions
             slots = [positions if self.kv.groups[g].window is not None else full_slots for g in range(groups)]
             tables = self.kv.block_id_rows([s.request_id for s in decodes], -(-int(positions.max() + 1) // bs))
             rows = np.arange(len(decodes))
@@ -119,7 +119,7 @@ class ModelRunner:
                         sample_rows.append(row)
                         samplers.append(sampler)
             meta.num_decode_tokens = len(decodes)
-            lengths = {id(x): torch.from_numpy(x + 1).to(self.device) for x in (positions, full_slots)}
+            lengths = {id(x): torch.from_numpy(x + 1).to(self.device) for x in (positions, full_slots)}  # one when nothing is evicted
             meta.decode_kv_lens = [lengths[id(x)] for x in slots]
             meta.decode_block_tables = [torch.from_numpy(t).to(self.device) for t in tables]
 
