@@ -106,6 +106,7 @@ def test_eval_scores_a_compressed_window_and_asks_needles_after_compressing(tiny
         (["--config", "", "--greedy-tokens", "0"], "greedy-tokens"),
         (["--config", "", "--context", "192", "--score-from", "191"], "score-from"),
         (["--config", "", "--score-from", "-1"], "score-from"),
+        (["--config", "", "--context", "1"], "--context must be at least 2"),
         (["--config", "", "--greedy-prompts", "100000"], "greedy-prompts"),
         (["--config", "", "--text", "/usr/bin/env"], "not a text file"),
     ],

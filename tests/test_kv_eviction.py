@@ -70,6 +70,19 @@ def test_request_override_is_validated_and_refused_with_a_400_field():
         CompletionRequest(prompt="hi", kv_compression="nope").sampling_params(4, None)
 
 
+def test_a_request_asks_for_compression_with_the_fields_it_has(tiny_dir):
+    engine = _llm(tiny_dir("llama")).engine  # --kv-compression none
+    with pytest.raises(ValueError, match="needs kv_keep_ratio"):  # not kv_budget: a request cannot send one
+        engine.eviction_policy(SamplingParams(kv_compression="snapkv"))
+    with pytest.raises(ValueError, match="kv_keep_ratio needs kv_compression"):  # not silently ignored
+        engine.eviction_policy(SamplingParams(kv_keep_ratio=0.5))
+    assert engine.eviction_policy(SamplingParams(kv_compression="snapkv", kv_keep_ratio=0.5)).keep_ratio == 0.5
+    assert _llm(tiny_dir("llama"), kv_compression="streaming", kv_budget=40).engine.eviction_policy(
+        SamplingParams(kv_compression="snapkv")).budget == 40  # the engine's budget serves
+    with pytest.raises(ValueError, match="compress_at"):
+        engine.score([5, 6, 7, 8], compress_at="x")
+
+
 def test_budget_counts_every_kept_token():
     assert EvictionPolicy("snapkv", keep_ratio=0.25).tokens_kept(1000) == 250
     assert EvictionPolicy("snapkv", budget=300).tokens_kept(1000) == 300

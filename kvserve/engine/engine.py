@@ -319,7 +319,7 @@ class LLMEngine:
         compressed. Steps the engine until done; other requests step along."""
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be at least 1, got {chunk}")
-        if compress_at is not None and compress_at >= len(token_ids):
+        if isinstance(compress_at, int) and not isinstance(compress_at, bool) and compress_at >= len(token_ids):  # else add_request says why
             raise ValueError(f"compress_at {compress_at} leaves none of the {len(token_ids)} tokens to score after it")
         seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt,
                                compress_at=compress_at)  # fmt: skip
@@ -449,6 +449,10 @@ class LLMEngine:
         policy = self.config.eviction
         if params.kv_compression is not None or params.kv_keep_ratio is not None:
             method = params.kv_compression or policy.method
+            if method == "none" and params.kv_keep_ratio is not None:
+                raise ValueError("kv_keep_ratio needs kv_compression (snapkv, streaming or random): the engine compresses nothing")
+            if method != "none" and params.kv_keep_ratio is None and policy.keep_ratio is None and policy.budget is None:
+                raise ValueError(f"kv_compression {method} needs kv_keep_ratio (the engine has no --kv-keep-ratio or --kv-budget)")
             ratio, budget = (params.kv_keep_ratio, None) if params.kv_keep_ratio is not None else (policy.keep_ratio, policy.budget)
             policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks)
         if not policy.active:

@@ -56,7 +56,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--score-from", type=int, default=0,
                        help="score each window's positions from this one on; a configuration with --kv-compression compresses "
                        "the window's first N tokens before it computes the rest, so e.g. --context 2048 --score-from 1536 "
-                       "--config \"--kv-compression snapkv --kv-budget 512\" scores 512 tokens against a 512-token cache "
+                       "--config \"--kv-compression snapkv --kv-budget 512\" scores the last 511 tokens against a 512-token cache "
                        "(default: %(default)s, every position, nothing compressed)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
