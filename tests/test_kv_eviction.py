@@ -168,12 +168,11 @@ def _hf_window_scores(path, prompt: list[int], window: int, kv_heads: int) -> to
 def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkeypatch, backend, length):
     path = tiny_dir("llama")
     prompt = random_prompts(1, length, length, seed=length)[0]
-    seen, kept = [], []
+    seen = []
     real = engine_module.top_positions
     monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
     llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29)
-    compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
+    kept = _record_compactions(llm)
     llm.generate([prompt], GREEDY, use_tqdm=False)
     expected = _hf_window_scores(path, prompt, 8, 2)
     torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
@@ -317,6 +316,29 @@ def test_int8_cache_compresses(tiny_dir):
 
 
 # ---------------------------------------------------------------------- compressing before the rest of the prompt
+def _record_compactions(llm: LLM) -> list[torch.Tensor]:
+    """The `keep` tensor of every compaction the engine makes from now on."""
+    kept, compact = [], llm.engine.pool.compact
+    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
+    return kept
+
+
+def _compressed_at(path, backend: str, seed: int, k: int) -> tuple[LLM, torch.Tensor, list[torch.Tensor], torch.Tensor, list[int]]:
+    """A 100-token text scored with its first k tokens compressed to 24 by `random` (the same positions in
+    every layer and head): the engine, its hidden states, its compactions, the attention transformers
+    must reproduce in the compressed layers (query i may read key j), and the text."""
+    tokens = random_prompts(1, 100, 100, seed=seed)[0]
+    llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
+    kept = _record_compactions(llm)
+    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)  # a chunk ends at k, not at 72
+    allowed = torch.ones(100, 100).tril().bool()
+    evicted = torch.ones(100, dtype=torch.bool)
+    evicted[kept[0][0, 0]] = False
+    evicted[k:] = False
+    allowed[k:, evicted] = False
+    return llm, hidden, kept, allowed, tokens
+
+
 def _hf_logits_with_mask(hf, tokens: list[int], allowed: torch.Tensor) -> torch.Tensor:
     """transformers' logits when query i may attend to key j only where allowed[i, j]."""
     mask = torch.zeros(1, 1, len(tokens), len(tokens))
@@ -328,22 +350,11 @@ def _hf_logits_with_mask(hf, tokens: list[int], allowed: torch.Tensor) -> torch.
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compress_at_computes_the_rest_against_the_kept_positions_as_transformers_masks_them(tiny_dir, backend):
     """score(compress_at=k): positions before k see everything; k and after see the kept ones and their own."""
-    path = tiny_dir("llama")
-    tokens = random_prompts(1, 100, 100, seed=21)[0]
-    k = 64
-    llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
-    kept = []
-    compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
-    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)  # a chunk ends at 64, not 72
+    path, k = tiny_dir("llama"), 64
+    llm, hidden, kept, allowed, tokens = _compressed_at(path, backend, 21, k)
     (keep,) = kept  # random keeps the same positions in every layer and head
     positions = keep[0, 0]
     assert (keep == positions).all() and positions.numel() == 24 and (positions[-8:] == torch.arange(k - 8, k)).all()
-    allowed = torch.ones(100, 100).tril().bool()
-    evicted = torch.ones(100, dtype=torch.bool)
-    evicted[positions] = False
-    evicted[k:] = False
-    allowed[k:, evicted] = False
     expected = _hf_logits_with_mask(hf_model(path), tokens, allowed)
     with torch.inference_mode():
         logits = llm.engine.model.compute_logits(hidden).float()
@@ -359,21 +370,9 @@ def test_gemma3_compresses_its_full_attention_layers_and_its_sliding_layers_keep
     stay positions), and the result is transformers' with the evicted positions masked out of the
     full layers only."""
     path = tiny_dir("gemma3-w4")
-    tokens = random_prompts(1, 100, 100, seed=24)[0]
-    k = 64
-    llm = _llm(path, attention_backend=backend, kv_compression="random", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
-    kept = []
-    compact = llm.engine.pool.compact
-    llm.engine.pool.compact = lambda ids, slices, keep, *rest: kept.append(keep.clone()) or compact(ids, slices, keep, *rest)
-    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)
+    llm, hidden, kept, full, tokens = _compressed_at(path, backend, 24, 64)
     assert len(kept) == 1 and kept[0].shape[0] == 2  # one group: layers 2 and 5
-    positions = kept[0][0, 0]
     causal = torch.ones(100, 100).tril().bool()
-    full = causal.clone()
-    evicted = torch.ones(100, dtype=torch.bool)
-    evicted[positions] = False
-    evicted[k:] = False
-    full[k:, evicted] = False
     sliding = causal & ~torch.ones(100, 100).tril(-4).bool()  # query i sees keys i-3 .. i
     masks = {}
     for name, allowed in (("full_attention", full), ("sliding_attention", sliding)):
