@@ -488,13 +488,14 @@ class LLMEngine:
                 draws = torch.Generator().manual_seed(seq.seed % 2**63)
                 scores = torch.rand(held, generator=draws).expand(spec.num_layers, spec.num_kv_heads, held)
             keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
+        targets = {}
         for g, group in enumerate(self.kv.groups):
             if group.window is not None:
                 continue  # a sliding window already keeps only the recent tokens; its slots stay positions
             slices = [spec.layer_slots[layer][1] for layer in group.layers]
-            targets = [b.block_id for b in self.kv.compaction_targets(seq.request_id, g, kept)]
-            self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)], targets)
-        self.kv.evict(seq.request_id, n, kept)
+            targets[g] = self.kv.compaction_targets(seq.request_id, g, kept)
+            self.pool.compact(self.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)], [b.block_id for b in targets[g]])
+        self.kv.evict(seq.request_id, n, kept, targets)
         self.num_evicted_tokens += held - kept
         self.num_compactions += 1
 

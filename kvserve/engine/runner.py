@@ -119,8 +119,9 @@ class ModelRunner:
                         sample_rows.append(row)
                         samplers.append(sampler)
             meta.num_decode_tokens = len(decodes)
-            lengths = {id(x): torch.from_numpy(x + 1).to(self.device) for x in (positions, full_slots)}  # one when nothing is evicted
-            meta.decode_kv_lens = [lengths[id(x)] for x in slots]
+            position_lens = torch.from_numpy(positions + 1).to(self.device)
+            slot_lens = position_lens if full_slots is positions else torch.from_numpy(full_slots + 1).to(self.device)
+            meta.decode_kv_lens = [position_lens if self.kv.groups[g].window is not None else slot_lens for g in range(groups)]
             meta.decode_block_tables = [torch.from_numpy(t).to(self.device) for t in tables]
 
         row = len(decodes)

@@ -351,10 +351,10 @@ class KVCacheManager:
                 raise RuntimeError(f"request {request_id}: no block of its own to compact a shared block into")
         return targets
 
-    def evict(self, request_id: str, num_computed: int, kept: int) -> int:
+    def evict(self, request_id: str, num_computed: int, kept: int, targets: dict[int, list[KVBlock]]) -> int:
         """The request's full-attention groups now hold only their first `kept` slots, in the blocks
-        compaction_targets named (the caller compacted them there): every other block is released at
-        once. Returns how many blocks the request let go."""
+        `targets` names per group (from compaction_targets; the caller compacted them there): every
+        other block is released at once. Returns how many blocks the request let go."""
         tables, row = self._tables[request_id], self._rows[request_id]
         held = num_computed - self.num_evicted(request_id)
         if kept >= held:
@@ -363,12 +363,11 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             if self.groups[g].window is not None:
                 continue
-            targets = self.compaction_targets(request_id, g, kept)
-            keep = {id(b) for b in targets}
+            keep = {id(b) for b in targets[g]}
             gone = [b for b in table if b is not None and id(b) not in keep]
-            table[:] = targets
+            table[:] = targets[g]
             self._ids[g][row, :] = 0
-            self._ids[g][row, : len(targets)] = [b.block_id for b in targets]
+            self._ids[g][row, : len(table)] = [b.block_id for b in table]
             self._release(list(reversed(gone)))
             released += len(gone)
         self._evicted[request_id] = self.num_evicted(request_id) + held - kept
