@@ -70,6 +70,7 @@ class EngineConfig:
     snapkv_window: int = 32
     snapkv_kernel: int = 7
     sink_tokens: int = 4
+    snapkv_query: str = "window"  # window: the prompt's last tokens score (its question); generic: a generic question does
 
     def __post_init__(self) -> None:
         try:
@@ -123,7 +124,7 @@ class EngineConfig:
     @property
     def eviction(self) -> EvictionPolicy:
         return EvictionPolicy(self.kv_compression, self.kv_keep_ratio, self.kv_budget, self.snapkv_window, self.snapkv_kernel,
-                              self.sink_tokens)  # fmt: skip
+                              self.sink_tokens, self.snapkv_query)  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

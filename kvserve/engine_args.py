@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import EngineConfig
-from kvserve.kv.eviction import KV_COMPRESSIONS
+from kvserve.kv.eviction import KV_COMPRESSIONS, SNAPKV_QUERIES
 from kvserve.kv.spec import KV_DTYPES
 from kvserve.model.registry import DEFAULT_MODEL, PACKAGED_MODELS
 
@@ -74,6 +74,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="snapkv: the last prompt queries whose attention scores the positions, all kept (default: %(default)s)")
     group.add_argument("--snapkv-kernel", type=int, default=7,
                        help="snapkv: width of the max-pool that smooths the scores, odd (default: %(default)s)")
+    group.add_argument("--snapkv-query", default="window", choices=list(SNAPKV_QUERIES),
+                       help="snapkv: whose attention scores the prompt's positions: window, its last --snapkv-window tokens "
+                       "(the question, when the prompt ends with one); generic, a generic question appended after the "
+                       "tokens compressed, computed and dropped again (question-agnostic: a document compressed before "
+                       "its questions are known) (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 

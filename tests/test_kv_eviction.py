@@ -19,7 +19,7 @@ from kvserve.attention.backend import create_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
 from kvserve.config import EngineConfig
 from kvserve.engine import engine as engine_module
-from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.eviction import GENERIC_QUESTION, EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.server.protocol import CompletionRequest
@@ -32,6 +32,12 @@ def _llm(path, **kwargs) -> LLM:
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("num_kv_blocks", 200)
     return LLM(str(path), **kwargs)
+
+
+def _method_flags(method: str) -> dict:
+    """"snapkv/generic" is SnapKV scored by its generic question."""
+    name, _, query = method.partition("/")
+    return dict(kv_compression=name, snapkv_query=query) if query else dict(kv_compression=name)
 
 
 def _check_free(llm: LLM) -> None:
@@ -51,6 +57,7 @@ def _check_free(llm: LLM) -> None:
         (dict(kv_compression="snapkv", kv_budget=8, snapkv_kernel=6), "odd"),
         (dict(kv_compression="snapkv", kv_budget=8, snapkv_window=0), "snapkv_window"),
         (dict(kv_compression="streaming", kv_budget=8, sink_tokens=-1), "sink_tokens"),
+        (dict(kv_compression="snapkv", kv_budget=8, snapkv_query="question"), "snapkv_query must be one of"),
         (dict(kv_compression="snapkv", kv_budget=8, kv_cache_dtype="int4"), "KIVI"),
     ],
 )
@@ -244,11 +251,11 @@ def test_compressing_a_1000_token_prompt_frees_its_blocks(tiny_dir):
 
 
 # ---------------------------------------------------------------------- batching, chunking, preemption, n > 1, prefix cache
-@pytest.mark.parametrize("method", ["snapkv", "random"])
+@pytest.mark.parametrize("method", ["snapkv", "random", "snapkv/generic"])
 def test_batched_and_chunked_prefill_compress_as_alone(tiny_dir, method):
     path = tiny_dir("qwen2")
     prompts = random_prompts(5, 60, 120, seed=4)
-    flags = dict(kv_compression=method, kv_keep_ratio=0.4, snapkv_window=8)
+    flags = dict(_method_flags(method), kv_keep_ratio=0.4, snapkv_window=8)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, seed=7)  # random draws its positions with the seed
     alone = [_llm(path, **flags).generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     chunked = _llm(path, max_num_batched_tokens=45, **flags)
@@ -256,13 +263,13 @@ def test_batched_and_chunked_prefill_compress_as_alone(tiny_dir, method):
     _check_free(chunked)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "streaming"])
+@pytest.mark.parametrize("method", ["snapkv", "streaming", "snapkv/generic"])
 def test_preemption_with_compression_finishes_every_request(tiny_dir, method):
     path = tiny_dir("llama")
     prompts = random_prompts(6, 100, 110, seed=8)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     # 40 blocks of 16: the six sequences keep 80% of 160-170 tokens, 54 blocks or more
-    llm = _llm(path, num_kv_blocks=40, kv_compression=method, kv_keep_ratio=0.8, snapkv_window=8, max_num_batched_tokens=256)
+    llm = _llm(path, num_kv_blocks=40, **_method_flags(method), kv_keep_ratio=0.8, snapkv_window=8, max_num_batched_tokens=256)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [60] * 6
     assert llm.stats()["num_preemptions"] > 0
@@ -362,6 +369,92 @@ def test_compress_at_computes_the_rest_against_the_kept_positions_as_transformer
     # and the cache really holds only the kept positions plus the rest of the prompt
     assert llm.stats()["kv_evicted_tokens_total"] == k - 24
     _check_free(llm)
+
+
+# ---------------------------------------------------------------------- SnapKV scored by a generic question
+def _generic(llm: LLM) -> list[int]:
+    return llm.tokenizer.encode(GENERIC_QUESTION, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tiny_dir, monkeypatch, backend):
+    """--snapkv-query generic: the scores are transformers' attention of the generic question appended
+    after the first k tokens; the question's K/V is dropped, so the rest of the text is computed
+    exactly as when the same positions are kept by a prompt-window SnapKV (the question never ran)."""
+    path, k = tiny_dir("llama"), 64
+    tokens = random_prompts(1, 100, 100, seed=23)[0]
+    seen = []
+    real = engine_module.top_positions
+    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+    flags = dict(attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
+    llm = _llm(path, snapkv_query="generic", **flags)
+    kept = _record_compactions(llm)
+    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)
+    question = _generic(llm)
+    assert len(question) > 1 and llm.stats()["kv_probe_tokens_total"] == len(question)
+    assert seen[0].shape == (3, 2, k)
+    torch.testing.assert_close(seen[0], _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k], atol=1e-4, rtol=1e-4)
+    (keep,) = kept
+    assert any(not torch.equal(keep[layer, 0], keep[layer, 1]) for layer in range(3))  # chosen per head
+    _check_free(llm)
+    # the same positions kept by a window-scored SnapKV whose selection is replaced by this one
+    monkeypatch.setattr(engine_module, "top_positions", lambda *a: keep)
+    plain = _llm(path, **flags)
+    torch.testing.assert_close(plain.engine.score(tokens, chunk=24, compress_at=k), hidden, atol=0, rtol=0)
+    assert plain.stats()["kv_probe_tokens_total"] == 0
+
+
+def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 90, 90, seed=26)[0]
+    llm = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8)
+    engine, question = llm.engine, _generic(llm)
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()  # the prompt, its first token sampled; the question is next
+    assert seq.probe == question and seq.num_tokens == 90 + len(question) and len(seq.token_ids) == 91
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq)
+    assert seq.probe is None and seq.num_tokens == 91
+    while not seq.is_finished:
+        engine.step()
+    assert seq.num_output_tokens == 8 and seq.num_preemptions == 1
+    assert llm.stats()["kv_probe_tokens_total"] == 2 * len(question) and llm.stats()["kv_compactions_total"] == 1
+    _check_free(llm)
+
+
+def _run_counting_blocks(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int]]:
+    """The request's tokens, and the free blocks after each step from its second output token on."""
+    seq, free = llm.engine.add_request(prompt, params), []
+    while not seq.is_finished:
+        llm.engine.step()
+        if seq.num_output_tokens >= 2:
+            free.append(llm.stats()["num_free_blocks"])
+    return seq.output_token_ids, free
+
+
+def test_a_generic_question_on_gemma3_and_where_it_cannot_run(tiny_dir):
+    """Hybrid models: the question's slots in the sliding groups are dropped too, and their window is
+    intact after it (tokens equal a window-scored run made to keep the same positions). A prompt at
+    max_model_len leaves no positions for the question: it scores nothing and keeps the window. An
+    engine without a tokenizer cannot write the question."""
+    path = tiny_dir("gemma3")
+    prompts = random_prompts(3, 70, 90, seed=24)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8)
+    kept = _record_compactions(llm)
+    runs = [_run_counting_blocks(llm, p, params) for p in prompts]
+    assert llm.stats()["kv_probe_tokens_total"] == 3 * len(_generic(llm))
+    _check_free(llm)
+    for prompt, keep, run in zip(prompts, kept, runs):
+        plain = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8)
+        plain.engine.pool.compact = (lambda compact: lambda ids, slices, _, *rest: compact(ids, slices, keep, *rest))(plain.engine.pool.compact)
+        assert _run_counting_blocks(plain, prompt, params) == run  # same tokens, and no block of the question held
+    full = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_budget=8, snapkv_window=8, max_model_len=40)
+    out = full.generate([random_prompts(1, 39, 39, seed=25)[0]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    assert len(out.token_ids) == 1 and full.stats()["kv_probe_tokens_total"] == 1  # room for one token of the question
+    with pytest.raises(ValueError, match="tokenizer"):
+        _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.5, skip_tokenizer_init=True)
+    _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True)  # the prompt's window needs none
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -41,7 +41,8 @@ class AttentionBackend(abc.ABC):
         kv = self.layers[layer]
         for span in meta.window_scores:
             keys, _ = kv.gather(span.block_tables[kv.group])
-            span.out[layer, :, : span.kv_len] += window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
+            scored = span.kv_len if span.context is None else span.context
+            span.out[layer, :, :scored] += window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)[:, :scored]
 
     def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v in the pool's Hadamard basis when it stores K/V rotated (kv/rotation.py)."""

@@ -35,6 +35,7 @@ class WindowScoreSpan:
     first_slot: int  # slot of the first row's query
     block_tables: list[torch.Tensor]  # per group: [nb] blocks covering kv_len slots
     out: torch.Tensor  # full-attention layers' rows are filled; sliding-window layers evict nothing
+    context: int | None = None  # a generic question's rows score only the first `context` keys, those it follows
 
     @property
     def kv_len(self) -> int:

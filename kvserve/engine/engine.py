@@ -24,7 +24,7 @@ from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_centers
-from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.eviction import GENERIC_QUESTION, EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
@@ -182,6 +182,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self._generic_question = tokenizer.encode(GENERIC_QUESTION, add_special_tokens=False) if tokenizer is not None else []
         self.kv_spec = kv_cache_spec(config, model_config)
         self.rotates_kv = config.kv_hadamard
         if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
@@ -231,6 +232,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self.num_steps = 0
         self.num_evicted_tokens = 0
+        self.num_probe_tokens = 0  # snapkv's generic question: tokens computed to score prompts, then dropped
         self.num_compactions = 0
         self.eviction_policy(SamplingParams())  # refuses an engine-wide --kv-compression the model cannot take
         self.peak_num_blocks_used = 0
@@ -427,7 +429,7 @@ class LLMEngine:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
                 self._evict(seq)
-            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens)
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from)
         outputs = []
         if sampled:
             now = time.monotonic()
@@ -454,12 +456,14 @@ class LLMEngine:
             if method != "none" and params.kv_keep_ratio is None and policy.keep_ratio is None and policy.budget is None:
                 raise ValueError(f"kv_compression {method} needs kv_keep_ratio (the engine has no --kv-keep-ratio or --kv-budget)")
             ratio, budget = (params.kv_keep_ratio, None) if params.kv_keep_ratio is not None else (policy.keep_ratio, policy.budget)
-            policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks)
+            policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks, policy.query)
         if not policy.active:
             return None
         if self.kv_spec.layer_windows and all(w is not None for w in self.kv_spec.layer_windows):
             raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
+        if policy.method == "snapkv" and policy.query == "generic" and self.tokenizer is None:
+            raise ValueError(f"snapkv_query generic needs a tokenizer to write its question: {NO_TOKENIZER}")
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy
@@ -468,8 +472,24 @@ class LLMEngine:
         """Compress a prompt computed up to its compression point (its end, or `compress_at`); a
         streaming sequence again each time it holds a block more than its budget."""
         policy, n = seq.eviction, seq.num_computed_tokens
-        if self.pool is None or (not seq.eviction_started and n < seq.compression_point):
+        if self.pool is None:
             return
+        if seq.probe is not None:  # the generic question is computed: drop it, compress with its scores
+            if n < seq.num_tokens:
+                return
+            self.kv.truncate(seq.request_id, seq.probe_from)
+            seq.num_computed_tokens = n = seq.probe_from
+            seq.probe = None
+        elif not seq.eviction_started:
+            if n < seq.compression_point:
+                return
+            if policy.method == "snapkv" and policy.query == "generic" and policy.tokens_kept(n) < n:
+                probe = self._generic_question[: self.max_model_len - n]  # its positions stay within the model's
+                seq.window_scores = torch.zeros(self.kv_spec.num_layers, self.kv_spec.num_kv_heads, n, device=self.device)
+                if probe:
+                    seq.probe, seq.probe_from = probe, n
+                    self.num_probe_tokens += len(probe)
+                    return
         held = n - self.kv.num_evicted(seq.request_id)
         kept = policy.tokens_kept(n)
         scores = None
@@ -515,7 +535,7 @@ class LLMEngine:
             stop = seq.text.add(token)
             if reason is None and stop is not None:
                 reason, seq.stop_reason = "stop", stop
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason
@@ -600,8 +620,10 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_compression": self.config.kv_compression,
+            "snapkv_query": self.config.snapkv_query,
             "kv_evicted_tokens_total": self.num_evicted_tokens,
             "kv_compactions_total": self.num_compactions,
+            "kv_probe_tokens_total": self.num_probe_tokens,
             "num_steps": self.num_steps,
             "peak_num_blocks_used": self.peak_num_blocks_used,
             "kv_cache_usage_peak": self.peak_num_blocks_used / self.kv.num_blocks,

@@ -57,7 +57,7 @@ class ModelRunner:
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden]."""
         meta, input_ids, sample_rows, samplers = self.prepare(batch)
-        captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None
+        captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None and seq.probe is None
                     for start in [self._first_row(batch, seq)]]  # fmt: skip
         if captures:  # scoring: every row of these sequences, after the rows that sample
             extra = np.concatenate([np.arange(start, start + n) for _, start, n in captures])
@@ -100,7 +100,7 @@ class ModelRunner:
 
         if decodes:
             positions = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=len(decodes))
-            ids_parts.append(np.fromiter((s.token_ids[s.num_computed_tokens] for s in decodes), dtype=np.int64, count=len(decodes)))
+            ids_parts.append(np.fromiter((s.input_ids(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in decodes), dtype=np.int64, count=len(decodes)))
             position_parts.append(positions)
             evicted = np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
             full_slots = positions - evicted if evicted.any() else positions  # a sliding group's slots are positions
@@ -114,7 +114,7 @@ class ModelRunner:
                     span = self._window_span(seq, row, int(positions[row]), int(positions[row]) + 1, [t[row] for t in tables])
                     if span is not None:
                         meta.window_scores.append(span)
-                if seq.num_computed_tokens + 1 == seq.num_tokens:
+                if seq.num_computed_tokens + 1 == seq.num_tokens and seq.probe is None:
                     for sampler in (seq, *seq.forks):  # forks sample their first token from the parent's logits
                         sample_rows.append(row)
                         samplers.append(sampler)
@@ -128,7 +128,7 @@ class ModelRunner:
         for seq, n in prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             positions = np.arange(start, end, dtype=np.int64)
-            ids_parts.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+            ids_parts.append(np.asarray(seq.input_ids(start, end), dtype=np.int64))
             position_parts.append(positions)
             evicted = [self.kv.num_evicted(seq.request_id, g) for g in range(groups)]
             tables = [t[0] for t in self.kv.block_id_rows([seq.request_id], -(-end // bs))]
@@ -139,7 +139,7 @@ class ModelRunner:
             span = self._window_span(seq, row, start, end, tables)
             if span is not None:
                 meta.window_scores.append(span)
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.probe is None:  # a probe's last row samples nothing
                 for sampler in (seq, *seq.forks):
                     sample_rows.append(row + n - 1)
                     samplers.append(sampler)
@@ -153,9 +153,12 @@ class ModelRunner:
 
     def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
         """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
-        prompt that will be compressed."""
+        prompt that will be compressed, or of the generic question that scores it instead (every row)."""
+        if seq.probe is not None:
+            return WindowScoreSpan(row, row + end - start, start - self.kv.num_evicted(seq.request_id), tables, seq.window_scores,
+                                   context=seq.probe_from)  # fmt: skip
         policy, total = seq.eviction, seq.compression_point
-        if policy is None or policy.method != "snapkv" or seq.eviction_started or policy.tokens_kept(total) >= total:
+        if policy is None or policy.method != "snapkv" or policy.query != "window" or seq.eviction_started or policy.tokens_kept(total) >= total:
             return None
         first, end = max(start, total - policy.window), min(end, total)
         if first >= end:

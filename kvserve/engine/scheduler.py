@@ -106,7 +106,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
         seq.num_computed_tokens = 0
-        seq.eviction_started, seq.window_scores = False, None  # recomputed whole, compressed again
+        seq.reset_compression()
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

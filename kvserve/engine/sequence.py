@@ -56,7 +56,9 @@ class Sequence:
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)
-    window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention of the window's queries
+    window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention the scoring queries pay
+    probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
+    probe_from: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -84,7 +86,19 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens to compute: the sequence's, or while a generic question scores it, the compressed ones' and the question's."""
+        return len(self.token_ids) if self.probe is None else self.probe_from + len(self.probe)
+
+    def input_ids(self, start: int, end: int) -> list[int]:
+        """The tokens computed at positions [start, end): the sequence's, or the generic question's from probe_from on."""
+        if self.probe is None or end <= self.probe_from:
+            return self.token_ids[start:end]
+        return self.token_ids[start : min(end, self.probe_from)] + self.probe[max(start - self.probe_from, 0) : end - self.probe_from]
+
+    def reset_compression(self) -> None:
+        """Preempted: recomputed whole, scored and compressed again."""
+        self.eviction_started, self.window_scores = False, None
+        self.probe, self.probe_from = None, 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -105,12 +119,12 @@ class Sequence:
     @property
     def compression_point(self) -> int:
         """The tokens computed when the prompt is compressed: the SnapKV window ends there."""
-        return self.compress_at if self.compress_at is not None else self.num_tokens
+        return self.compress_at if self.compress_at is not None else len(self.token_ids)
 
     def next_chunk(self, budget: int) -> int:
         """Tokens to compute next within `budget`: a chunk stops at the compression point, so the
         tokens after it are computed against the compressed cache."""
         n = min(self.num_uncomputed_tokens, budget, self.max_chunk or budget)
-        if self.eviction is not None and not self.eviction_started and self.num_computed_tokens < self.compression_point:
+        if self.eviction is not None and not self.eviction_started and self.probe is None and self.num_computed_tokens < self.compression_point:
             n = min(n, self.compression_point - self.num_computed_tokens)
         return n

@@ -4,7 +4,10 @@ snapkv scores each prompt position by the attention the last `window` prompt que
 keeps, once at the end of prefill, the window itself and the best others within the budget, per
 layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
 ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
-every layer and head (a baseline, not for production). The budget counts every kept token, the
+every layer and head (a baseline, not for production). SnapKV's queries are by default the
+prompt's own last tokens, the question when the prompt ends with one; with query "generic" they
+are a generic question (GENERIC_QUESTION) the engine appends after the tokens it compresses,
+computes, and drops again, so a text can be compressed before its questions are known. The budget counts every kept token, the
 window's and the sinks' included; the window takes at most half of it, so a budget near the
 window's size still keeps the positions attention needs most (the first token, a sink, above all).
 """
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 KV_COMPRESSIONS = ("none", "snapkv", "streaming", "random")
+SNAPKV_QUERIES = ("window", "generic")
+GENERIC_QUESTION = "\nList every name, number and key fact above."
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class EvictionPolicy:
     window: int = 32  # snapkv: the last prompt queries that score, all kept
     kernel: int = 7  # snapkv: width of the max-pool that smooths the scores (odd)
     sinks: int = 4  # streaming: first tokens always kept
+    query: str = "window"  # snapkv: whose attention scores: the prompt's last `window` tokens, or GENERIC_QUESTION's
 
     def __post_init__(self) -> None:
         if self.method not in KV_COMPRESSIONS:
@@ -44,6 +50,8 @@ class EvictionPolicy:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 flag = {"window": "snapkv_window", "kernel": "snapkv_kernel", "sinks": "sink_tokens"}[name]
                 raise ValueError(f"{flag} must be an integer of at least {low}, got {value!r}")
+        if self.query not in SNAPKV_QUERIES:
+            raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {self.query!r}")
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel must be odd (the pooled scores keep their positions), got {self.kernel}")
         if self.method != "none" and self.keep_ratio is None and self.budget is None:

@@ -333,6 +333,18 @@ class KVCacheManager:
             self._ids[g][row, :first] = 0
             self._release(list(reversed(gone)))
 
+    def truncate(self, request_id: str, num_computed: int) -> None:
+        """Drop the request's slots from position num_computed on (a KVzip probe's), releasing the
+        blocks that held only those."""
+        tables, row = self._tables[request_id], self._rows[request_id]
+        for g, table in enumerate(tables):
+            slots = num_computed - self.num_evicted(request_id, g)
+            first = blocks_for_tokens(slots, self.block_size)
+            gone = [b for b in table[first:] if b is not None]
+            del table[first:]
+            self._ids[g][row, first:] = 0
+            self._release(list(reversed(gone)))
+
     def compaction_targets(self, request_id: str, group: int, kept: int) -> list[KVBlock]:
         """The blocks a compaction of a full-attention group to `kept` slots writes: the request's
         own, except that a block it shares (a prefix hit: another request or the cache reads it) is

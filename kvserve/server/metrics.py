@@ -47,6 +47,7 @@ class ServerMetrics:
         self.prefix_cache_evictions = counter("prefix_cache_evictions", "Cached blocks evicted to make room")
         self.kv_evicted_tokens = counter("kv_evicted_tokens", "Cached tokens dropped by --kv-compression (their slots freed)")
         self.kv_compactions = counter("kv_compactions", "Sequences' caches compacted by --kv-compression")
+        self.kv_probe_tokens = counter("kv_probe_tokens", "Tokens of --snapkv-query generic's question, computed to score prompts and dropped")
         self._misses = Counter("kvserve:prefix_cache_misses", "Lookups that reused nothing, by reason",
                                ["model_name", "reason"], registry=r)  # fmt: skip
         self._model_name = model_name
@@ -81,6 +82,7 @@ class ServerMetrics:
             ("prefix_cache_evictions_total", self.prefix_cache_evictions),
             ("kv_evicted_tokens_total", self.kv_evicted_tokens),
             ("kv_compactions_total", self.kv_compactions),
+            ("kv_probe_tokens_total", self.kv_probe_tokens),
         ):
             self._advance(key, stats[key], counter)
         for reason, total in stats["prefix_cache_misses_total"].items():
