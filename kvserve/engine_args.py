@@ -65,7 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "(by default they hold only their window's blocks)")
     group.add_argument("--kv-compression", default="none", choices=list(KV_COMPRESSIONS),
                        help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
-                       "--snapkv-window queries attend to most (per layer and KV head); streaming keeps --sink-tokens first "
+                       "--snapkv-window queries attend to most (per layer and KV head; --snapkv-query generic scores with a "
+                       "generic question instead); streaming keeps --sink-tokens first "
                        "tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
                        "--kv-keep-ratio or --kv-budget. See the README's KV eviction")
     group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]")
@@ -78,7 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="snapkv: whose attention scores the prompt's positions: window, its last --snapkv-window tokens "
                        "(the question, when the prompt ends with one); generic, a generic question appended after the "
                        "tokens compressed, computed and dropped again (question-agnostic: a document compressed before "
-                       "its questions are known) (default: %(default)s)")
+                       "its questions are known; about a dozen more tokens of prefill per sequence; needs a tokenizer) "
+                       "(default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 

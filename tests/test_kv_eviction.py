@@ -418,7 +418,8 @@ def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(t
     while not seq.is_finished:
         engine.step()
     assert seq.num_output_tokens == 8 and seq.num_preemptions == 1
-    assert llm.stats()["kv_probe_tokens_total"] == 2 * len(question) and llm.stats()["kv_compactions_total"] == 1
+    # counted once: the first question was dropped unrun
+    assert llm.stats()["kv_probe_tokens_total"] == len(question) and llm.stats()["kv_compactions_total"] == 1
     _check_free(llm)
 
 
@@ -451,7 +452,13 @@ def test_a_generic_question_on_gemma3_and_where_it_cannot_run(tiny_dir):
         assert _run_counting_blocks(plain, prompt, params) == run  # same tokens, and no block of the question held
     full = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_budget=8, snapkv_window=8, max_model_len=40)
     out = full.generate([random_prompts(1, 39, 39, seed=25)[0]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
-    assert len(out.token_ids) == 1 and full.stats()["kv_probe_tokens_total"] == 1  # room for one token of the question
+    assert len(out.token_ids) == 1 and full.stats()["kv_probe_tokens_total"] == 0  # finished on its first token: never computed
+    seq = full.engine.add_request(random_prompts(1, 38, 38, seed=25)[0], SamplingParams(max_tokens=2, temperature=0))
+    full.engine.step()
+    assert seq.probe == _generic(full)[:2]  # the room left below max_model_len
+    while not seq.is_finished:
+        full.engine.step()
+    assert full.stats()["kv_probe_tokens_total"] == 2 and full.stats()["kv_compactions_total"] == 1
     with pytest.raises(ValueError, match="tokenizer"):
         _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.5, skip_tokenizer_init=True)
     _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True)  # the prompt's window needs none

@@ -463,7 +463,8 @@ class LLMEngine:
             raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
         if policy.method == "snapkv" and policy.query == "generic" and self.tokenizer is None:
-            raise ValueError(f"snapkv_query generic needs a tokenizer to write its question: {NO_TOKENIZER}")
+            raise ValueError("snapkv_query generic writes its question with the tokenizer, and this engine has none "
+                             "(--skip-tokenizer-init, or no tokenizer files beside the weights): use --snapkv-query window")
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy
@@ -478,17 +479,17 @@ class LLMEngine:
             if n < seq.num_tokens:
                 return
             self.kv.truncate(seq.request_id, seq.probe_from)
+            self.num_probe_tokens += len(seq.probe)
             seq.num_computed_tokens = n = seq.probe_from
             seq.probe = None
         elif not seq.eviction_started:
             if n < seq.compression_point:
                 return
             if policy.method == "snapkv" and policy.query == "generic" and policy.tokens_kept(n) < n:
-                probe = self._generic_question[: self.max_model_len - n]  # its positions stay within the model's
+                probe = self._generic_question[: self.max_model_len - n]  # its positions stay below max_model_len
                 seq.window_scores = torch.zeros(self.kv_spec.num_layers, self.kv_spec.num_kv_heads, n, device=self.device)
                 if probe:
                     seq.probe, seq.probe_from = probe, n
-                    self.num_probe_tokens += len(probe)
                     return
         held = n - self.kv.num_evicted(seq.request_id)
         kept = policy.tokens_kept(n)
