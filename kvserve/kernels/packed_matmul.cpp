@@ -11,9 +11,10 @@
 // A Q8 packed weight holds the same tiles as int8 values, with one float scale per tile row and 32
 // values of k (llama.cpp's Q8_0 blocks, re-laid): a bf16 weight that a Q8_0 GGUF tensor was
 // dequantized into (a scale times an integer, rounded to bf16) packs this way losslessly, which
-// kvserve_pack_q8_weight checks block by block. Each thread turns its block of tiles back into
-// those exact bf16 tiles, in a buffer that stays in cache, and runs the bf16 kernel on it for
-// every row: the result is the bf16 weight's bit for bit, from half the bytes of memory traffic.
+// kvserve_pack_q8_weight checks block by block. The kernel turns each value back into that exact
+// bf16 value in registers and feeds the same dot products in the same order: the result is the
+// bf16 weight's bit for bit, from half the bytes of memory traffic (worth it for a few rows, where
+// the product waits on memory; with more, the conversions cost more than the bytes saved).
 
 #include <algorithm>
 #include <cmath>
@@ -200,27 +201,6 @@ void q8_few_rows(int rows, const int8_t* q, const float* scales, int64_t first, 
   }
 }
 
-// `count` Q8 tiles (values q, scales per 16 rows x 32 k) back into the bf16 tiles they stand for:
-// scale * q is exact in float (an fp16 scale times an 8-bit integer), then rounded to bf16 nearest
-// even, as torch rounds the float weight the loader dequantized
-void dequantize_tiles(const int8_t* q, const float* scales, int pairs, int64_t count, uint16_t* out) {
-  const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i high = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const int blocks = pairs / 16;
-  for (int64_t t = 0; t < count; ++t)
-    for (int b = 0; b < blocks; ++b) {
-      const __m512 scale = _mm512_loadu_ps(scales + (t * blocks + b) * kTile);
-      const __m512 scale_low = _mm512_permutexvar_ps(low, scale), scale_high = _mm512_permutexvar_ps(high, scale);
-      for (int p = b * 16; p < b * 16 + 16; ++p) {
-        const int64_t at = (t * pairs + p) * 32;
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at));
-        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))), scale_low);
-        const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))), scale_high);
-        _mm512_storeu_si512(static_cast<void*>(out + at), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-    }
-}
-
 inline uint16_t bf16_nearest_even(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
@@ -359,17 +339,16 @@ int kvserve_packed_matmul(const kvserve::PackedMatmulArgs* a) {
     const int64_t out_bytes = out_dtype == kFloat32 ? 4 : 2;
     const int64_t tile_stride = static_cast<int64_t>(pairs) * 32;
     if (q8) {
-      // each block of tiles is dequantized once, then serves every row (the caller keeps rows few)
-      std::vector<uint16_t> tiles_bf16(NT * tile_stride);
+      // eight rows at a time, each value converted in registers once per eight rows: this beats the
+      // bf16 weight's memory traffic for a few rows only (the caller keeps them few)
       for (int64_t b = block_begin; b < block_end; ++b) {
         const int64_t first = b * NT;
         const int64_t count = std::min<int64_t>(NT, tiles - first);
-        if (rows <= 8) {
-          q8_few_rows(rows, q8, a->scales, first, count, n, pairs, x, ldx, out, out_dtype, best_ptr);
-          continue;
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+          void* oc = out ? static_cast<void*>(static_cast<char*>(out) + static_cast<int64_t>(r0) * n * out_bytes) : nullptr;
+          q8_few_rows(std::min(8, rows - r0), q8, a->scales, first, count, n, pairs, x + r0 * ldx, ldx, oc, out_dtype,
+                      best_ptr ? best_ptr + r0 : nullptr);
         }
-        dequantize_tiles(q8 + first * tile_stride, a->scales + first * (k / 32) * kTile, pairs, count, tiles_bf16.data());
-        rows_block_of<NT>(count, tiles_bf16.data(), first, n, pairs, x, ldx, rows, out, out_dtype, best_ptr);
       }
     } else {
       for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
