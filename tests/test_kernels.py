@@ -279,46 +279,6 @@ def test_packed_weights_reject_what_they_cannot_take():
         kernels.packed_matmul(torch.zeros(2, 30, dtype=torch.bfloat16), packed)
 
 
-def q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    """A bf16 weight as the loader makes it from a Q8_0 GGUF tensor: gguf's Q8_0 codec, dequantized
-    to float, rounded to bf16."""
-    import numpy as np
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    values = lm_head_like(n, k, seed).float().numpy()
-    codec = GGMLQuantizationType.Q8_0
-    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(values, codec), codec)).reshape(n, k)).bfloat16()
-
-
-@needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
-@pytest.mark.parametrize("n, k", [(1000, 96), (37, 640), (5000, 32)])
-def test_a_q8_0_weight_packs_losslessly_and_gives_the_bf16_product_bit_for_bit(rows, n, k):
-    weight = q8_0_weight(n, k, seed=n + k)
-    q8 = kernels.pack_q8_weight(weight)
-    assert q8 is not None and q8.data.element_size() == 1 and torch.equal(kernels.unpack_weight(q8), weight)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    out, argmax = kernels.packed_matmul(x, kernels.pack_weight(weight), out_dtype=torch.float32, want_argmax=True)
-    q8_out, q8_argmax = kernels.packed_matmul(x, q8, out_dtype=torch.float32, want_argmax=True)
-    assert torch.equal(q8_out, out) and torch.equal(q8_argmax, argmax)
-    assert torch.equal(kernels.packed_matmul(x, q8)[0], out.bfloat16())
-
-
-@needs_bf16_dot
-def test_a_weight_that_is_not_q8_0_is_not_packed_as_q8():
-    weight = q8_0_weight(64, 64, seed=1)
-    assert kernels.pack_q8_weight(weight) is not None
-    off = weight.clone()
-    off[40, 7] = off[40, :32].abs().max() * 1.37  # a new largest value: the block's other values are off its scale's grid
-    assert kernels.pack_q8_weight(off) is None
-    assert kernels.pack_q8_weight(lm_head_like(64, 64, seed=2)) is None  # plain bf16
-    assert kernels.pack_q8_weight(weight[:, :48].contiguous()) is None  # k not a multiple of 32
-    nan = weight.clone()
-    nan[3, 3] = float("nan")
-    assert kernels.pack_q8_weight(nan) is None
-
-
 def lm_head_like(n: int, k: int, seed: int) -> torch.Tensor:
     """Rows with uneven norms and a few outlier dims, like a real tied embedding."""
     g = torch.Generator().manual_seed(seed)
@@ -369,11 +329,11 @@ def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():
     code = (
         "import torch; from kvserve import kernels; "
         "print(kernels.cpu_kernels_available(), kernels.bf16_dot_available(), kernels.int8_screen_available(), "
-        "kernels.can_pack(torch.zeros(16, 32, dtype=torch.bfloat16)), kernels.pack_q8_weight(torch.zeros(16, 32, dtype=torch.bfloat16)))"
+        "kernels.can_pack(torch.zeros(16, 32, dtype=torch.bfloat16)))"
     )
     env = {**os.environ, "KVSERVE_MARCH": "haswell"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "False", "False", "False", "None"]
+    assert out == ["True", "False", "False", "False"]
 
 
 @needs_bf16_dot

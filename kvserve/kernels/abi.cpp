@@ -45,7 +45,7 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     return n;
   }
   if (!std::strcmp(name, "PackedMatmulArgs")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(PackedMatmulArgs)), KVSERVE_FIELD(PackedMatmulArgs, packed), KVSERVE_FIELD(PackedMatmulArgs, scales), KVSERVE_FIELD(PackedMatmulArgs, x), KVSERVE_FIELD(PackedMatmulArgs, out), KVSERVE_FIELD(PackedMatmulArgs, argmax), KVSERVE_FIELD(PackedMatmulArgs, n), KVSERVE_FIELD(PackedMatmulArgs, ldx), KVSERVE_FIELD(PackedMatmulArgs, k), KVSERVE_FIELD(PackedMatmulArgs, rows), KVSERVE_FIELD(PackedMatmulArgs, out_dtype), KVSERVE_FIELD(PackedMatmulArgs, pad_)};
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(PackedMatmulArgs)), KVSERVE_FIELD(PackedMatmulArgs, packed), KVSERVE_FIELD(PackedMatmulArgs, x), KVSERVE_FIELD(PackedMatmulArgs, out), KVSERVE_FIELD(PackedMatmulArgs, argmax), KVSERVE_FIELD(PackedMatmulArgs, n), KVSERVE_FIELD(PackedMatmulArgs, ldx), KVSERVE_FIELD(PackedMatmulArgs, k), KVSERVE_FIELD(PackedMatmulArgs, rows), KVSERVE_FIELD(PackedMatmulArgs, out_dtype), KVSERVE_FIELD(PackedMatmulArgs, pad_)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

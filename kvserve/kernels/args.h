@@ -84,8 +84,7 @@ struct SkinnyMatmulArgs {
 
 // x @ weight^T on a weight packed by kvserve_pack_bf16_weight (packed_matmul.cpp)
 struct PackedMatmulArgs {
-  const void* packed;      // bf16 [ceil(n/16) * 16 * k], or int8 of a Q8 weight
-  const float* scales;     // Q8: [ceil(n/16)][k/32][16]; null for bf16
+  const uint16_t* packed;  // bf16 [ceil(n/16) * 16 * k]
   const uint16_t* x;       // bf16 [rows, k], row stride ldx
   void* out;               // [rows, n] in out_dtype, or null
   int64_t* argmax;         // [rows], or null

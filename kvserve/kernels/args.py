@@ -46,7 +46,7 @@ class SkinnyMatmulArgs(ctypes.Structure):
 
 class PackedMatmulArgs(ctypes.Structure):
     _fields_ = [
-        ("packed", _p), ("scales", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
+        ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
         ("out_dtype", _i32), ("pad_", _i32),
     ]  # fmt: skip
 

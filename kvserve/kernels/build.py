@@ -91,8 +91,6 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_has_int8_screen": [],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
-        # weight, n, k, int8 packed, scales
-        "kvserve_pack_q8_weight": [ptr, c_int64, c_int, ptr, ptr],
         # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
         "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
     }

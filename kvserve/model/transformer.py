@@ -18,7 +18,6 @@ from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fit
 
 LOGITS_CHUNK = 16384
 GREEDY_CHUNK = 4096
-Q8_LM_HEAD_ROWS = 2  # most rows the Q8 lm_head serves: past them converting its values costs more than the bytes it saves
 
 
 class Attention(nn.Module):
@@ -134,7 +133,6 @@ class CausalLM(nn.Module):
         self.native_lm_head = False  # enable_native_kernels() turns this on where the CPU kernels are built
         self.packed_lm_head: kernels.PackedWeight | None = None
         self.screened_lm_head: kernels.ScreenedWeight | None = None
-        self.q8_lm_head: kernels.PackedWeight | None = None  # the same bf16 weight in half the bytes, where lossless
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
@@ -144,7 +142,6 @@ class CausalLM(nn.Module):
         self.native_lm_head = True
         if kernels.can_pack(self.lm_head.weight):
             self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
-            self.q8_lm_head = kernels.pack_q8_weight(self.lm_head.weight)  # a Q8_0 GGUF's embedding, say
             if kernels.int8_screen_available() and kernels.screen_group(self.config.hidden_size):
                 self.screened_lm_head = kernels.screen_weight(self.packed_lm_head, self.lm_head.weight)
         for module in self.modules():
@@ -180,10 +177,7 @@ class CausalLM(nn.Module):
         normed = self.norm(hidden)
         if self._use_packed_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
-            # the Q8 copy gives the same logits bit for bit from half the memory traffic
-            q8 = self.q8_lm_head is not None and normed.shape[0] <= Q8_LM_HEAD_ROWS
-            weight = self.q8_lm_head if q8 else self.packed_lm_head
-            return self._softcap(kernels.packed_matmul(normed, weight, out_dtype=torch.float32, out=out)[0])
+            return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32, out=out)[0])
         if self._use_native_lm_head(normed):
             logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32, out=self._native_logits_buffer(normed.shape[0]))
             return self._softcap(logits)
