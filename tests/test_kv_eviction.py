@@ -377,7 +377,8 @@ def _generic(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tiny_dir, monkeypatch, backend):
+@pytest.mark.parametrize("chunk", [40, 9])  # 9: the question (28 tokens here) ends in a one-token chunk, a decode row
+def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tiny_dir, monkeypatch, backend, chunk):
     """--snapkv-query generic: the scores are transformers' attention of the generic question appended
     after the first k tokens; the question's K/V is dropped, so the rest of the text is computed
     exactly as when the same positions are kept by a prompt-window SnapKV (the question never ran)."""
@@ -389,9 +390,9 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     flags = dict(attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
     llm = _llm(path, snapkv_query="generic", **flags)
     kept = _record_compactions(llm)
-    hidden = llm.engine.score(tokens, chunk=24, compress_at=k)
+    hidden = llm.engine.score(tokens, chunk=chunk, compress_at=k)
     question = _generic(llm)
-    assert len(question) > 1 and llm.stats()["kv_probe_tokens_total"] == len(question)
+    assert len(question) == 28 and llm.stats()["kv_probe_tokens_total"] == len(question)
     assert seen[0].shape == (3, 2, k)
     torch.testing.assert_close(seen[0], _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k], atol=1e-4, rtol=1e-4)
     (keep,) = kept
@@ -400,7 +401,7 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     # the same positions kept by a window-scored SnapKV whose selection is replaced by this one
     monkeypatch.setattr(engine_module, "top_positions", lambda *a: keep)
     plain = _llm(path, **flags)
-    torch.testing.assert_close(plain.engine.score(tokens, chunk=24, compress_at=k), hidden, atol=0, rtol=0)
+    torch.testing.assert_close(plain.engine.score(tokens, chunk=chunk, compress_at=k), hidden, atol=0, rtol=0)
     assert plain.stats()["kv_probe_tokens_total"] == 0
 
 

@@ -100,7 +100,7 @@ class ModelRunner:
 
         if decodes:
             positions = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=len(decodes))
-            ids_parts.append(np.fromiter((s.input_ids(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in decodes), dtype=np.int64, count=len(decodes)))
+            ids_parts.append(np.fromiter((s.input_id(s.num_computed_tokens) for s in decodes), dtype=np.int64, count=len(decodes)))
             position_parts.append(positions)
             evicted = np.fromiter((self.kv.num_evicted(s.request_id) for s in decodes), dtype=np.int64, count=len(decodes))
             full_slots = positions - evicted if evicted.any() else positions  # a sliding group's slots are positions
@@ -139,7 +139,7 @@ class ModelRunner:
             span = self._window_span(seq, row, start, end, tables)
             if span is not None:
                 meta.window_scores.append(span)
-            if end == seq.num_tokens and seq.probe is None:  # a probe's last row samples nothing
+            if end == seq.num_tokens and seq.probe is None:  # the generic question's last row samples nothing
                 for sampler in (seq, *seq.forks):
                     sample_rows.append(row + n - 1)
                     samplers.append(sampler)

@@ -95,6 +95,10 @@ class Sequence:
             return self.token_ids[start:end]
         return self.token_ids[start : min(end, self.probe_from)] + self.probe[max(start - self.probe_from, 0) : end - self.probe_from]
 
+    def input_id(self, position: int) -> int:
+        """The token computed at `position` (a decode row's)."""
+        return self.token_ids[position] if self.probe is None or position < self.probe_from else self.probe[position - self.probe_from]
+
     def reset_compression(self) -> None:
         """Preempted: recomputed whole, scored and compressed again."""
         self.eviction_started, self.window_scores = False, None
