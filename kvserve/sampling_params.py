@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvserve.kv.eviction import KV_COMPRESSIONS
+from kvserve.kv.eviction import KV_COMPRESSIONS, SNAPKV_QUERIES
 
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
@@ -41,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
     kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
+    snapkv_query: str | None = None  # overrides the engine's --snapkv-query (window | generic) for this request
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +89,8 @@ class SamplingParams:
         if self.kv_keep_ratio is not None and (isinstance(self.kv_keep_ratio, bool) or not isinstance(self.kv_keep_ratio, (int, float))
                                                or not 0 < self.kv_keep_ratio <= 1):  # fmt: skip
             raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.kv_keep_ratio!r}")
+        if self.snapkv_query is not None and self.snapkv_query not in SNAPKV_QUERIES:
+            raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {self.snapkv_query!r}")
 
     def samples(self) -> list["SamplingParams"]:
         """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""

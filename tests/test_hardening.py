@@ -242,6 +242,8 @@ def test_request_supplied_chat_template_is_refused_by_default(guarded):
         ('{"prompt": "hi", "kv_compression": "snap"}', "kv_compression"),
         ('{"prompt": "hi", "kv_compression": "snapkv"}', "kv_compression"),  # no budget: the engine has none
         ('{"prompt": "hi", "kv_compression": "snapkv", "kv_keep_ratio": NaN}', "kv_keep_ratio"),
+        ('{"prompt": "hi", "snapkv_query": "question"}', "snapkv_query"),
+        ('{"prompt": "hi", "snapkv_query": "generic"}', "snapkv_query"),  # the engine compresses nothing
     ],
 )
 def test_bad_numbers_are_400_naming_the_field_before_any_stream(guarded, raw, field, stream):
@@ -258,6 +260,8 @@ def test_kv_compression_extension_field(guarded):
     body = {"prompt": "Everyone is permitted to copy and distribute verbatim copies", "max_tokens": 6, "ignore_eos": True,
             "kv_compression": "snapkv", "kv_keep_ratio": 0.5}  # fmt: skip
     resp = post(url, body)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6, resp.text
+    resp = post(url, {**body, "snapkv_query": "generic"})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6, resp.text
 
 

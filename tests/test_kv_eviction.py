@@ -424,6 +424,31 @@ def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(t
     _check_free(llm)
 
 
+def test_a_request_chooses_the_generic_question(tiny_dir):
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 90, 90, seed=27)[0]
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8)  # the engine scores with the window
+    generic = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, snapkv_query="generic")
+    out = llm.generate([prompt], generic, use_tqdm=False)[0]
+    assert llm.stats()["kv_probe_tokens_total"] == len(_generic(llm))
+    engine_wide = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8)
+    assert engine_wide.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids[:6] == out.token_ids
+    window = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, snapkv_query="window")
+    assert engine_wide.generate([prompt], window, use_tqdm=False)[0].token_ids == llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids[:6]
+    assert engine_wide.stats()["kv_probe_tokens_total"] == len(_generic(llm))  # the window request asked nothing
+    with pytest.raises(ValueError, match="snapkv_query must be one of"):
+        SamplingParams(snapkv_query="question")
+    with pytest.raises(ValueError, match="snapkv_query needs kv_compression snapkv"):
+        llm.engine.eviction_policy(SamplingParams(snapkv_query="generic", kv_compression="streaming"))
+    with pytest.raises(ValueError, match="snapkv_query needs kv_compression snapkv"):
+        _llm(path).engine.eviction_policy(SamplingParams(snapkv_query="generic"))
+    with pytest.raises(ValueError, match="tokenizer"):
+        _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True).engine.eviction_policy(generic)
+    body = CompletionRequest(prompt="hi", kv_compression="snapkv", kv_keep_ratio=0.5, snapkv_query="generic")
+    assert body.sampling_params(4, None).snapkv_query == "generic"
+    _check_free(llm)
+
+
 def _run_counting_blocks(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int]]:
     """The request's tokens, and the free blocks after each step from its second output token on."""
     seq, free = llm.engine.add_request(prompt, params), []

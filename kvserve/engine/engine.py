@@ -449,6 +449,10 @@ class LLMEngine:
     def eviction_policy(self, params: SamplingParams) -> EvictionPolicy | None:
         """The engine's --kv-compression with the request's overrides; None when it evicts nothing."""
         policy = self.config.eviction
+        if params.snapkv_query is not None:
+            if (params.kv_compression or policy.method) != "snapkv":
+                raise ValueError(f"snapkv_query needs kv_compression snapkv (this request's is {params.kv_compression or policy.method})")
+            policy = dataclasses.replace(policy, query=params.snapkv_query)
         if params.kv_compression is not None or params.kv_keep_ratio is not None:
             method = params.kv_compression or policy.method
             if method == "none" and params.kv_keep_ratio is not None:

@@ -198,7 +198,7 @@ class OpenAIServer:
         try:
             self.engine.eviction_policy(params)
         except ValueError as exc:
-            raise APIError(400, str(exc), "kv_compression") from exc
+            raise APIError(400, str(exc), "snapkv_query" if str(exc).startswith("snapkv_query") else "kv_compression") from exc
         if params.stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; " + _NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
         vocab = self.engine.model_config.vocab_size

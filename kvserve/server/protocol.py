@@ -75,6 +75,7 @@ class _SamplingFields(BaseModel):
     cache_salt: StrictStr | None = None
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
     kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
+    snapkv_query: StrictStr | None = None  # kvserve extension: window | generic, whose attention scores snapkv's positions
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields this server does not implement: refused when they would change the result
@@ -137,6 +138,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             kv_compression=self.kv_compression,
             kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
+            snapkv_query=self.snapkv_query,
         )
 
 
