@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field, replace
 
 from kvserve.kv.eviction import KV_COMPRESSIONS, SNAPKV_QUERIES
@@ -85,12 +86,12 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be token ids (integers in [0, 2^31))")
 
         if self.kv_compression is not None and self.kv_compression not in KV_COMPRESSIONS:
-            raise ValueError(f"kv_compression must be one of {', '.join(KV_COMPRESSIONS)}; got {self.kv_compression!r}")
+            raise ValueError(f"kv_compression must be one of {', '.join(KV_COMPRESSIONS)}; got {reprlib.repr(self.kv_compression)}")  # a client's string, cut short
         if self.kv_keep_ratio is not None and (isinstance(self.kv_keep_ratio, bool) or not isinstance(self.kv_keep_ratio, (int, float))
                                                or not 0 < self.kv_keep_ratio <= 1):  # fmt: skip
             raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.kv_keep_ratio!r}")
         if self.snapkv_query is not None and self.snapkv_query not in SNAPKV_QUERIES:
-            raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {self.snapkv_query!r}")
+            raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {reprlib.repr(self.snapkv_query)}")
 
     def samples(self) -> list["SamplingParams"]:
         """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""

@@ -438,6 +438,10 @@ def test_a_request_chooses_the_generic_question(tiny_dir):
     assert engine_wide.stats()["kv_probe_tokens_total"] == len(_generic(llm))  # the window request asked nothing
     with pytest.raises(ValueError, match="snapkv_query must be one of"):
         SamplingParams(snapkv_query="question")
+    for field in ("snapkv_query", "kv_compression"):  # a client's long string is not echoed whole
+        with pytest.raises(ValueError, match=field) as refused:
+            SamplingParams(**{field: "x" * 100_000})
+        assert len(str(refused.value)) < 200
     with pytest.raises(ValueError, match="snapkv_query needs kv_compression snapkv"):
         llm.engine.eviction_policy(SamplingParams(snapkv_query="generic", kv_compression="streaming"))
     with pytest.raises(ValueError, match="snapkv_query needs kv_compression snapkv"):

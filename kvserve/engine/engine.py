@@ -468,7 +468,7 @@ class LLMEngine:
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
         if policy.method == "snapkv" and policy.query == "generic" and self.tokenizer is None:
             raise ValueError("snapkv_query generic writes its question with the tokenizer, and this engine has none "
-                             "(--skip-tokenizer-init, or no tokenizer files beside the weights): use --snapkv-query window")
+                             "(--skip-tokenizer-init, or no tokenizer files beside the weights): use snapkv_query window (--snapkv-query window)")
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy
