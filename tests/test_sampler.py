@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from kvserve import kernels
-from kvserve.engine.torch_sampler import philox4x32, philox_uniform, sample_torch
+from kvserve.engine.torch_sampler import gumbel_noise, philox4x32, sample_torch, token_words
 
 needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="the native CPU kernels are not built here")
 
@@ -262,8 +262,22 @@ def test_philox_known_answers():
     ]
     for counter, key, expected in cases:
         assert tuple(int(w) for w in philox4x32(counter, key)) == expected
-    u = philox_uniform(np.array([1, 1, 2], dtype=np.uint64), np.array([0, 1, 0], dtype=np.uint64))
-    assert np.all((u >= 0) & (u < 1)) and len(set(u.tolist())) == 3
+    # token 70 takes word (70 >> 4) & 3 = 0 of block (70 >> 6) * 16 + (70 & 15) = 22 under counter (position, 0, block, 0)
+    seed, position = 0x0123456789ABCDEF, 0x1122334455
+    block = philox4x32((position & 0xFFFFFFFF, position >> 32, 22, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    assert token_words(seed, position, 71)[70] == int(block[0])
+    words = token_words(seed, position, 4096)
+    assert len(set(words.tolist())) == 4096  # every token its own word
+    noise = gumbel_noise(seed, position, 4096)
+    assert np.all(np.isfinite(noise)) and abs(noise.mean() - 0.5772) < 0.06  # Gumbel(0, 1) has mean Euler's gamma
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 63, 64, 200, 4096])
+def test_native_token_words_equal_torch_samplers(n):
+    """The vector Philox (64 tokens at once) and the scalar one both give torch_sampler's words."""
+    for seed, position in [(0, 0), (1234, 7), (2**64 - 1, 2**40 + 3)]:
+        assert np.array_equal(kernels.token_words(seed, position, n), token_words(seed, position, n))
 
 
 @needs_kernels

@@ -13,6 +13,10 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.transformer import CausalLM
 
+# Up to this many sampled rows draw from the int8 screen (kernels.screened_sample): each row
+# recomputes its own few dozen tiles in bf16, where a larger batch shares one full product.
+SCREENED_SAMPLE_MAX_ROWS = 4
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, kv: KVCacheManager, device: torch.device, sampler: Sampler) -> None:
@@ -40,10 +44,29 @@ class ModelRunner:
             for i, token in zip(plain, tokens):
                 results[i] = SampleResult(token, None)
         if rest:
+            rest = self._sample_screened(hidden, rest, samplers, results)
+        if rest:
             logits = self.model.compute_logits(hidden[torch.tensor(rest, device=self.device)])
             for i, result in zip(rest, self.sampler.sample(logits, [samplers[i] for i in rest])):
                 results[i] = result
         return list(zip(samplers, results))
+
+    def _sample_screened(self, hidden: torch.Tensor, rest: list[int], samplers: list[Sequence], results: list) -> list[int]:
+        """A few sampled rows (no logprobs) draw from the int8-screened lm_head, exactly the tokens the
+        full logits would give, at greedy's cost; returns the rows still to sample from full logits."""
+        picked = [i for i in rest if not samplers[i].params.greedy and samplers[i].params.logprobs is None]
+        if not picked or len(picked) > SCREENED_SAMPLE_MAX_ROWS or not self.sampler.native or self.device.type != "cpu":
+            return rest
+        rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.config.vocab_size)
+        tokens = self.model.screened_sample(hidden[torch.tensor(picked)], rows, penalty_ids, penalty_counts)
+        if tokens is None:
+            return rest
+        done = set()
+        for i, token in zip(picked, tokens.tolist()):
+            if token >= 0:
+                results[i] = SampleResult(token, None)
+                done.add(i)
+        return [i for i in rest if i not in done]
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

@@ -30,10 +30,10 @@ class Sampler:
     def __init__(self, native: bool) -> None:
         self.native = native
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """One token per row of logits [S, V] (float32; modified in place) for seqs."""
+    @staticmethod
+    def rows(seqs: list[Sequence], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kernels' per-row parameters (SAMPLER_ROW_DTYPE) and the flat penalty ids and counts."""
         rows = np.zeros(len(seqs), dtype=kernels.SAMPLER_ROW_DTYPE)
-        vocab = logits.shape[-1]
         id_parts: list[np.ndarray] = []
         count_parts: list[np.ndarray] = []
         begin = 0
@@ -56,6 +56,11 @@ class Sampler:
         rows[:] = fields
         penalty_ids = np.concatenate(id_parts) if id_parts else np.empty(0, dtype=np.int64)
         penalty_counts = np.concatenate(count_parts) if count_parts else np.empty(0, dtype=np.int32)
+        return rows, penalty_ids, penalty_counts
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """One token per row of logits [S, V] (float32; modified in place) for seqs."""
+        rows, penalty_ids, penalty_counts = self.rows(seqs, logits.shape[-1])
         logits = logits.float()
         if self.native and logits.device.type == "cpu":
             out = kernels.sample(logits.contiguous(), rows, penalty_ids, penalty_counts)

@@ -3,8 +3,9 @@
 Per row: raw top-N logprobs, then penalties, then s = (logit - max) / T over the vocabulary in
 the order (s descending, id ascending); top-k keeps s >= the k-th largest s, min-p keeps
 s >= log(min_p), top-p keeps a token while the kept mass before it is below top_p times the kept
-mass; the draw inverts the CDF of the kept tokens in that order at a Philox-4x32-10 uniform keyed
-by (seed, position). Tokens with s <= -88 have no mass. Greedy rows (T = 0) take the argmax.
+mass; the draw is Gumbel-max over the kept tokens: argmax of s + g in double, g = -log(-log(u))
+with u from a Philox-4x32-10 word of the token, keyed by (seed, position, token id) as in
+kernels/gumbel.h. Tokens with s <= -88 have no mass. Greedy rows (T = 0) take the argmax.
 """
 
 from __future__ import annotations
@@ -33,14 +34,22 @@ def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarra
     return c0, c1, c2, c3
 
 
-def philox_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
-    """Philox-4x32-10 of counter (counter, 0) under key seed, as a uniform double in [0, 1) from
-    53 bits of the first two words: per element, identical to sampler.cpp's."""
-    seeds = np.asarray(seeds).astype(np.uint64)
-    counters = np.asarray(counters).astype(np.uint64)
-    zero = np.zeros_like(counters)
-    w0, w1, _, _ = philox4x32((counters, counters >> np.uint64(32), zero, zero), (seeds, seeds >> np.uint64(32)))
-    return ((w0 >> np.uint64(5)).astype(np.float64) * 67108864.0 + (w1 >> np.uint64(6)).astype(np.float64)) / 9007199254740992.0
+def token_words(seed: int, position: int, vocab: int) -> np.ndarray:
+    """Each token's 32-bit Philox word for (seed, position), as kernels/gumbel.h assigns them: token i
+    takes word (i >> 4) & 3 of block (i >> 6) * 16 + (i & 15)."""
+    ids = np.arange(vocab, dtype=np.uint64)
+    blocks = np.arange(-(-vocab // 64) * 16, dtype=np.uint64)
+    seed_, position_ = np.uint64(seed), np.uint64(position)
+    zero = np.zeros_like(blocks)
+    words = np.stack(philox4x32((zero + position_, zero + (position_ >> np.uint64(32)), blocks, zero), (seed_, seed_ >> np.uint64(32))))
+    block_of = (ids >> np.uint64(6)) * np.uint64(16) + (ids & np.uint64(15))
+    return words[((ids >> np.uint64(4)) & np.uint64(3)).astype(np.int64), block_of.astype(np.int64)]
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """-log(-log(u)) per token in float64, u = (word + 1/2) / 2^32."""
+    u = (token_words(seed, position, vocab).astype(np.float64) + 0.5) * 2.0**-32
+    return -np.log(-np.log(u))
 
 
 def _column(rows: np.ndarray, name: str, device: torch.device) -> torch.Tensor:
@@ -98,8 +107,8 @@ def sample_torch(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray
 def _draw(logits: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch.Tensor:
     vocab = logits.shape[1]
     inverse_t = 1.0 / _column(rows, "temperature", device)
-    scores = (logits - logits.max(dim=1, keepdim=True).values) * inverse_t[:, None]
-    scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    row_scores = (logits - logits.max(dim=1, keepdim=True).values) * inverse_t[:, None]
+    scores, order = torch.sort(row_scores, dim=1, descending=True, stable=True)
     mass = torch.where(scores > MASS_FLOOR, torch.exp(scores), torch.zeros_like(scores)).double()
 
     top_k = _column(rows, "top_k", device).long()
@@ -115,8 +124,7 @@ def _draw(logits: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch
     keep = (before < top_p[:, None] * mass.sum(dim=1, keepdim=True)) | (top_p[:, None] >= 1)
     mass = mass * keep
 
-    cumulative = mass.cumsum(dim=1)
-    u = torch.from_numpy(philox_uniform(rows["seed"], rows["position"].astype(np.uint64))).to(device)
-    target = (u * cumulative[:, -1])[:, None]
-    position = torch.searchsorted(cumulative, target, right=True).clamp(max=vocab - 1)
-    return order.gather(1, position)[:, 0]
+    kept = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, order, mass > 0)
+    noise = np.stack([gumbel_noise(int(row["seed"]), int(row["position"]), vocab) for row in rows])
+    noisy = row_scores.double() + torch.from_numpy(noise).to(device)
+    return torch.where(kept, noisy, torch.full_like(noisy, float("-inf"))).argmax(dim=1)

@@ -264,15 +264,10 @@ def screen_weight(packed: PackedWeight, weight: torch.Tensor) -> ScreenedWeight:
     )  # fmt: skip
 
 
-def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise argmax of x @ weight^T, bit-identical to packed_matmul's, from an int8 screen and an
-    exact bf16 rescoring of the tiles that can still win. Returns (argmax [R], tiles rescored per row [R]).
-    x must be finite bf16 [R, k]."""
-    library = _require()
+def _screen_inputs(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tensor, ...]:
+    """The hidden rows quantized for the int8 screen, with their error terms (screened_argmax.cpp):
+    (xq, group_scale, delta, correction, l1, slack, tile_bound)."""
     k = weight.bf16.k
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != k or x.shape[0] == 0:
-        raise ValueError(f"screened_argmax: x must be bf16 [rows > 0, {k}]")
-    x = x.contiguous()
     rows, group = x.shape[0], weight.group
     exact = x.double().view(rows, k // group, group)
     scale = exact.abs().amax(2) / 127
@@ -287,13 +282,65 @@ def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tens
     xq = quantized.to(torch.int8).view(rows, k)
     group_scale = scale.float()
     slack, tile_bound = slack.contiguous(), tile_bound.contiguous()
+    return xq, group_scale, delta.contiguous(), correction.contiguous(), l1.contiguous(), slack, tile_bound
+
+
+def screened_sample(
+    x: torch.Tensor, weight: ScreenedWeight, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens kernels.sample would draw from the logits x @ weight^T, found from the int8 screen
+    and a few exactly computed tiles (screened_sampler.cpp); -1 where a row needs the full logits.
+    rows: SAMPLER_ROW_DTYPE, temperature > 0 and no logprobs. scratch: float32 [>= R, 2 * ceil(n/16)*16],
+    reused across calls. Returns (tokens [R], tiles rescored per row [R])."""
+    library = _require()
+    k, n = weight.bf16.k, weight.bf16.n
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != k or x.shape[0] == 0:
+        raise ValueError(f"screened_sample: x must be bf16 [rows > 0, {k}]")
+    count = x.shape[0]
+    if rows.dtype != SAMPLER_ROW_DTYPE or rows.shape != (count,):
+        raise ValueError(f"screened_sample: rows must be a SAMPLER_ROW_DTYPE array of {count} entries")
+    width = -(-n // 16) * 16 * 2  # approximations, then their bounds
+    if scratch is None or scratch.shape[0] < count or scratch.shape[1] != width or scratch.dtype != torch.float32:
+        scratch = torch.empty(count, width)
+    x = x.contiguous()
+    xq, group_scale, delta, correction, l1, slack, tile_bound = _screen_inputs(x, weight)
+    rows = np.ascontiguousarray(rows)
+    penalty_ids = np.ascontiguousarray(penalty_ids, dtype=np.int64)
+    penalty_counts = np.ascontiguousarray(penalty_counts, dtype=np.int32)
+    tokens = torch.empty(count, dtype=torch.int64)
+    rescored = torch.empty(count, dtype=torch.int64)
+    screen = args.ScreenedArgmaxArgs(
+        weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
+        weight.bf16.data.data_ptr(), xq.data_ptr(), group_scale.data_ptr(), delta.data_ptr(), correction.data_ptr(), l1.data_ptr(),
+        slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), None, rescored.data_ptr(), n, k, k, k, weight.group, count, 0,
+    )  # fmt: skip
+    sample_args = args.SamplerArgs(
+        scratch.data_ptr(), width, n, count, rows.ctypes.data, penalty_ids.ctypes.data if penalty_ids.size else None,
+        penalty_counts.ctypes.data if penalty_counts.size else None, tokens.data_ptr(), None, None, None,
+    )  # fmt: skip
+    _check(library.kvserve_screened_sample(ctypes.byref(screen), ctypes.byref(sample_args)), "screened_sample")
+    return tokens, rescored
+
+
+def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise argmax of x @ weight^T, bit-identical to packed_matmul's, from an int8 screen and an
+    exact bf16 rescoring of the tiles that can still win. Returns (argmax [R], tiles rescored per row [R]).
+    x must be finite bf16 [R, k]."""
+    library = _require()
+    k = weight.bf16.k
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != k or x.shape[0] == 0:
+        raise ValueError(f"screened_argmax: x must be bf16 [rows > 0, {k}]")
+    x = x.contiguous()
+    rows = x.shape[0]
+    xq, group_scale, delta, correction, l1, slack, tile_bound = _screen_inputs(x, weight)
     argmax = torch.empty(rows, dtype=torch.int64)
     rescored = torch.empty(rows, dtype=torch.int64)
     call = args.ScreenedArgmaxArgs(
         weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
         weight.bf16.data.data_ptr(), xq.data_ptr(), group_scale.data_ptr(), delta.data_ptr(), correction.data_ptr(), l1.data_ptr(),
         slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), argmax.data_ptr(), rescored.data_ptr(), weight.bf16.n, k, k, k,
-        group, rows, 0,
+        weight.group, rows, 0,
     )  # fmt: skip
     status = library.kvserve_screened_argmax(ctypes.byref(call))
     _check(status, "screened_argmax")
@@ -433,6 +480,13 @@ def sample(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, pena
         out.tokens.data_ptr(), out.token_logprobs.data_ptr(), out.top_ids.data_ptr(), out.top_logprobs.data_ptr(),
     )  # fmt: skip
     _check(library.kvserve_sample(ctypes.byref(call)), "sample")
+    return out
+
+
+def token_words(seed: int, position: int, n: int) -> np.ndarray:
+    """The native kernels' random word of tokens 0 .. n-1 for (seed, position) (see gumbel.h)."""
+    out = np.empty(n, dtype=np.uint32)
+    _check(_require().kvserve_token_words(seed, position, n, out.ctypes.data), "token_words")
     return out
 
 

@@ -24,8 +24,11 @@ from kvserve.kernels.args import layout_mismatches
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "fused_ops.cpp", "sampler.cpp", "kv_store.cpp", "abi.cpp"]
-HEADERS = ["simd.h", "args.h", "kv_formats.h"]
+SOURCES = [
+    "paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp",
+    "sampler.cpp", "kv_store.cpp", "abi.cpp",
+]  # fmt: skip
+HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -93,6 +96,10 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
         # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
         "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
+        # the screen's arguments, the sampler's
+        "kvserve_screened_sample": [ptr, ptr],
+        # seed, position, n, out
+        "kvserve_token_words": [ctypes.c_uint64, ctypes.c_uint64, c_int64, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)

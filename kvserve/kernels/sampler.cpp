@@ -7,11 +7,12 @@
 // (on Gemma 3 270M, 0.05-10% of the 262K tokens lie within 16 nats of the top at T = 1). Bins
 // are ordered by value, so each filter keeps whole bins above one boundary bin and part of that
 // one: only the boundary bin's tokens are gathered (a compare-only pass over a row still in
-// cache) and sorted. A boundary or a draw that falls below -16 files the tail into deeper bins
-// first (one more pass; rare). The draw inverts the CDF of the kept tokens in the order
-// (s descending, id ascending) with one uniform from Philox-4x32-10 keyed by the request's seed
-// and the token's position, so a seeded row draws the same token whatever it is batched with;
-// the torch fallback (kvserve/engine/sampling.py) follows the same definition.
+// cache) and sorted. A boundary that falls below -16 files the tail into deeper bins first (one
+// more pass; rare). The draw is Gumbel-max over the kept tokens (gumbel.h): each token's noise
+// comes from Philox keyed by the request's seed, the token's position and its id, so a seeded row
+// draws the same token whatever it is batched with, and the screened path (screened_sampler.cpp)
+// draws the same token without full logits. The torch fallback (torch_sampler.py) follows the
+// same definition.
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "args.h"
+#include "gumbel.h"
 #include "simd.h"
 
 namespace {
@@ -35,30 +37,6 @@ constexpr float kMassFloor = -88.f;  // exp underflows below; such tokens (and -
 constexpr int kLastBin = 88 * kBinsPerNat;
 constexpr int kMaxLogprobs = 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Philox {
-  uint32_t out[4];
-
-  Philox(uint64_t seed, uint64_t counter) {
-    uint32_t c[4] = {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0, 0};
-    uint32_t k[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
-    for (int round = 0; round < 10; ++round) {
-      if (round) {
-        k[0] += 0x9E3779B9u;
-        k[1] += 0xBB67AE85u;
-      }
-      const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c[0];
-      const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c[2];
-      const uint32_t next[4] = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(p1),
-                                static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(p0)};
-      std::memcpy(c, next, sizeof(c));
-    }
-    std::memcpy(out, c, sizeof(out));
-  }
-
-  // 53 random bits as a double in [0, 1)
-  double uniform() const { return ((out[0] >> 5) * 67108864.0 + (out[1] >> 6)) / 9007199254740992.0; }
-};
 
 struct Entry {
   float s;
@@ -151,32 +129,11 @@ class OrderedBin {
     return limit;
   }
 
-  // The token at which the mass, counted from `start` before the bin, first exceeds target,
-  // among the tokens before `end`; -1 when float rounding leaves target past them.
-  int64_t find(double start, double target, const Cut& end) {
-    for (int g = 0; g <= std::min(end.group, kGroups - 1); ++g) {
-      const int64_t stop = g < end.group ? begin_[g + 1] : end.index;
-      if (begin_[g] >= stop || (g < end.group && start + prefix_[g + 1] <= target)) continue;
-      sort_group(g);
-      double c = start + prefix_[g];
-      for (int64_t i = begin_[g]; i < stop; ++i) {
-        c += entries_[i].mass;
-        if (entries_[i].mass > 0.f && c > target) return entries_[i].id;
-      }
-    }
-    return -1;
-  }
-
-  // the last token with mass before `end`; -1 if none
-  int64_t last(const Cut& end) {
-    for (int g = std::min(end.group, kGroups - 1); g >= 0; --g) {
-      const int64_t stop = g < end.group ? begin_[g + 1] : end.index;
-      if (begin_[g] >= stop) continue;
-      sort_group(g);
-      for (int64_t i = stop - 1; i >= begin_[g]; --i)
-        if (entries_[i].mass > 0.f) return entries_[i].id;
-    }
-    return -1;
+  // every token before `end`, in no particular order
+  template <class F>
+  void for_each_before(const Cut& end, F&& f) const {
+    const int64_t stop = end.group >= kGroups ? static_cast<int64_t>(entries_.size()) : end.index;
+    for (int64_t i = 0; i < stop; ++i) f(entries_[i]);
   }
 
  private:
@@ -343,28 +300,42 @@ class RowSampler {
     }
   }
 
-  // Inverse CDF of the kept tokens at u in [0, 1); -1 only for a row without mass.
-  int64_t draw(double u) {
-    const int end = std::min(partial_bin_, kLastBin - 1);
-    const double target = u * kept_total();
-    double c = 0.0;
-    int last_bin = -1;
-    for (int b = 0; b <= end; ++b) {
-      const double m = kept_mass(b);
-      if (m <= 0.0) continue;
-      last_bin = b;
-      if (c + m <= target && b != partial_bin_) {
-        c += m;
-        continue;
+  // Gumbel-max over the kept tokens (gumbel.h); -1 only for a row without mass. The top tokens are
+  // scored first, so that most of the rest lie more than kMaxNoise below the best and need no noise.
+  int64_t draw(const GumbelKey& key) {
+    GumbelBest best;
+    if (partial_bin_ < kLastBin)
+      partial_.for_each_before(partial_end_, [&](const Entry& e) {
+        if (e.mass > 0.f) best.offer(noisy_score(e.s, token_word(key, e.id)), e.id);
+      });
+    // tokens of the bins above the partial one (all tokens with mass when there is none)
+    const float whole_above = partial_bin_ < kLastBin ? -static_cast<float>(partial_bin_) / kBinsPerNat : kMassFloor;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t v = 0; v < vocab_; v += 64) {
+        const float floor = static_cast<float>(best.score) - kMaxNoise;
+        f32x16 s[4];
+        uint32_t want[4];
+        uint32_t any = 0;
+        for (int j = 0; j < 4; ++j) {
+          s[j] = scores(v + 16 * j);
+          // pass 0: the top nat; pass 1: the rest that can still win
+          want[j] = mask_gt(s[j], whole_above) & (pass == 0 ? mask_gt(s[j], -1.f) : ~mask_gt(s[j], -1.f) & mask_gt(s[j], floor));
+          any |= want[j];
+        }
+        if (!any) continue;
+        u32x16 words[4];
+        token_words64(key, v, words);
+        for (int j = 0; j < 4; ++j) {
+          if (!want[j]) continue;
+          uint32_t bits = want[j] & may_reach(words[j], static_cast<float>(best.score) - s[j]);
+          for (; bits; bits &= bits - 1) {
+            const int lane = __builtin_ctz(bits);
+            best.offer(noisy_score(s[j][lane], words[j][lane]), v + 16 * j + lane);
+          }
+        }
       }
-      const int64_t id = b == partial_bin_ ? partial_.find(c, target, partial_end_) : (gather(b, view_), view_.find(c, target, view_.whole()));
-      if (id >= 0) return id;
-      c += m;  // float rounding: the bin's tokens summed to a little less than its filed mass
     }
-    if (last_bin < 0) return -1;
-    if (last_bin == partial_bin_) return partial_.last(partial_end_);
-    gather(last_bin, view_);
-    return view_.last(view_.whole());
+    return best.id;
   }
 
  private:
@@ -488,7 +459,7 @@ void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
     if (p.min_p > 0.f) threshold = std::max(threshold, static_cast<float>(std::log(static_cast<double>(p.min_p))));
     sampler.keep_at_least(threshold);
     if (p.top_p < 1.f) sampler.keep_top_p(p.top_p);
-    const int64_t drawn = sampler.draw(Philox(p.seed, static_cast<uint64_t>(p.position)).uniform());
+    const int64_t drawn = sampler.draw(GumbelKey{p.seed, static_cast<uint64_t>(p.position)});
     if (drawn >= 0) token = drawn;
   }
 
@@ -508,6 +479,21 @@ void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
 }  // namespace
 
 extern "C" {
+
+// Each token's random word for (seed, position), tokens 0 .. n-1: the vector form for whole
+// 64-token chunks, the scalar form for the rest (tests compare both with torch_sampler.py).
+int kvserve_token_words(uint64_t seed, uint64_t position, int64_t n, uint32_t* out) {
+  if (n < 0 || (n && !out)) return 1;
+  const GumbelKey key{seed, position};
+  int64_t v = 0;
+  for (; v + 64 <= n; v += 64) {
+    u32x16 words[4];
+    token_words64(key, v, words);
+    for (int j = 0; j < 4; ++j) std::memcpy(out + v + 16 * j, &words[j], sizeof(words[j]));
+  }
+  for (; v < n; ++v) out[v] = token_word(key, v);
+  return 0;
+}
 
 int kvserve_sample(const SamplerArgs* args) {
   const SamplerArgs& a = *args;

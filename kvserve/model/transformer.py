@@ -6,6 +6,7 @@ Gemma's sandwich norms, scaled embeddings, GELU, and sliding-window layers with 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -136,6 +137,7 @@ class CausalLM(nn.Module):
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
+        self._screen_scratch: torch.Tensor | None = None  # screened_sample's approximations, reused
 
     def enable_native_kernels(self) -> None:
         """Route small-batch products (projections and lm_head) to the native CPU kernels."""
@@ -217,6 +219,20 @@ class CausalLM(nn.Module):
     def _use_native_lm_head(self, normed: torch.Tensor) -> bool:
         """A few rows make a memory-bound product that the native kernel streams at full bandwidth."""
         return self.native_lm_head and fits_skinny_matmul(normed)
+
+    def screened_sample(self, hidden: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> torch.Tensor | None:
+        """The tokens the sampler would draw from these rows' full logits, drawn from the int8-screened
+        lm_head instead (kernels.screened_sample; -1 where a row needs the full logits), or None where
+        the screen does not apply (no screened lm_head, final-logit softcapping, a non-finite row)."""
+        if self.screened_lm_head is None or self.config.final_logit_softcapping:
+            return None
+        normed = self.norm(hidden)
+        if not self._use_packed_lm_head(normed) or not bool(torch.isfinite(normed).all()):
+            return None
+        width = 2 * -(-self.screened_lm_head.bf16.n // 16) * 16
+        if self._screen_scratch is None or self._screen_scratch.shape[0] < normed.shape[0]:
+            self._screen_scratch = torch.empty(normed.shape[0], width)
+        return kernels.screened_sample(normed, self.screened_lm_head, rows, penalty_ids, penalty_counts, self._screen_scratch)[0]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of the logits [S] without materializing them: each cache-sized slice of the lm_head
