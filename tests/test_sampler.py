@@ -8,10 +8,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2
+from scipy.stats import chi2, chisquare, kstest
 
 from kvserve import kernels
-from kvserve.engine.torch_sampler import gumbel_noise, philox4x32, sample_torch, token_words
+from kvserve.engine.torch_sampler import gumbel_noise, philox4x32, sample_torch, token_uniforms
 
 needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="the native CPU kernels are not built here")
 
@@ -262,22 +262,30 @@ def test_philox_known_answers():
     ]
     for counter, key, expected in cases:
         assert tuple(int(w) for w in philox4x32(counter, key)) == expected
-    # token 70 takes word (70 >> 4) & 3 = 0 of block (70 >> 6) * 16 + (70 & 15) = 22 under counter (position, 0, block, 0)
+    # token 70 is lane 6 of chunk 1: V and its lane from block (1, 1), its word (6 >> 4) & 3 = 0 of block 1 * 16 + 6
     seed, position = 0x0123456789ABCDEF, 0x1122334455
-    block = philox4x32((position & 0xFFFFFFFF, position >> 32, 22, 0), (seed & 0xFFFFFFFF, seed >> 32))
-    assert token_words(seed, position, 71)[70] == int(block[0])
-    words = token_words(seed, position, 4096)
-    assert len(set(words.tolist())) == 4096  # every token its own word
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    head = philox4x32((position & 0xFFFFFFFF, position >> 32, 1, 1), key)
+    block = philox4x32((position & 0xFFFFFFFF, position >> 32, 22, 0), key)
+    largest = ((int(head[0]) + 0.5) * 2.0**-32) ** (1 / 64)
+    expected = largest if int(head[1]) & 63 == 6 else largest * (int(block[0]) + 0.5) * 2.0**-32
+    assert token_uniforms(seed, position, 71)[70] == pytest.approx(expected, rel=1e-15)
+    u = token_uniforms(seed, position, 64 * 4096)
+    assert len(set(u.tolist())) == len(u) and u.min() > 0 and u.max() < 1
+    # independent uniforms: Kolmogorov-Smirnov against U(0, 1), and each chunk's largest where its header put it
+    assert kstest(u, "uniform").pvalue > 1e-7
+    chunk_max_lane = u.reshape(4096, 64).argmax(1)
+    assert chisquare(np.bincount(chunk_max_lane, minlength=64)).pvalue > 1e-7
     noise = gumbel_noise(seed, position, 4096)
     assert np.all(np.isfinite(noise)) and abs(noise.mean() - 0.5772) < 0.06  # Gumbel(0, 1) has mean Euler's gamma
 
 
 @needs_kernels
 @pytest.mark.parametrize("n", [1, 63, 64, 200, 4096])
-def test_native_token_words_equal_torch_samplers(n):
-    """The vector Philox (64 tokens at once) and the scalar one both give torch_sampler's words."""
+def test_native_token_uniforms_equal_torch_samplers(n):
+    """Whole chunks (16 Philox blocks side by side) and single tokens both give torch_sampler's uniforms."""
     for seed, position in [(0, 0), (1234, 7), (2**64 - 1, 2**40 + 3)]:
-        assert np.array_equal(kernels.token_words(seed, position, n), token_words(seed, position, n))
+        assert np.array_equal(kernels.token_uniforms(seed, position, n), token_uniforms(seed, position, n))
 
 
 @needs_kernels

@@ -34,22 +34,34 @@ def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarra
     return c0, c1, c2, c3
 
 
-def token_words(seed: int, position: int, vocab: int) -> np.ndarray:
-    """Each token's 32-bit Philox word for (seed, position), as kernels/gumbel.h assigns them: token i
-    takes word (i >> 4) & 3 of block (i >> 6) * 16 + (i & 15)."""
-    ids = np.arange(vocab, dtype=np.uint64)
-    blocks = np.arange(-(-vocab // 64) * 16, dtype=np.uint64)
+def token_uniforms(seed: int, position: int, vocab: int) -> np.ndarray:
+    """Each token's uniform for (seed, position), as kernels/gumbel.h makes them: chunk c (tokens
+    64c .. 64c + 63) takes V from word 0 of Philox block (c, 1) and a lane from its word 1; that
+    lane's uniform is V^(1/64) (six square roots), every other lane's V^(1/64) * (w + 1/2) / 2^32 with w word
+    (lane >> 4) of block c * 16 + (lane & 15)."""
+    chunks = -(-vocab // 64)
     seed_, position_ = np.uint64(seed), np.uint64(position)
-    zero = np.zeros_like(blocks)
-    words = np.stack(philox4x32((zero + position_, zero + (position_ >> np.uint64(32)), blocks, zero), (seed_, seed_ >> np.uint64(32))))
-    block_of = (ids >> np.uint64(6)) * np.uint64(16) + (ids & np.uint64(15))
-    return words[((ids >> np.uint64(4)) & np.uint64(3)).astype(np.int64), block_of.astype(np.int64)]
+    key = (seed_, seed_ >> np.uint64(32))
+
+    def blocks(c2: np.ndarray, tag: int) -> np.ndarray:
+        zero = np.zeros_like(c2)
+        return np.stack(philox4x32((zero + position_, zero + (position_ >> np.uint64(32)), c2, zero + np.uint64(tag)), key))
+
+    heads = blocks(np.arange(chunks, dtype=np.uint64), 1)
+    largest = (heads[0].astype(np.float64) + 0.5) * 2.0**-32
+    for _ in range(6):  # the 64th root by square roots, correctly rounded everywhere
+        largest = np.sqrt(largest)
+    ids = np.arange(chunks * 64, dtype=np.uint64)
+    words = blocks(np.arange(chunks * 16, dtype=np.uint64), 0)
+    lane_word = words[((ids >> np.uint64(4)) & np.uint64(3)).astype(np.int64), ((ids >> np.uint64(6)) * np.uint64(16) + (ids & np.uint64(15))).astype(np.int64)]
+    u = (largest[:, None] * ((lane_word.astype(np.float64) + 0.5) * 2.0**-32).reshape(chunks, 64))
+    u[np.arange(chunks), (heads[1] & np.uint64(63)).astype(np.int64)] = largest
+    return u.reshape(-1)[:vocab]
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """-log(-log(u)) per token in float64, u = (word + 1/2) / 2^32."""
-    u = (token_words(seed, position, vocab).astype(np.float64) + 0.5) * 2.0**-32
-    return -np.log(-np.log(u))
+    """-log(-log(u)) per token in float64."""
+    return -np.log(-np.log(token_uniforms(seed, position, vocab)))
 
 
 def _column(rows: np.ndarray, name: str, device: torch.device) -> torch.Tensor:

@@ -483,10 +483,10 @@ def sample(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, pena
     return out
 
 
-def token_words(seed: int, position: int, n: int) -> np.ndarray:
-    """The native kernels' random word of tokens 0 .. n-1 for (seed, position) (see gumbel.h)."""
-    out = np.empty(n, dtype=np.uint32)
-    _check(_require().kvserve_token_words(seed, position, n, out.ctypes.data), "token_words")
+def token_uniforms(seed: int, position: int, n: int) -> np.ndarray:
+    """The native kernels' uniform of tokens 0 .. n-1 for (seed, position) (see gumbel.h)."""
+    out = np.empty(n, dtype=np.float64)
+    _check(_require().kvserve_token_uniforms(seed, position, n, out.ctypes.data), "token_uniforms")
     return out
 
 

@@ -99,7 +99,7 @@ def load_kernels() -> ctypes.CDLL | None:
         # the screen's arguments, the sampler's
         "kvserve_screened_sample": [ptr, ptr],
         # seed, position, n, out
-        "kvserve_token_words": [ctypes.c_uint64, ctypes.c_uint64, c_int64, ptr],
+        "kvserve_token_uniforms": [ctypes.c_uint64, ctypes.c_uint64, c_int64, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)

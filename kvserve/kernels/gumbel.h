@@ -2,15 +2,19 @@
 // (an int8 screen of the lm_head): Gumbel-max over the kept tokens,
 //   token = argmax over kept i of  s_i + g_i,   g_i = -log(-log(u_i)),
 // with s_i the row's scores (float32, as the filters see them), the sum taken in double, ties to the
-// lowest id. u_i = (x_i + 1/2) / 2^32 from one 32-bit word x_i of Philox-4x32-10 keyed by the
-// request's seed, counter (position, block(i), 0): each token has its own noise, so the draw needs
-// no ordering or total mass of the kept tokens (a screen that proves which tokens can still win
-// draws exactly the same token), and a seeded row draws the same token whatever it is batched
-// with. Token i takes word (i >> 4) & 3 of block (i >> 6) * 16 + (i & 15), so that 16 blocks
-// computed side by side give 64 consecutive tokens. torch_sampler.py follows the same definition.
+// lowest id, and u_i a uniform of its own per token from Philox-4x32-10 keyed by the request's
+// seed and the token's position: the draw needs no ordering or total mass of the kept tokens (a
+// screen that proves which tokens can still win draws exactly the same token), and a seeded row
+// draws the same token whatever it is batched with. torch_sampler.py follows the same definition.
 //
-// g never exceeds -log(-log(1 - 2^-33)) < 22.9, so a token whose score is more than kMaxNoise
-// below the best noisy score seen cannot win and needs no noise at all.
+// Most tokens lie too far below the best noisy score to win, so the uniforms of a chunk of 64
+// tokens (chunk c: tokens 64c .. 64c + 63) are made largest first: the chunk's header, Philox
+// block (c, 1), gives V = (h0 + 1/2) / 2^32 and a lane h1 & 63; that lane's uniform is
+// M = V^(1/64) (the largest of 64 uniforms; six square roots), every other lane's is M * (w + 1/2) / 2^32, w its
+// word of block c * 16 + (lane & 15), word lane >> 4 (16 blocks side by side give a whole
+// chunk). These are 64 independent uniforms, and a chunk whose M cannot reach the noise its best
+// token needs costs one Philox word. g never exceeds -log(1 - M) < 27.1, so a token more than
+// kMaxNoise below the best noisy score seen cannot win at all.
 
 #pragma once
 
@@ -22,7 +26,7 @@
 
 namespace kvserve {
 
-constexpr float kMaxNoise = 23.f;
+constexpr float kMaxNoise = 28.f;
 
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 
@@ -43,13 +47,13 @@ inline u32x16 mulhi32(u32x16 a, uint32_t m) {
   return out;
 }
 
-// Philox-4x32-10 of the 16 blocks first_block .. first_block + 15: words[j][b] is word j of block b
-inline void philox16(const GumbelKey& key, uint32_t first_block, u32x16 (&words)[4]) {
+// Philox-4x32-10 of the 16 counters (position, first + b, tag): words[j][b] is word j of block b
+inline void philox16(const GumbelKey& key, uint32_t first, uint32_t tag, u32x16 (&words)[4]) {
   u32x16 c0 = u32x16{} + static_cast<uint32_t>(key.position);
   u32x16 c1 = u32x16{} + static_cast<uint32_t>(key.position >> 32);
   u32x16 c2;
-  for (int i = 0; i < 16; ++i) c2[i] = first_block + static_cast<uint32_t>(i);
-  u32x16 c3{};
+  for (int i = 0; i < 16; ++i) c2[i] = first + static_cast<uint32_t>(i);
+  u32x16 c3 = u32x16{} + tag;
   uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
   for (int round = 0; round < 10; ++round) {
     if (round) {
@@ -69,15 +73,9 @@ inline void philox16(const GumbelKey& key, uint32_t first_block, u32x16 (&words)
   words[3] = c3;
 }
 
-// The 64 random words of tokens first .. first + 63 (first % 64 == 0), in token order.
-inline void token_words64(const GumbelKey& key, int64_t first, u32x16 (&words)[4]) {
-  philox16(key, static_cast<uint32_t>((first >> 6) * 16), words);
-}
-
-// One token's random word (the scalar form of token_words64).
-inline uint32_t token_word(const GumbelKey& key, int64_t id) {
-  uint32_t c[4] = {static_cast<uint32_t>(key.position), static_cast<uint32_t>(key.position >> 32),
-                   static_cast<uint32_t>((id >> 6) * 16 + (id & 15)), 0};
+// one Philox-4x32-10 block, scalar
+inline void philox(const GumbelKey& key, uint32_t c2, uint32_t c3, uint32_t (&out)[4]) {
+  uint32_t c[4] = {static_cast<uint32_t>(key.position), static_cast<uint32_t>(key.position >> 32), c2, c3};
   uint32_t k[2] = {static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32)};
   for (int round = 0; round < 10; ++round) {
     if (round) {
@@ -90,25 +88,55 @@ inline uint32_t token_word(const GumbelKey& key, int64_t id) {
                               static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(p0)};
     std::memcpy(c, next, sizeof(c));
   }
-  return c[(id >> 4) & 3];
+  std::memcpy(out, c, sizeof(out));
 }
 
-inline double gumbel_of_word(uint32_t word) {
-  const double u = (static_cast<double>(word) + 0.5) * 2.3283064365386963e-10;  // 2^-32
-  return -std::log(-std::log(u));
+constexpr double kTwoPowMinus32 = 2.3283064365386963e-10;
+
+// V^(1/64) by six square roots: correctly rounded at each step, so every library computes it alike
+inline double root64(double v) {
+  for (int i = 0; i < 6; ++i) v = std::sqrt(v);
+  return v;
 }
+
+// The headers of chunks first .. first + 15: heads[0] holds each V's word, heads[1] its lane's.
+inline void chunk_heads16(const GumbelKey& key, int64_t first_chunk, u32x16 (&heads)[4]) {
+  philox16(key, static_cast<uint32_t>(first_chunk), 1u, heads);
+}
+
+// The 64 uniforms of one chunk, in token order, from its header words.
+inline void chunk_uniforms(const GumbelKey& key, int64_t chunk, uint32_t v_word, uint32_t lane_word, double (&u)[64]) {
+  u32x16 words[4];
+  philox16(key, static_cast<uint32_t>(chunk * 16), 0u, words);
+  const double largest = root64((static_cast<double>(v_word) + 0.5) * kTwoPowMinus32);
+  for (int i = 0; i < 64; ++i) u[i] = largest * ((static_cast<double>(words[i >> 4][i & 15]) + 0.5) * kTwoPowMinus32);
+  u[lane_word & 63] = largest;
+}
+
+// One token's uniform (the scalar form of chunk_uniforms).
+inline double token_uniform(const GumbelKey& key, int64_t id) {
+  uint32_t head[4], block[4];
+  const int64_t chunk = id >> 6;
+  philox(key, static_cast<uint32_t>(chunk), 1u, head);
+  const double largest = root64((static_cast<double>(head[0]) + 0.5) * kTwoPowMinus32);
+  if ((id & 63) == (head[1] & 63)) return largest;
+  philox(key, static_cast<uint32_t>(chunk * 16 + (id & 15)), 0u, block);
+  return largest * ((static_cast<double>(block[(id >> 4) & 3]) + 0.5) * kTwoPowMinus32);
+}
+
+inline double gumbel_of_uniform(double u) { return -std::log(-std::log(u)); }
 
 // The token's noisy score, exactly as every path computes it.
-inline double noisy_score(float s, uint32_t word) { return static_cast<double>(s) + gumbel_of_word(word); }
+inline double noisy_score(float s, double u) { return static_cast<double>(s) + gumbel_of_uniform(u); }
 
-// Lanes whose word may give noise of at least `need` (per lane). g >= need iff -log(u) <= e^-need,
-// and -log(u) >= 1 - u, so a lane with 1 - u > e^-need cannot qualify: one exp per 16 lanes, with
-// 1 - u taken exactly from the word, and room for float rounding. Never drops a lane that
-// qualifies (it keeps some that do not; the caller checks those in double).
-inline uint32_t may_reach(u32x16 word, f32x16 need) {
-  const f32x16 limit = exp16(1e-3f - need) * (1.f + 1e-5f);
-  const f32x16 one_minus_u = (__builtin_convertvector(~word, f32x16) + 0.5f) * 2.3283064365386963e-10f;
-  return mask_gt(limit - one_minus_u, 0.f);
+// Chunks (16 side by side, their V words) whose largest uniform may give noise of at least
+// `need`: g >= need iff -log(u) <= e^-need; with u = V^(1/64), -log(u) = -log(V) / 64, and
+// -log(V) >= 1 - V, so a chunk with 1 - V > 64 e^-need cannot qualify: one exp per 16 chunks, 1 - V
+// taken exactly from the word, with room for float rounding. Never drops a chunk that qualifies.
+inline uint32_t chunk_may_reach(u32x16 v_word, f32x16 need) {
+  const f32x16 limit = exp16(1e-3f - need) * (64.f * (1.f + 1e-5f));
+  const f32x16 one_minus_v = (__builtin_convertvector(~v_word, f32x16) + 0.5f) * 2.3283064365386963e-10f;
+  return mask_gt(limit - one_minus_v, 0.f);
 }
 
 // The best (noisy score, id) seen; ties to the lowest id.

@@ -300,37 +300,48 @@ class RowSampler {
     }
   }
 
-  // Gumbel-max over the kept tokens (gumbel.h); -1 only for a row without mass. The top tokens are
-  // scored first, so that most of the rest lie more than kMaxNoise below the best and need no noise.
-  int64_t draw(const GumbelKey& key) {
+  // Gumbel-max over the kept tokens (gumbel.h); -1 only for a row without mass. The top token
+  // (always kept) sets the first bar; then a chunk of 64 tokens whose largest uniform cannot lift
+  // its best token to the best noisy score so far is passed over on one Philox word.
+  int64_t draw(const GumbelKey& key, int64_t top_token) {
     GumbelBest best;
+    const float top_s = scores(top_token & ~int64_t{15})[top_token & 15];
+    if (top_s > kMassFloor) best.offer(noisy_score(top_s, token_uniform(key, top_token)), top_token);
     if (partial_bin_ < kLastBin)
       partial_.for_each_before(partial_end_, [&](const Entry& e) {
-        if (e.mass > 0.f) best.offer(noisy_score(e.s, token_word(key, e.id)), e.id);
+        if (e.mass > 0.f) best.offer(noisy_score(e.s, token_uniform(key, e.id)), e.id);
       });
     // tokens of the bins above the partial one (all tokens with mass when there is none)
     const float whole_above = partial_bin_ < kLastBin ? -static_cast<float>(partial_bin_) / kBinsPerNat : kMassFloor;
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int64_t v = 0; v < vocab_; v += 64) {
-        const float floor = static_cast<float>(best.score) - kMaxNoise;
-        f32x16 s[4];
-        uint32_t want[4];
-        uint32_t any = 0;
+    const int64_t chunks = (vocab_ + 63) / 64;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
+      const float floor = static_cast<float>(best.score) - kMaxNoise;
+      f32x16 top;
+      uint32_t any = 0;
+      for (int c = 0; c < 16; ++c) {
+        top[c] = -INFINITY;
+        if (c0 + c >= chunks) continue;
+        f32x16 most = f32x16{} - INFINITY;
         for (int j = 0; j < 4; ++j) {
-          s[j] = scores(v + 16 * j);
-          // pass 0: the top nat; pass 1: the rest that can still win
-          want[j] = mask_gt(s[j], whole_above) & (pass == 0 ? mask_gt(s[j], -1.f) : ~mask_gt(s[j], -1.f) & mask_gt(s[j], floor));
-          any |= want[j];
+          const f32x16 s = scores((c0 + c) * 64 + 16 * j);
+          most = (s > whole_above) & (s > floor) & (s > most) ? s : most;
         }
-        if (!any) continue;
-        u32x16 words[4];
-        token_words64(key, v, words);
+        top[c] = hmax(most);
+        if (top[c] > -INFINITY) any |= 1u << c;
+      }
+      if (!any) continue;
+      u32x16 heads[4];
+      chunk_heads16(key, c0, heads);
+      for (any &= chunk_may_reach(heads[0], static_cast<float>(best.score) - top); any; any &= any - 1) {
+        const int c = __builtin_ctz(any);
+        double u[64];
+        chunk_uniforms(key, c0 + c, heads[0][c], heads[1][c], u);
         for (int j = 0; j < 4; ++j) {
-          if (!want[j]) continue;
-          uint32_t bits = want[j] & may_reach(words[j], static_cast<float>(best.score) - s[j]);
-          for (; bits; bits &= bits - 1) {
+          const int64_t v = (c0 + c) * 64 + 16 * j;
+          const f32x16 s = scores(v);
+          for (uint32_t bits = mask_gt(s, whole_above) & mask_gt(s, static_cast<float>(best.score) - kMaxNoise); bits; bits &= bits - 1) {
             const int lane = __builtin_ctz(bits);
-            best.offer(noisy_score(s[j][lane], words[j][lane]), v + 16 * j + lane);
+            best.offer(noisy_score(s[lane], u[16 * j + lane]), v + lane);
           }
         }
       }
@@ -459,7 +470,7 @@ void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
     if (p.min_p > 0.f) threshold = std::max(threshold, static_cast<float>(std::log(static_cast<double>(p.min_p))));
     sampler.keep_at_least(threshold);
     if (p.top_p < 1.f) sampler.keep_top_p(p.top_p);
-    const int64_t drawn = sampler.draw(GumbelKey{p.seed, static_cast<uint64_t>(p.position)});
+    const int64_t drawn = sampler.draw(GumbelKey{p.seed, static_cast<uint64_t>(p.position)}, token);
     if (drawn >= 0) token = drawn;
   }
 
@@ -480,18 +491,20 @@ void sample_row(const SamplerArgs& a, int64_t r, std::vector<Entry>& scratch) {
 
 extern "C" {
 
-// Each token's random word for (seed, position), tokens 0 .. n-1: the vector form for whole
-// 64-token chunks, the scalar form for the rest (tests compare both with torch_sampler.py).
-int kvserve_token_words(uint64_t seed, uint64_t position, int64_t n, uint32_t* out) {
+// Each token's uniform for (seed, position), tokens 0 .. n-1: whole chunks as the draw makes
+// them, the rest one token at a time (tests compare both with torch_sampler.py).
+int kvserve_token_uniforms(uint64_t seed, uint64_t position, int64_t n, double* out) {
   if (n < 0 || (n && !out)) return 1;
   const GumbelKey key{seed, position};
   int64_t v = 0;
   for (; v + 64 <= n; v += 64) {
-    u32x16 words[4];
-    token_words64(key, v, words);
-    for (int j = 0; j < 4; ++j) std::memcpy(out + v + 16 * j, &words[j], sizeof(words[j]));
+    u32x16 heads[4];
+    chunk_heads16(key, v / 64, heads);
+    double u[64];
+    chunk_uniforms(key, v / 64, heads[0][0], heads[1][0], u);
+    std::memcpy(out + v, u, sizeof(u));
   }
-  for (; v < n; ++v) out[v] = token_word(key, v);
+  for (; v < n; ++v) out[v] = token_uniform(key, v);
   return 0;
 }
 

@@ -152,38 +152,60 @@ class ScreenedRow {
 
     // 3. the Gumbel-max winner among every token with mass
     GumbelBest best;
+    std::vector<int64_t> known;
     for (int64_t t = 0; t < tiles_; ++t)
-      if (exact_[t]) offer_exact(t, kNegInf, best);
+      if (exact_[t]) known.push_back(t);
+    offer_exact(known, best);
+    // a chunk of 64 tokens is looked at when its largest uniform can lift its best upper bound to
+    // the best noisy score; then each of its tokens that can reach it gets its tile recomputed
     const float floor = static_cast<float>(best.score) - kMaxNoise;
-    const float best_score = static_cast<float>(best.score);
+    const double best_score = best.score;
+    const int64_t chunks = (n_ + 63) / 64;
 #pragma omp parallel if (inner_)
     {
       std::vector<int64_t> mine;
 #pragma omp for schedule(static) nowait
-      for (int64_t v = 0; v < n_; v += 64) {
-        f32x16 hi[4];
-        uint32_t want[4];
+      for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
+        f32x16 top;
         uint32_t any = 0;
-        for (int j = 0; j < 4; ++j) {
-          const int64_t t = v / kTile + j;
-          want[j] = 0;
-          if (t >= tiles_ || exact_[t] || score_hi(t) < floor) continue;
-          hi[j] = upper(t);
-          want[j] = mask_gt(hi[j], kMassFloor) & mask_gt(hi[j], floor - 1e-3f);
-          any |= want[j];
+        for (int c = 0; c < 16; ++c) {
+          top[c] = kNegInf;
+          for (int j = 0; j < 4; ++j) {
+            const int64_t t = (c0 + c) * 4 + j;
+            if (t >= tiles_ || exact_[t] || score_hi(t) < floor) continue;
+            top[c] = std::max(top[c], score_hi(t));
+          }
+          if (top[c] > kNegInf) any |= 1u << c;
         }
         if (!any) continue;
-        u32x16 words[4];
-        token_words64(key_, v, words);
-        for (int j = 0; j < 4; ++j)
-          if (want[j] && (want[j] & may_reach(words[j], best_score - hi[j]))) mine.push_back(v / kTile + j);
+        u32x16 heads[4];
+        chunk_heads16(key_, c0, heads);
+        for (any &= chunk_may_reach(heads[0], static_cast<float>(best_score) - top); any; any &= any - 1) {
+          const int c = __builtin_ctz(any);
+          double u[64];
+          chunk_uniforms(key_, c0 + c, heads[0][c], heads[1][c], u);
+          for (int j = 0; j < 4; ++j) {
+            const int64_t t = (c0 + c) * 4 + j;
+            if (t >= tiles_ || exact_[t]) continue;
+            const f32x16 hi = upper(t);
+            for (uint32_t bits = mask_gt(hi, kMassFloor); bits; bits &= bits - 1) {
+              const int lane = __builtin_ctz(bits);
+              if (static_cast<double>(hi[lane]) + gumbel_of_uniform(u[16 * j + lane]) >= best_score - 1e-6) {
+                mine.push_back(t);
+                break;
+              }
+            }
+          }
+        }
       }
 #pragma omp critical
       todo.insert(todo.end(), mine.begin(), mine.end());
     }
     std::vector<int64_t> fresh = todo;
     rescore(todo);
-    for (int64_t t : fresh) offer_exact(t, kNegInf, best);
+    std::sort(fresh.begin(), fresh.end());
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    offer_exact(fresh, best);
     const int64_t w = best.id;
     if (w < 0) return -1;
     const float s_w = score(w);
@@ -241,7 +263,7 @@ class ScreenedRow {
     GumbelBest restricted;
     for (int64_t i = 0; i < end; ++i) {
       if (kept[i].id == w) return w;
-      restricted.offer(noisy_score(kept[i].s, token_word(key_, kept[i].id)), kept[i].id);
+      restricted.offer(noisy_score(kept[i].s, token_uniform(key_, kept[i].id)), kept[i].id);
     }
     return restricted.id;
   }
@@ -364,12 +386,25 @@ class ScreenedRow {
   f32x16 upper(int64_t t) const { return widen_up((lanes(t) + bounds(t) - max_) * inv_t_); }
   f32x16 lower(int64_t t) const { return widen_down((lanes(t) - bounds(t) - max_) * inv_t_); }
 
-  void offer_exact(int64_t t, float floor, GumbelBest& best) const {
-    const f32x16 s = exact_scores(t);
-    for (uint32_t bits = mask_gt(s, std::max(floor, kMassFloor)); bits; bits &= bits - 1) {
-      const int lane = __builtin_ctz(bits);
-      const int64_t id = t * kTile + lane;
-      if (id < n_) best.offer(noisy_score(s[lane], token_word(key_, id)), id);
+  // every token with mass of these exact tiles (sorted) at its noisy score, a chunk's uniforms made once
+  void offer_exact(const std::vector<int64_t>& tiles, GumbelBest& best) const {
+    int64_t chunk = -1;
+    double u[64];
+    for (int64_t t : tiles) {
+      const f32x16 s = exact_scores(t);
+      uint32_t bits = mask_gt(s, kMassFloor);
+      if (!bits) continue;
+      if (t / 4 != chunk) {
+        chunk = t / 4;
+        uint32_t head[4];
+        philox(key_, static_cast<uint32_t>(chunk), 1u, head);
+        chunk_uniforms(key_, chunk, head[0], head[1], u);
+      }
+      for (; bits; bits &= bits - 1) {
+        const int lane = __builtin_ctz(bits);
+        const int64_t id = t * kTile + lane;
+        if (id < n_) best.offer(noisy_score(s[lane], u[16 * (t % 4) + lane]), id);
+      }
     }
   }
 
