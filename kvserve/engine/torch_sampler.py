@@ -34,29 +34,39 @@ def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarra
     return c0, c1, c2, c3
 
 
-def token_uniforms(seed: int, position: int, vocab: int) -> np.ndarray:
-    """Each token's uniform for (seed, position), as kernels/gumbel.h makes them: chunk c (tokens
-    64c .. 64c + 63) takes V from word 0 of Philox block (c, 1) and a lane from its word 1; that
-    lane's uniform is V^(1/64) (six square roots), every other lane's V^(1/64) * (w + 1/2) / 2^32 with w word
-    (lane >> 4) of block c * 16 + (lane & 15)."""
-    chunks = -(-vocab // 64)
-    seed_, position_ = np.uint64(seed), np.uint64(position)
-    key = (seed_, seed_ >> np.uint64(32))
+def _blocks(seeds: np.ndarray, positions: np.ndarray, c2: np.ndarray, tag: int) -> np.ndarray:
+    """Philox words [4, ...] of counters (position, c2, tag) under key seed, broadcast together."""
+    seeds, positions, c2 = np.broadcast_arrays(np.asarray(seeds, np.uint64), np.asarray(positions, np.uint64), np.asarray(c2, np.uint64))
+    return np.stack(philox4x32((positions, positions >> np.uint64(32), c2, np.full_like(c2, tag)), (seeds, seeds >> np.uint64(32))))
 
-    def blocks(c2: np.ndarray, tag: int) -> np.ndarray:
-        zero = np.zeros_like(c2)
-        return np.stack(philox4x32((zero + position_, zero + (position_ >> np.uint64(32)), c2, zero + np.uint64(tag)), key))
 
-    heads = blocks(np.arange(chunks, dtype=np.uint64), 1)
+def chunk_heads(seeds: np.ndarray, positions: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each chunk's largest uniform V^(1/64) (six square roots, correctly rounded everywhere) and
+    the lane holding it, from its header block (chunk, 1) (kernels/gumbel.h)."""
+    heads = _blocks(seeds, positions, chunks, 1)
     largest = (heads[0].astype(np.float64) + 0.5) * 2.0**-32
-    for _ in range(6):  # the 64th root by square roots, correctly rounded everywhere
+    for _ in range(6):
         largest = np.sqrt(largest)
-    ids = np.arange(chunks * 64, dtype=np.uint64)
-    words = blocks(np.arange(chunks * 16, dtype=np.uint64), 0)
-    lane_word = words[((ids >> np.uint64(4)) & np.uint64(3)).astype(np.int64), ((ids >> np.uint64(6)) * np.uint64(16) + (ids & np.uint64(15))).astype(np.int64)]
-    u = (largest[:, None] * ((lane_word.astype(np.float64) + 0.5) * 2.0**-32).reshape(chunks, 64))
-    u[np.arange(chunks), (heads[1] & np.uint64(63)).astype(np.int64)] = largest
-    return u.reshape(-1)[:vocab]
+    return largest, (heads[1] & np.uint64(63)).astype(np.int64)
+
+
+def chunk_uniforms(seed: int, position: int, chunks: np.ndarray) -> np.ndarray:
+    """The 64 uniforms [len(chunks), 64] of these chunks, in token order: the header's lane holds
+    the largest, every other lane largest * (w + 1/2) / 2^32 with w word (lane >> 4) of block
+    chunk * 16 + (lane & 15)."""
+    chunks = np.asarray(chunks, dtype=np.uint64)
+    largest, at = chunk_heads(np.uint64(seed), np.uint64(position), chunks)
+    lanes = np.arange(64, dtype=np.uint64)
+    words = _blocks(np.uint64(seed), np.uint64(position), chunks[:, None] * np.uint64(16) + (lanes & np.uint64(15))[None, :], 0)
+    word = np.take_along_axis(words, (lanes >> np.uint64(4)).astype(np.int64)[None, None, :].repeat(len(chunks), 1), 0)[0]
+    u = largest[:, None] * ((word.astype(np.float64) + 0.5) * 2.0**-32)
+    u[np.arange(len(chunks)), at] = largest
+    return u
+
+
+def token_uniforms(seed: int, position: int, vocab: int) -> np.ndarray:
+    """Each token's uniform for (seed, position), as kernels/gumbel.h makes them."""
+    return chunk_uniforms(seed, position, np.arange(-(-vocab // 64))).reshape(-1)[:vocab]
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
@@ -137,6 +147,28 @@ def _draw(logits: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch
     mass = mass * keep
 
     kept = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, order, mass > 0)
-    noise = np.stack([gumbel_noise(int(row["seed"]), int(row["position"]), vocab) for row in rows])
-    noisy = row_scores.double() + torch.from_numpy(noise).to(device)
-    return torch.where(kept, noisy, torch.full_like(noisy, float("-inf"))).argmax(dim=1)
+    return _gumbel_max(torch.where(kept, row_scores, torch.full_like(row_scores, float("-inf"))), order[:, 0], rows)
+
+
+def _gumbel_max(scores: torch.Tensor, top: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """argmax of s + g over the kept tokens (scores, -inf elsewhere). The top token (always kept)
+    sets the bar; only chunks whose largest uniform can lift their best kept token to it get the
+    rest of their uniforms, as in kernels/sampler.cpp."""
+    count, vocab = scores.shape
+    chunks = -(-vocab // 64)
+    padded = torch.full((count, chunks * 64), float("-inf"), dtype=scores.dtype, device=scores.device)
+    padded[:, :vocab] = scores
+    per_chunk = padded.view(count, chunks, 64).amax(2).double().cpu().numpy()
+    largest, _ = chunk_heads(rows["seed"][:, None], rows["position"][:, None], np.arange(chunks)[None, :])
+    ceiling = per_chunk - np.log(-np.log(largest))  # the most any token of the chunk can score
+    padded = padded.cpu()
+    tokens = torch.empty(count, dtype=torch.int64)
+    for r in range(count):
+        seed, position, t = int(rows["seed"][r]), int(rows["position"][r]), int(top[r])
+        bar = float(padded[r, t]) - np.log(-np.log(chunk_uniforms(seed, position, np.array([t >> 6]))[0, t & 63]))
+        candidates = np.nonzero(ceiling[r] >= bar)[0]
+        u = chunk_uniforms(seed, position, candidates)
+        ids = candidates[:, None] * 64 + np.arange(64)[None, :]
+        noisy = padded[r].double().numpy()[ids] - np.log(-np.log(u))
+        tokens[r] = int(ids.reshape(-1)[np.argmax(noisy.reshape(-1))])
+    return tokens.to(scores.device)
