@@ -33,7 +33,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
         """Run the batch and sample: one result for every sequence whose prompt is fully computed.
 
-        Plain greedy rows (no logprobs, no penalties) take the lm_head's argmax without full logits.
+        Plain greedy rows (no logprobs, no penalties) take the lm_head's argmax without full logits,
+        and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs draw from its int8 screen.
         """
         samplers, hidden = self.forward_hidden(batch)
         if not samplers:
