@@ -44,10 +44,10 @@ constexpr int64_t kMaxRankTiles = 4096;  // top-p alone: past this many tiles ab
 
 #if KVSERVE_HAS_SCREEN
 
-// Every token's approximation z = s_i * (int8 dot - correction) and its proven bound, for every
-// row, into approx [rows][2 * tiles * 16] (the approximations, then the bounds); lanes past n hold
-// -inf and 0.
-void screen_all(const kvserve::ScreenedArgmaxArgs& a, int groups, float* approx, int64_t stride, int64_t tiles) {
+// Every token's approximation z = s_i * (int8 dot - correction), for every row, into approx
+// [rows][stride] (lanes past n hold -inf), and each tile's largest z into tile_max [rows][tiles].
+// The per-lane bounds are left to the rows, which compute them for the few tiles that need them.
+void screen_all(const kvserve::ScreenedArgmaxArgs& a, int groups, float* approx, int64_t stride, int64_t tiles, float* tile_max) {
   const int64_t n = a.n;
   const int k = a.k;
   const int rows = a.rows;
@@ -60,14 +60,9 @@ void screen_all(const kvserve::ScreenedArgmaxArgs& a, int groups, float* approx,
     const __m512 z = _mm512_mul_ps(s, _mm512_sub_ps(value, _mm512_set1_ps(a.correction[row])));
     const int64_t left = n - tile * kTile;
     const __mmask16 valid = left >= kTile ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    _mm512_storeu_ps(approx + row * stride + tile * kTile, _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), z));
-    // the proven per-lane bound, as screened_argmax.cpp computes it
-    __m512 bound = _mm512_mul_ps(_mm512_loadu_ps(a.row_error + tile * kTile), _mm512_set1_ps(a.x_l1[row]));
-    const float* abs_q = a.row_abs_q + tile * groups * kTile;
-    for (int g = 0; g < groups; ++g)
-      bound = _mm512_fmadd_ps(_mm512_set1_ps(a.group_delta[row * groups + g]), _mm512_loadu_ps(abs_q + g * kTile), bound);
-    bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f), _mm512_set1_ps(a.slack[row]));
-    _mm512_storeu_ps(approx + row * stride + tiles * kTile + tile * kTile, _mm512_mask_blend_ps(valid, _mm512_setzero_ps(), bound));
+    const __m512 lanes = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), z);
+    _mm512_storeu_ps(approx + row * stride + tile * kTile, lanes);
+    tile_max[row * tiles + tile] = _mm512_reduce_max_ps(lanes);
   };
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -107,11 +102,15 @@ inline f32x16 widen_down(f32x16 s) { return s - (s < 0.f ? -s : s) * 1e-6f - 1e-
 class ScreenedRow {
  public:
   // inner: the row has the threads to itself (the loops over the vocabulary run in parallel)
-  ScreenedRow(const kvserve::ScreenedArgmaxArgs& screen, const kvserve::SamplerArgs& sample, int64_t r, bool inner)
+  // tile_max: each tile's largest approximation (screen_all)
+  ScreenedRow(const kvserve::ScreenedArgmaxArgs& screen, const kvserve::SamplerArgs& sample, int64_t r, int groups,
+              const float* tile_max, bool inner)
       : inner_(inner), screen_(screen), p_(sample.params[r]), key_{p_.seed, static_cast<uint64_t>(p_.position)},
         n_(screen.n), tiles_((screen.n + kTile - 1) / kTile), z_(sample.logits + r * sample.stride),
-        bound_(z_ + tiles_ * kTile), x_(screen.x + r * screen.ldx), exact_(tiles_, 0), tile_hi_(tiles_), tile_lo_(tiles_),
-        penalty_ids_(sample.penalty_ids), penalty_counts_(sample.penalty_counts) {}
+        bound_(z_ + tiles_ * kTile), x_(screen.x + r * screen.ldx), tile_max_(tile_max + r * tiles_),
+        tile_bound_(screen.tile_bound + r * tiles_), groups_(groups), group_delta_(screen.group_delta + r * groups),
+        x_l1_(screen.x_l1[r]), slack_(screen.slack[r]), exact_(tiles_, 0), lane_bounds_(tiles_, 0), tile_hi_(tiles_),
+        tile_lo_(tiles_), penalty_ids_(sample.penalty_ids), penalty_counts_(sample.penalty_counts) {}
 
   // The token, or -1 when the screen cannot decide it. rescored: the tiles computed exactly.
   int64_t sample(int64_t* rescored) {
@@ -128,20 +127,36 @@ class ScreenedRow {
     for (int64_t j = p_.penalty_begin; j < p_.penalty_end; ++j) {
       const int64_t id = penalty_ids_[j];
       penalized_.push_back({id / kTile, j});
+      lane_bounds(id / kTile);
       const float lo = penalize(z_[id] - bound_[id], j), hi = penalize(z_[id] + bound_[id], j);
       z_[id] = 0.5f * (lo + hi);
       bound_[id] = 0.5f * (hi - lo) + (std::abs(lo) + std::abs(hi)) * 1e-6f + 1e-6f;
     }
     std::sort(penalized_.begin(), penalized_.end());
-    // 2. the largest logit, exactly
+    // 2. the largest logit, exactly: first with each tile's bound (at least every lane's), then
+    // with per-lane bounds for the tiles that can still hold it
     float lower = kNegInf;
 #pragma omp parallel for if (inner_) reduction(max : lower) schedule(static)
     for (int64_t t = 0; t < tiles_; ++t) {
+      if (lane_bounds_[t]) {
+        tile_hi_[t] = hmax(lanes(t) + bounds(t));
+        tile_lo_[t] = hmax(lanes(t) - bounds(t));
+      } else {
+        tile_hi_[t] = tile_max_[t] + tile_bound_[t];
+        tile_lo_[t] = tile_max_[t] - tile_bound_[t];
+      }
+      lower = std::max(lower, tile_lo_[t]);
+    }
+    std::vector<int64_t> near;
+    for (int64_t t = 0; t < tiles_; ++t)
+      if (tile_hi_[t] >= lower) near.push_back(t);
+    for (int64_t t : near) {
+      lane_bounds(t);
       tile_hi_[t] = hmax(lanes(t) + bounds(t));
       tile_lo_[t] = hmax(lanes(t) - bounds(t));
       lower = std::max(lower, tile_lo_[t]);
     }
-    for (int64_t t = 0; t < tiles_; ++t)
+    for (int64_t t : near)
       if (!exact_[t] && tile_hi_[t] >= lower) todo.push_back(t);
     rescore(todo);
     max_ = kNegInf;
@@ -187,6 +202,7 @@ class ScreenedRow {
           for (int j = 0; j < 4; ++j) {
             const int64_t t = (c0 + c) * 4 + j;
             if (t >= tiles_ || exact_[t]) continue;
+            lane_bounds(t);
             const f32x16 hi = upper(t);
             for (uint32_t bits = mask_gt(hi, kMassFloor); bits; bits &= bits - 1) {
               const int lane = __builtin_ctz(bits);
@@ -316,8 +332,8 @@ class ScreenedRow {
             before += e[lane];
           }
         }
-      } else {
-        const f32x16 lo = lower(t);
+      } else if (score_hi(t) > kMassFloor) {
+        const f32x16 lo = lane_bounds_[t] ? lower(t) : coarse_lower(t);
         lower_total += hsum(lo > kMassFloor ? exp16(lo) : f32x16{});
       }
     }
@@ -333,6 +349,7 @@ class ScreenedRow {
     int64_t count[kBandBins] = {};
     for (int64_t t = 0; t < tiles_; ++t) {
       if (!exact_[t] && score_hi(t) <= -16.f) continue;
+      if (!exact_[t]) lane_bounds(t);
       const f32x16 lo = exact_[t] ? exact_scores(t) : lower(t);
       for (uint32_t bits = mask_gt(lo, -16.f); bits; bits &= bits - 1) {
         const int lane = __builtin_ctz(bits);
@@ -385,6 +402,22 @@ class ScreenedRow {
   }
   f32x16 upper(int64_t t) const { return widen_up((lanes(t) + bounds(t) - max_) * inv_t_); }
   f32x16 lower(int64_t t) const { return widen_down((lanes(t) - bounds(t) - max_) * inv_t_); }
+  f32x16 coarse_lower(int64_t t) const { return widen_down((lanes(t) - tile_bound_[t] - max_) * inv_t_); }
+
+  // Tile t's proven per-lane bounds into bound (once), as screened_argmax.cpp computes them:
+  // widened by 0.1% and the row's slack for float rounding; 0 past n.
+  void lane_bounds(int64_t t) {
+    if (lane_bounds_[t]) return;
+    lane_bounds_[t] = 1;
+    __m512 bound = _mm512_mul_ps(_mm512_loadu_ps(screen_.row_error + t * kTile), _mm512_set1_ps(x_l1_));
+    const float* abs_q = screen_.row_abs_q + t * groups_ * kTile;
+    for (int g = 0; g < groups_; ++g)
+      bound = _mm512_fmadd_ps(_mm512_set1_ps(group_delta_[g]), _mm512_loadu_ps(abs_q + g * kTile), bound);
+    bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f), _mm512_set1_ps(slack_));
+    const int64_t left = n_ - t * kTile;
+    const __mmask16 valid = left >= kTile ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    _mm512_storeu_ps(bound_ + t * kTile, _mm512_mask_blend_ps(valid, _mm512_setzero_ps(), bound));
+  }
 
   // every token with mass of these exact tiles (sorted) at its noisy score, a chunk's uniforms made once
   void offer_exact(const std::vector<int64_t>& tiles, GumbelBest& best) const {
@@ -441,6 +474,7 @@ class ScreenedRow {
              it != penalized_.end() && it->first == t; ++it)
           z_[penalty_ids_[it->second]] = penalize(z_[penalty_ids_[it->second]], it->second);
         exact_[t] = 1;
+        lane_bounds_[t] = 1;
         std::memset(bound_ + t * kTile, 0, kTile * sizeof(float));
         tile_hi_[t] = tile_lo_[t] = hmax(lanes(t));
       }
@@ -456,9 +490,16 @@ class ScreenedRow {
   const int64_t n_;
   const int64_t tiles_;
   float* z_;
-  float* bound_;
+  float* bound_;  // per lane, where lane_bounds_ says computed (0 for exact tiles)
   const uint16_t* x_;
+  const float* tile_max_;
+  const float* tile_bound_;  // at least the largest lane bound of the tile
+  const int groups_;
+  const float* group_delta_;
+  const float x_l1_;
+  const float slack_;
   std::vector<uint8_t> exact_;
+  std::vector<uint8_t> lane_bounds_;
   std::vector<float> tile_hi_;  // per tile: the largest upper bound of its lanes (exact: the largest value)
   std::vector<float> tile_lo_;  // the largest lower bound
   const int64_t* penalty_ids_;
@@ -496,11 +537,12 @@ int kvserve_screened_sample(const kvserve::ScreenedArgmaxArgs* screen, const kvs
     for (int64_t j = p.penalty_begin; j < p.penalty_end; ++j)
       if (!s.penalty_ids || !s.penalty_counts || s.penalty_ids[j] < 0 || s.penalty_ids[j] >= a.n) return 4;
   }
-  screen_all(a, groups, s.logits, s.stride, tiles);
+  std::vector<float> tile_max(static_cast<size_t>(s.rows) * tiles);
+  screen_all(a, groups, s.logits, s.stride, tiles, tile_max.data());
   // a lone row has the threads to itself; several rows take a thread each
   auto one = [&](int64_t r, bool inner) {
     int64_t rescored = 0;
-    s.tokens[r] = ScreenedRow(a, s, r, inner).sample(&rescored);
+    s.tokens[r] = ScreenedRow(a, s, r, groups, tile_max.data(), inner).sample(&rescored);
     if (a.rescored) a.rescored[r] = rescored;
   };
   if (s.rows == 1) {
