@@ -50,7 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--formats", default=",".join(FORMATS),
-                        help="--kv-cache-dtype values, the first the baseline; FORMAT/rot stores it Hadamard-rotated (--kv-hadamard)")
+                        help="--kv-cache-dtype values, the first the baseline; FORMAT/rot stores it Hadamard-rotated (--kv-hadamard), "
+                        "FORMAT/plain not (--no-kv-hadamard), FORMAT alone as the engine's default does")
     parser.add_argument("--contexts", default="2048,8000", help="context lengths of the decode runs")
     parser.add_argument("--seqs", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -65,7 +66,7 @@ def main() -> None:
         for fmt in formats:
             dtype, _, variant = fmt.partition("/")
             llm = LLM(args.model, kv_cache_dtype=dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.seqs, 1),
-                      enable_prefix_caching=False, kv_hadamard=variant == "rot")  # fmt: skip
+                      enable_prefix_caching=False, kv_hadamard={"rot": True, "plain": False}.get(variant))  # fmt: skip
             stats[fmt] = llm.stats()
             spec = llm.engine.kv_spec  # the token capacity the default --max-num-seqs 64 leaves (int4/int2 set residual blocks apart)
             blocks = spec.num_blocks_for_memory(args.kv_cache_memory * GIB, spec.residual_blocks(64, llm.engine.config.max_num_batched_tokens))

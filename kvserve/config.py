@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.spec import KV_FORMATS, block_size_for, normalize_kv_dtype
 from kvserve.model.registry import DEFAULT_MODEL
 
@@ -50,7 +51,7 @@ class EngineConfig:
     kv_quant_residual: int = 128  # int4/int2: recent tokens kept in full precision
     kv_cache_scales: str | None = None  # fp8: a JSON file of calibrated per-layer, per-head K and V scales
     kv_key_centering: bool = True  # int8 / fp8 without calibrated scales: keys stored minus a per-layer, per-head mean
-    kv_hadamard: bool = False  # K/V stored in a Hadamard basis (kv/rotation.py)
+    kv_hadamard: bool | None = None  # K/V stored in a Hadamard basis (kv/rotation.py); None: where it pays (rotates_kv)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -101,8 +102,8 @@ class EngineConfig:
             object.__setattr__(self, "block_size", block_size_for(self.kv_cache_dtype, None, self.kv_quant_group_size))
         if not isinstance(self.kv_key_centering, bool):
             raise ValueError(f"kv_key_centering must be true or false, got {self.kv_key_centering!r}")
-        if not isinstance(self.kv_hadamard, bool):
-            raise ValueError(f"kv_hadamard must be true or false, got {self.kv_hadamard!r}")
+        if self.kv_hadamard is not None and not isinstance(self.kv_hadamard, bool):
+            raise ValueError(f"kv_hadamard must be true, false or None (auto), got {self.kv_hadamard!r}")
         if self.kv_hadamard and self.kv_cache_scales is not None:
             raise ValueError("kv_hadamard does not go with calibrated --kv-cache-scales (they were measured on unrotated K/V)")
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
@@ -134,6 +135,15 @@ class EngineConfig:
     def centers_keys(self) -> bool:
         """Whether an int8 / fp8 cache stores centered keys (kv/centering.py)."""
         return self.kv_key_centering and self.kv_cache_scales is None and KV_FORMATS[normalize_kv_dtype(self.kv_cache_dtype)].kind == "scaled"
+
+    def rotates_kv(self, head_dim: int) -> bool:
+        """Whether K/V are stored Hadamard-rotated (kv/rotation.py): as asked, or by default where it
+        lowers the quantization's cost (int8, fp8, int4; not int2, whose per-channel keys lose more
+        from mixed channels than they gain), the head dim is a power of two and no calibrated scales."""
+        if self.kv_hadamard is not None:
+            return self.kv_hadamard
+        rotated_formats = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
+        return normalize_kv_dtype(self.kv_cache_dtype) in rotated_formats and is_power_of_two(head_dim) and self.kv_cache_scales is None
 
     @classmethod
     def field_names(cls) -> set[str]:

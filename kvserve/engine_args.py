@@ -31,11 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="int8/fp8: store keys minus each layer's and head's mean key, measured at start on a short text; "
                        "attention is unchanged (softmax ignores a shift common to a query's scores) and the per-token scale "
                        "no longer spends its levels on a constant. Off with calibrated --kv-cache-scales; no effect on other formats")
-    group.add_argument("--kv-hadamard", action=argparse.BooleanOptionalAction, default=False,
+    group.add_argument("--kv-hadamard", action=argparse.BooleanOptionalAction, default=None,
                        help="store K and V in a Hadamard basis per head: q, k and v are turned by one orthonormal matrix "
-                       "before attention and the output back after it, so attention is unchanged while the quantization scales "
-                       "no longer follow a vector's largest channel. Lowers int8/fp8/int4's quality cost (README) but adds "
-                       "~5 ms per decode step on SmolLM2 (four small matmuls per layer); needs a power-of-two head dim (default: off)")
+                       "before attention and the output back after it (a fast Walsh-Hadamard transform), so attention is "
+                       "unchanged while the quantization scales no longer follow a vector's largest channel. Lowers "
+                       "int8/fp8/int4's quality cost (README); needs a power-of-two head dim. Default: on for int8, fp8 and "
+                       "int4 caches where the head dim allows and no --kv-cache-scales are given, off otherwise (int2 loses "
+                       "more than it gains; a 16-bit cache gains nothing)")
     group.add_argument("--block-size", type=int, default=None,
                        help="tokens per KV block (default: 16; for int4/int2 a multiple of --kv-quant-group-size, 32)")
     group.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB preallocated for the paged KV pool (default: %(default)s)")

@@ -50,22 +50,22 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 64:
-            raise ValueError(f"n must be an integer in [1, 64], got {self.n!r}")
+            raise ValueError(f"n must be an integer in [1, 64], got {reprlib.repr(self.n)}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be a positive integer, got {reprlib.repr(self.max_tokens)}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise ValueError(f"{name} must be a finite number, got {reprlib.repr(value)}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2^63), got {reprlib.repr(self.seed)}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer up to 2^31 - 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer up to 2^31 - 1, got {reprlib.repr(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         low, high = REPETITION_PENALTY_RANGE
@@ -75,7 +75,7 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {reprlib.repr(self.logprobs)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):

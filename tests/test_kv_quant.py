@@ -395,18 +395,39 @@ def test_a_centered_store_writes_the_bytes_of_the_shifted_keys(kv_dtype, native,
 
 
 # ---------------------------------------------------------------------- Hadamard rotation
-def test_hadamard_rotation_is_orthonormal_and_exact_where_the_dtype_holds_it():
+def test_hadamard_rotation_is_orthonormal_and_the_transform_computes_it():
     for dim in (16, 64, 128, 256):
         r = hadamard_rotation(dim)
         torch.testing.assert_close(r @ r.T, torch.eye(dim), atol=1e-6, rtol=0)
-    x = torch.randn(5, 3, 64).bfloat16()
-    rotation = Rotation(64, torch.device("cpu"))
-    y = rotation.forward(x)
-    assert torch.equal(y, (x.float() @ rotation.matrix).bfloat16())  # ±1/8 entries: one rounding, as in float32
-    torch.testing.assert_close(rotation.inverse(y).float(), x.float(), atol=0.05, rtol=0.02)
-    assert Rotation(128, torch.device("cpu"))._for(torch.bfloat16) is None  # ±1/sqrt(128) is not a bf16: float32 products
+        rotation = Rotation(dim, torch.device("cpu"))
+        x = torch.randn(5, 3, dim)
+        torch.testing.assert_close(rotation.forward(x), x @ r, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rotation.inverse(x), x @ r.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rotation.inverse(rotation.forward(x)), x, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_rotation(24)
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [16, 64, 256])
+def test_native_rotation_gives_the_torch_butterflies_bits(dtype, dim):
+    """One native call turns q, k and v (v a strided view of the fused projection, as the layer
+    hands it over); the torch fallback runs the same butterflies: the same bits, both ways."""
+    rotation = Rotation(dim, torch.device("cpu"))
+    assert rotation.native is not None
+    qkv = (torch.randn(9, 14 * dim) * 3).to(dtype)
+    q, k, v = qkv[:, : 8 * dim].view(9, 8, dim), qkv[:, 8 * dim : 11 * dim].view(9, 3, dim), qkv[:, 11 * dim :].view(9, 3, dim)
+    for inverse in (False, True):
+        native = rotation.inverse(q, k, v) if inverse else rotation.forward(q, k, v)
+        for x, y in zip((q, k, v), native):
+            assert y.is_contiguous() and y.dtype == dtype
+            assert torch.equal(y, rotation._butterflies(x, inverse))
+            reference = x.float() @ (rotation.matrix.T if inverse else rotation.matrix)
+            torch.testing.assert_close(y.float(), reference, atol=0.05 * float(x.float().abs().max()), rtol=0.02)
+    assert not torch.equal(rotation.forward(q), rotation.inverse(q))  # the signs apply on the right side
+    with pytest.raises(ValueError, match="hadamard"):
+        rotation.native((q.transpose(0, 1),), False)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -445,11 +466,16 @@ def test_a_rotated_cache_computes_the_same_attention(tiny_dir, backend, family):
 
 def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
     path = str(tiny_dir("qwen3"))  # head dim 32
-    for kv_dtype in ("auto", "int8", "int4"):  # off unless asked: it costs decode time (README)
+    # by default on where it lowers the quantization's cost, off where it does not (README)
+    for kv_dtype, default in (("auto", False), ("int8", True), ("fp8_e4m3", True), ("int4", True), ("int2", False)):
         llm = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype=kv_dtype, max_num_seqs=4)
-        assert not llm.stats()["kv_hadamard"] and llm.engine.pool.rotation is None
+        assert llm.stats()["kv_hadamard"] is default and (llm.engine.pool.rotation is not None) is default, kv_dtype
+        asked = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype=kv_dtype, max_num_seqs=4, kv_hadamard=not default)
+        assert asked.stats()["kv_hadamard"] is not default, kv_dtype
+    llama = str(tiny_dir("llama"))  # head dim 24: not a power of two, so off by default and refused when asked
+    assert not LLM(llama, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8").stats()["kv_hadamard"]
     rotated = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=True)
-    plain = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8")
+    plain = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=False)
     assert rotated.stats()["kv_hadamard"] and rotated.engine.cache_identity != plain.engine.cache_identity
     # the key centers are measured on the model's keys and stored rotated, as the keys are
     r = rotated.engine.pool.rotation.matrix

@@ -49,11 +49,11 @@ class AttentionBackend(abc.ABC):
         rotation = self.pool.rotation
         if rotation is None:
             return q, k, v
-        return rotation.forward(q), rotation.forward(k), rotation.forward(v)
+        return rotation.forward(q, k, v, in_place=True)
 
     def rotate_out(self, out: torch.Tensor) -> torch.Tensor:
         rotation = self.pool.rotation
-        return out if rotation is None else rotation.inverse(out)
+        return out if rotation is None else rotation.inverse(out, in_place=True)
 
     def store(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = self.layers[layer]

@@ -184,7 +184,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._generic_question = tokenizer.encode(GENERIC_QUESTION, add_special_tokens=False) if tokenizer is not None else []
         self.kv_spec = kv_cache_spec(config, model_config)
-        self.rotates_kv = config.kv_hadamard
+        self.rotates_kv = config.rotates_kv(self.kv_spec.head_dim)
         if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
             raise ValueError(f"--kv-hadamard needs a power-of-two head dim; {config.model} has {self.kv_spec.head_dim}")
         self.num_residual_blocks = self.kv_spec.residual_blocks(config.max_num_seqs, config.max_num_batched_tokens)

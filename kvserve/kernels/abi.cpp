@@ -79,6 +79,13 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "HadamardArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(HadamardArgs)), KVSERVE_FIELD(HadamardArgs, out), KVSERVE_FIELD(HadamardArgs, x), KVSERVE_FIELD(HadamardArgs, x_stride), KVSERVE_FIELD(HadamardArgs, out_stride), KVSERVE_FIELD(HadamardArgs, heads), KVSERVE_FIELD(HadamardArgs, count), KVSERVE_FIELD(HadamardArgs, tokens), KVSERVE_FIELD(HadamardArgs, signs), KVSERVE_FIELD(HadamardArgs, scale), KVSERVE_FIELD(HadamardArgs, dim), KVSERVE_FIELD(HadamardArgs, dtype), KVSERVE_FIELD(HadamardArgs, inverse)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   if (!std::strcmp(name, "GatedActivationArgs")) {
     const int64_t layout[] = {static_cast<int64_t>(sizeof(GatedActivationArgs)), KVSERVE_FIELD(GatedActivationArgs, out), KVSERVE_FIELD(GatedActivationArgs, gate_up), KVSERVE_FIELD(GatedActivationArgs, rows), KVSERVE_FIELD(GatedActivationArgs, inter), KVSERVE_FIELD(GatedActivationArgs, dtype), KVSERVE_FIELD(GatedActivationArgs, activation)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));

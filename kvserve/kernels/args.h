@@ -176,6 +176,21 @@ struct GatedActivationArgs {
   int32_t activation;   // 0 gelu_tanh, 1 silu
 };
 
+struct HadamardArgs {
+  void* out[3];           // [tokens, heads[i], dim], token stride out_stride[i], heads packed; may be x[i]
+  const void* x[3];       // [tokens, heads[i], dim], token stride x_stride[i], heads packed
+  int64_t x_stride[3];
+  int64_t out_stride[3];
+  int32_t heads[3];
+  int32_t count;          // tensors used, <= 3
+  int64_t tokens;
+  const float* signs;     // [dim], +-1
+  float scale;            // 1 / sqrt(dim)
+  int32_t dim;
+  int32_t dtype;
+  int32_t inverse;        // 0: x R, 1: x R^T
+};
+
 // Sampling from full logits rows (sampler.cpp): one SamplerRow per row.
 struct SamplerRow {
   float temperature;  // 0: greedy (argmax after penalties)

@@ -81,6 +81,13 @@ class QkNormRopeArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class HadamardArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p * 3), ("x", _p * 3), ("x_stride", _i64 * 3), ("out_stride", _i64 * 3), ("heads", _i32 * 3), ("count", _i32), ("tokens", _i64), ("signs", _p),
+        ("scale", _f32), ("dim", _i32), ("dtype", _i32), ("inverse", _i32),
+    ]  # fmt: skip
+
+
 class GatedActivationArgs(ctypes.Structure):
     _fields_ = [("out", _p), ("gate_up", _p), ("rows", _i64), ("inter", _i64), ("dtype", _i32), ("activation", _i32)]
 
@@ -112,7 +119,7 @@ class KVStoreArgs(ctypes.Structure):
 
 STRUCTS = (
     KVView, DecodeAttentionArgs, PrefillAttentionArgs, SkinnyMatmulArgs, PackedMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
-    AddRmsNormArgs, QkNormRopeArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
+    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
 )  # fmt: skip
 
 

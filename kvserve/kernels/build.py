@@ -25,7 +25,7 @@ from kvserve.kernels.args import layout_mismatches
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    "paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp",
+    "paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
     "sampler.cpp", "kv_store.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h"]

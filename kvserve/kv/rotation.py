@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve import kernels
+
 ROTATION_SEED = 0x4B56  # part of the cache identity through the flag: change it and stored K/V change meaning
 
 
@@ -28,31 +30,51 @@ def hadamard_rotation(head_dim: int, seed: int = ROTATION_SEED) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return signs[:, None] * h / head_dim**0.5
+    return rotation_signs(head_dim, seed)[:, None] * h / head_dim**0.5
+
+
+def rotation_signs(head_dim: int, seed: int = ROTATION_SEED) -> torch.Tensor:
+    """The fixed pseudo-random ±1 (float32 [head_dim]) of R's diagonal."""
+    return torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
 
 
 class Rotation:
-    """R and R^T in the activations' dtype when it holds R exactly (±1/8 for 64 dims, ±1/16 for 256);
-    otherwise the products run in float32 and are rounded once."""
+    """x R and x R^T per head by the fast Walsh-Hadamard transform (D log2 D adds, not a D x D
+    product): in float32, rounded once to the activations' dtype. On CPU one native call turns a
+    layer's q, k and v (kernels/hadamard.cpp); elsewhere torch runs the same butterflies in the
+    same order, so both give the same bits."""
 
     def __init__(self, head_dim: int, device: torch.device) -> None:
-        self.matrix = hadamard_rotation(head_dim).to(device)
-        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self.matrix = hadamard_rotation(head_dim).to(device)  # the R the transform computes
+        self.head_dim = head_dim
+        self.signs = rotation_signs(head_dim).to(device)
+        self.scale = torch.tensor(head_dim**-0.5, dtype=torch.float32)
+        self.native = kernels.Hadamard(self.signs, float(self.scale)) if device.type == "cpu" and kernels.cpu_kernels_available() else None
 
-    def _for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if dtype not in self._cast:
-            cast = self.matrix.to(dtype)
-            exact = bool((cast.float() == self.matrix).all())
-            self._cast[dtype] = (cast, cast.t().contiguous()) if exact else None
-        return self._cast[dtype]
+    def forward(self, *xs: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """Each x [..., heads, head_dim] @ R (one tensor in, one out). in_place: the native kernel may
+        overwrite xs (the attention backends' q, k and v, which nothing reads after)."""
+        return self._apply(xs, False, in_place)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., head_dim] @ R."""
-        cast = self._for(x.dtype)
-        return x @ cast[0] if cast is not None else (x.float() @ self.matrix).to(x.dtype)
+    def inverse(self, *xs: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """Each x [..., heads, head_dim] @ R^T."""
+        return self._apply(xs, True, in_place)
 
-    def inverse(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., head_dim] @ R^T."""
-        cast = self._for(x.dtype)
-        return x @ cast[1] if cast is not None else (x.float() @ self.matrix.t()).to(x.dtype)
+    def _apply(self, xs: tuple[torch.Tensor, ...], inverse: bool, in_place: bool) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        if self.native is not None and self.native.fits(xs):
+            out = self.native(xs, inverse, in_place)
+        else:
+            out = tuple(self._butterflies(x, inverse) for x in xs)
+        return out[0] if len(out) == 1 else out
+
+    def _butterflies(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        d = self.head_dim
+        y = x.float() if inverse else x.float() * self.signs
+        h = 1
+        while h < d:
+            y = y.reshape(-1, d // (2 * h), 2, h)
+            a, b = y[:, :, 0], y[:, :, 1]
+            y = torch.stack((a + b, a - b), dim=2)
+            h *= 2
+        y = y.reshape(x.shape) * self.scale.to(y.device)
+        return (y * self.signs if inverse else y).to(x.dtype)

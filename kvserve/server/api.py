@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import reprlib
 import time
 from collections.abc import AsyncIterator
 
@@ -135,7 +136,7 @@ class OpenAIServer:
         if requested is None:
             return max(1, room)
         if requested <= 0:
-            raise APIError(400, f"{param} must be a positive integer, got {requested}", param)
+            raise APIError(400, f"{param} must be a positive integer, got {reprlib.repr(requested)}", param)
         if requested > room:
             raise APIError(
                 400,
@@ -336,7 +337,7 @@ class OpenAIServer:
         if body.logprobs and top is None:
             top = 0
         if top is not None and not 0 <= top <= 20:
-            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top}", "top_logprobs")
+            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i) for i in range(body.n)])]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
