@@ -1,7 +1,7 @@
 """Why a KV format costs what it costs: each layer's relative error of K and of V under each format,
 on the K/V a real model writes for a real text.
 
-    .venv/bin/python bench/kv_quant_error.py --model smollm2-135m-instruct --tokens 2048
+    .venv/bin/python bench/kv_quant_error.py --model smollm2-135m-instruct --tokens 2048 [--hadamard]
 
 Relative error is ||x - decode(encode(x))|| / ||x|| over the layer's whole K (or V); "outlier" is
 the largest |x| of a layer over the root mean square of its values (large: a few channels set the
@@ -26,6 +26,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.engine import LLMEngine  # noqa: E402
 from kvserve.kv import pool as kv_pool  # noqa: E402
 from kvserve.kv import quant  # noqa: E402
+from kvserve.kv.rotation import Rotation  # noqa: E402
 from kvserve.kv.spec import KVCacheSpec  # noqa: E402
 
 FORMATS = ("fp8_e5m2", "fp8_e4m3", "int8", "int4", "int2")
@@ -61,9 +62,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hadamard", action="store_true", help="turn K and V into the Hadamard basis the engine stores them in "
+                        "by default for int8/fp8/int4 (--kv-hadamard) before the codecs")  # fmt: skip
     args = parser.parse_args()
     layers = capture(args.model, args.tokens)
     k0, _ = layers[0]
+    if args.hadamard:
+        rotation = Rotation(k0.shape[2], torch.device("cpu"))
+        layers = {i: (rotation.forward(k), rotation.forward(v)) for i, (k, v) in layers.items()}
     specs = {f: KVCacheSpec(len(layers), k0.shape[1], k0.shape[2], f, block_size=32) for f in FORMATS}
     print(f"{args.model}: {len(layers)} layers, {args.tokens} tokens; relative error of K and V per layer")
     header = f"{'layer':>5} {'K outlier':>9} {'V outlier':>9}  " + "  ".join(f"{f + ' K':>11} {f + ' V':>11}" for f in FORMATS)

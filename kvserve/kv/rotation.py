@@ -7,7 +7,7 @@ turned back, is the weighted sum of the values. The quantization does change: a 
 (int8, fp8) or a per-group one (int4) spends its levels on the largest channel of a vector, and
 real keys and values have a few large channels; R spreads each vector's energy evenly over its
 channels, so the scale follows the vector's norm rather than its worst channel. On SmolLM2-135M
-it takes fp8_e4m3's perplexity cost from +1.34% to +0.38% (README, KV cache quantization).
+it takes fp8_e4m3's perplexity cost from +1.34% to +0.34% (README, KV cache quantization).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Rotation:
         self.head_dim = head_dim
         self.signs = rotation_signs(head_dim).to(device)
         self.scale = torch.tensor(head_dim**-0.5, dtype=torch.float32)
-        self.native = kernels.Hadamard(self.signs, float(self.scale)) if device.type == "cpu" and kernels.cpu_kernels_available() else None
+        native = device.type == "cpu" and kernels.cpu_kernels_available()
+        self.native = kernels.Hadamard(self.signs, float(self.scale)) if native else None
 
     def forward(self, *xs: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """Each x [..., heads, head_dim] @ R (one tensor in, one out). in_place: the native kernel may
