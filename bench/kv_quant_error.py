@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hadamard", action="store_true", help="turn K and V into the Hadamard basis the engine stores them in "
-                        "by default for int8/fp8/int4 (--kv-hadamard) before the codecs")  # fmt: skip
+                        "(--kv-hadamard; int8's default) before the codecs")  # fmt: skip
     args = parser.parse_args()
     layers = capture(args.model, args.tokens)
     k0, _ = layers[0]

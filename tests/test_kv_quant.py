@@ -467,7 +467,7 @@ def test_a_rotated_cache_computes_the_same_attention(tiny_dir, backend, family):
 def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
     path = str(tiny_dir("qwen3"))  # head dim 32
     # by default on where it lowers the quantization's cost, off where it does not (README)
-    for kv_dtype, default in (("auto", False), ("int8", True), ("fp8_e4m3", True), ("int4", True), ("int2", False)):
+    for kv_dtype, default in (("auto", False), ("int8", True), ("fp8_e4m3", False), ("int4", False), ("int2", False)):
         llm = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype=kv_dtype, max_num_seqs=4)
         assert llm.stats()["kv_hadamard"] is default and (llm.engine.pool.rotation is not None) is default, kv_dtype
         asked = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype=kv_dtype, max_num_seqs=4, kv_hadamard=not default)
