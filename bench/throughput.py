@@ -11,6 +11,7 @@ prefill tok/s of a 2,048-token prompt. Prints ratios against the HF baseline fro
     .venv/bin/python bench/throughput.py            # full run (~20 min on 2 cores)
     .venv/bin/python bench/throughput.py --quick    # 16 requests, HF batch 16 only
     .venv/bin/python bench/throughput.py --skip-hf  # kvserve's rows only
+    .venv/bin/python bench/throughput.py --skip-hf --rounds 3  # settings in turns, medians
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,6 +74,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="16 requests and HF at batch 16 only")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every setting this many times, in turns, and report medians (this machine's "
+                        "throughput drifts by 10-20%% within minutes, so a ratio of rows taken one after another moves too)")
     parser.add_argument("--hf-dtypes", default="float32,bfloat16", help="HF dtypes to probe (the faster one is swept)")
     args = parser.parse_args()
     if args.quick:
@@ -86,22 +91,25 @@ def main() -> None:
           f"(total {sum(map(len, prompts))}), {args.new_tokens} new tokens each")
 
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    rows = {}
-    for name, setting in SETTINGS.items():
-        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, seed=0, **setting)
-        # every setting computes its prompts: the rows after the first would otherwise read the first's from the prefix cache
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        batched = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-        llm.reset_prefix_cache()
-        single = llm.generate([prompts[0][:128]], params, use_tqdm=False)[0]
-        m = single.metrics
-        rows[name] = (batched, (len(single.token_ids) - 1) / (m["last_token_time"] - m["first_token_time"]))
-        print(f"kvserve ({llm.engine.config.dtype}) {name}: {rows[name][0]:.1f} generated tok/s at {len(prompts)} requests, "
-              f"{rows[name][1]:.1f} tok/s single-request decode", flush=True)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
+    for _ in range(args.rounds):
+        for name, setting in SETTINGS.items():
+            params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, seed=0, **setting)
+            # every setting computes its prompts: the rows after the first would otherwise read the first's from the prefix cache
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            batched = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+            llm.reset_prefix_cache()
+            single = llm.generate([prompts[0][:128]], params, use_tqdm=False)[0]
+            m = single.metrics
+            samples[name].append((batched, (len(single.token_ids) - 1) / (m["last_token_time"] - m["first_token_time"])))
+            print(f"kvserve ({llm.engine.config.dtype}) {name}: {samples[name][-1][0]:.1f} generated tok/s at {len(prompts)} "
+                  f"requests, {samples[name][-1][1]:.1f} tok/s single-request decode", flush=True)
+    rows = {name: (statistics.median(b for b, _ in runs), statistics.median(s for _, s in runs)) for name, runs in samples.items()}
     ours, decode_tps = rows["greedy"]
-    print(f"\n| sampling | tok/s, {len(prompts)} requests | vs greedy | single-request decode tok/s | vs greedy |")
+    median = f" (median of {args.rounds})" if args.rounds > 1 else ""
+    print(f"\n| sampling | tok/s, {len(prompts)} requests{median} | vs greedy | single-request decode tok/s{median} | vs greedy |")
     print("|---|---:|---:|---:|---:|")
     for name, (batched, single) in rows.items():
         print(f"| {name} | {batched:.1f} | {batched / ours:.2f}x | {single:.1f} | {single / decode_tps:.2f}x |")
