@@ -426,6 +426,8 @@ def test_native_rotation_gives_the_torch_butterflies_bits(dtype, dim):
             reference = x.float() @ (rotation.matrix.T if inverse else rotation.matrix)
             torch.testing.assert_close(y.float(), reference, atol=0.05 * float(x.float().abs().max()), rtol=0.02)
     assert not torch.equal(rotation.forward(q), rotation.inverse(q))  # the signs apply on the right side
+    one = torch.as_strided(q, (1, 8, dim), (5, dim, 1))  # a size-1 dim's stride says nothing of the layout
+    assert torch.equal(rotation.forward(one), rotation._butterflies(one, False))
     with pytest.raises(ValueError, match="hadamard"):
         rotation.native((q.transpose(0, 1),), False)
 

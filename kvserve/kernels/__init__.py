@@ -434,7 +434,7 @@ def qk_norm_rope(
 class Hadamard:
     """Each head vector of 1-3 tensors [T, heads, D] times R = diag(signs) H / sqrt(D) (R^T when
     inverse), by the fast Walsh-Hadamard transform in float32 (hadamard.cpp). Called twice per
-    layer and step, so the argument struct is built once."""
+    layer and step, so the argument struct is built once (one caller at a time: the engine's step)."""
 
     def __init__(self, signs: torch.Tensor, scale: float) -> None:
         self._library = _require()
@@ -463,9 +463,10 @@ class Hadamard:
         call = self._call
         outs = xs if in_place else tuple(torch.empty(x.shape, dtype=x.dtype) for x in xs)
         for i, x in enumerate(xs):
-            out = outs[i]
-            call.out[i], call.x[i], call.heads[i], call.x_stride[i], call.out_stride[i] = (
-                out.data_ptr(), x.data_ptr(), x.shape[1], x.stride(0), out.stride(0))  # fmt: skip
+            out, row = outs[i], x.shape[1] * self.dim
+            # a size-1 dim's stride can be anything; one token's rows are packed whatever it says
+            call.out[i], call.x[i], call.heads[i] = out.data_ptr(), x.data_ptr(), x.shape[1]
+            call.x_stride[i], call.out_stride[i] = (x.stride(0), out.stride(0)) if x.shape[0] > 1 else (row, row)
         call.count, call.tokens, call.dtype, call.inverse = len(xs), xs[0].shape[0], _DTYPE_CODES[xs[0].dtype], int(inverse)
         _check(self._library.kvserve_hadamard(ctypes.byref(call)), "hadamard")
         return outs
