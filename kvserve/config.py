@@ -104,10 +104,10 @@ class EngineConfig:
             raise ValueError(f"kv_key_centering must be true or false, got {self.kv_key_centering!r}")
         if self.kv_hadamard is not None and not isinstance(self.kv_hadamard, bool):
             raise ValueError(f"kv_hadamard must be true, false or None (auto), got {self.kv_hadamard!r}")
-        if self.kv_hadamard and self.kv_cache_scales is not None:
-            raise ValueError("kv_hadamard does not go with calibrated --kv-cache-scales (they were measured on unrotated K/V)")
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"kv_cache_scales calibrates fp8 caches; --kv-cache-dtype is {self.kv_cache_dtype}")
+        if self.kv_hadamard and self.kv_cache_scales is not None:
+            raise ValueError("--kv-hadamard (kv_hadamard) does not go with calibrated --kv-cache-scales (they were measured on unrotated K/V)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

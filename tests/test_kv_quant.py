@@ -479,6 +479,9 @@ def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
     rotated = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=True)
     plain = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8", kv_hadamard=False)
     assert rotated.stats()["kv_hadamard"] and rotated.engine.cache_identity != plain.engine.cache_identity
+    # the identity holds what is stored: int8's default is the rotated cache
+    default = LLM(path, dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int8")
+    assert default.engine.cache_identity == rotated.engine.cache_identity
     # the key centers are measured on the model's keys and stored rotated, as the keys are
     r = rotated.engine.pool.rotation.matrix
     torch.testing.assert_close(rotated.engine.pool.key_centers, plain.engine.pool.key_centers @ r, atol=1e-5, rtol=1e-5)
@@ -488,3 +491,5 @@ def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
     scales.write_text('{"k_scale": [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05]], "v_scale": [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05]]}')
     with pytest.raises(ValueError, match="kv_hadamard"):
         LLM(path, dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales), kv_hadamard=True)
+    with pytest.raises(ValueError, match="calibrates fp8"):  # the scales' own error comes first
+        LLM(path, dtype="float32", kv_cache_dtype="int4", kv_cache_scales=str(scales), kv_hadamard=True)

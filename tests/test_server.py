@@ -91,6 +91,8 @@ def test_chat_matches_offline_engine(server, reference, model_dir):
     chunks = list(stream)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == 16
+    roles = [ch.choices[0].delta.role for ch in chunks if ch.choices]
+    assert roles[0] == "assistant" and not any(roles[1:])  # as OpenAI: the role in each choice's first chunk only
 
 
 def test_logprobs_n_and_seed(server):
@@ -167,6 +169,8 @@ def test_metrics_count_exact_tokens(server, reference):
         assert f"kvserve:{name}" in after, name
     body = httpx.get(server + "/metrics").text
     assert "Everyone" not in body and 'model_name="tiny"' in body
+    info = next(line for line in body.splitlines() if line.startswith("kvserve:cache_config_info{"))
+    assert 'kv_cache_dtype="float32"' in info and 'kv_hadamard="false"' in info and info.endswith(" 1.0")
 
 
 def test_prefix_cache_over_http(server, reference):

@@ -127,7 +127,7 @@ class LLMEngine:
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
         weights, tokenizer_digest = checkpoint_digests(path)
         self._setup(config, checkpoint.config, tokenizer,
-                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, backend)))  # fmt: skip
+                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
                                 key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
@@ -163,18 +163,19 @@ class LLMEngine:
         (prefix reuse, quantized dtypes, sliding-window groups) shows up in the replay as well.
         """
         engine = cls.__new__(cls)
-        engine._setup(config, model_config, None, CacheIdentity(model=config.model, **cls._identity_fields(config, "simulated")))
+        identity = CacheIdentity(model=config.model, **cls._identity_fields(config, model_config, "simulated"))
+        engine._setup(config, model_config, None, identity)
         engine.model = engine.pool = None
         engine.runner = SimulatedRunner()
         return engine
 
     @staticmethod
-    def _identity_fields(config: EngineConfig, backend: str) -> dict:
+    def _identity_fields(config: EngineConfig, model_config: ModelConfig, backend: str) -> dict:
         return {
             "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
             "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}"
-                               + ("/keys centered" if config.centers_keys else "") + f"/hadamard {config.kv_hadamard}",
+                               + ("/keys centered" if config.centers_keys else "") + f"/hadamard {config.rotates_kv(model_config.head_dim)}",
         }  # fmt: skip
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:

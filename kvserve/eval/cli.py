@@ -102,13 +102,15 @@ def format_table(report: dict) -> str:
     rows = [report["reference"], *report["configs"]]
     needles = [(kind, n) for kind in ("needle", "needle_outside") for n in report["reference"][kind]]
     lengths = sorted({n for _, n in needles}, key=int)
-    header = ["config", "B/token", "capacity", "ppl", "Δppl", "mean KL", "top-1", "greedy",
+    header = ["config", "KV", "B/token", "capacity", "ppl", "Δppl", "mean KL", "top-1", "greedy",
               *[f"needle {n}" if kind == "needle" else f"q-out {n}" for kind, n in needles]]  # fmt: skip
     table = [header]
     for r in rows:
         delta = "-" if r["perplexity_delta_pct"] is None else f"{r['perplexity_delta_pct']:+.2f}%"
         kl = "-" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
-        table.append([r["name"], f"{r['bytes_per_token']:,}", f"{r['token_capacity']:,}", f"{r['perplexity']:.3f}", delta, kl,
+        # the cache as it ran: flags given to the command itself (--no-kv-hadamard, say) apply to every row
+        kv = r["kv_cache_dtype"] + (" rotated" if r["kv_hadamard"] else "")
+        table.append([r["name"], kv, f"{r['bytes_per_token']:,}", f"{r['token_capacity']:,}", f"{r['perplexity']:.3f}", delta, kl,
                       _pct(r["top1_agreement"]), _pct(r["greedy_agreement"]), *[_pct(r[kind][n], 0) for kind, n in needles]])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in table]

@@ -67,6 +67,7 @@ class ConfigResult:
     name: str
     flags: str
     kv_cache_dtype: str
+    kv_hadamard: bool  # stored rotated (--kv-hadamard, or int8's default)
     bytes_per_token: int
     token_capacity: int
     perplexity: float
@@ -184,7 +185,8 @@ class Evaluation:
                 pairs = [(a, b) for mine, theirs in zip(outputs.greedy, self.reference_outputs.greedy) for a, b in zip(mine, theirs)]
                 greedy = sum(a == b for a, b in pairs) / len(pairs)
         return ConfigResult(
-            name=name, flags=flags, kv_cache_dtype=stats["kv_cache_dtype"], bytes_per_token=stats["bytes_per_token"],
+            name=name, flags=flags, kv_cache_dtype=stats["kv_cache_dtype"], kv_hadamard=stats["kv_hadamard"],
+            bytes_per_token=stats["bytes_per_token"],
             token_capacity=stats["token_capacity"], perplexity=perplexity, perplexity_delta_pct=delta, mean_kl=kl,
             top1_agreement=top1, greedy_agreement=greedy, needle=retrieval.get("inside", {}),
             needle_outside=retrieval.get("outside", {}),

@@ -346,10 +346,14 @@ class OpenAIServer:
         def envelope(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
             return {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": choices}
 
+        started: set[int] = set()  # choices whose first chunk (the one that names the role, as OpenAI's) went out
+
         def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
+            first = index not in started
+            started.add(index)
             return envelope([{
                 "index": index,
-                "delta": {"role": "assistant", "content": delta},
+                "delta": {"role": "assistant", "content": delta} if first else {"content": delta},
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
                 "finish_reason": out.finish_reason if out.finished else None,
             }])
@@ -390,10 +394,12 @@ class OpenAIServer:
 
     def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
         templates: dict[int, tuple[str, str]] = {}
+        sent: set[int] = set()
 
         def event(idx: int, out: RequestOutput) -> str:
             lps = out.logprobs or []
-            if out.finished or lps or self.tokenizer is None:
+            if out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
+                sent.add(idx)
                 return f"data: {json.dumps(make_chunk(idx, out, out.text, lps))}\n\n"
             # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
             if idx not in templates:

@@ -61,9 +61,20 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
         self._last_totals: dict[str, int] = {}
+        # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
+        self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "prefix_cache",
+                               "kv_compression"]  # fmt: skip
+        self._cache_config = Gauge("kvserve:cache_config_info", "The KV cache's configuration (labels; value 1)",
+                                   self._config_labels, registry=r)  # fmt: skip
+        self._cache_config_set = False
 
     def update_from_stats(self, stats: dict) -> None:
         """Refresh gauges and move counters by what the engine counted since the last call."""
+        if not self._cache_config_set:
+            values = {**stats, "model_name": self._model_name}
+            label = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (true/false, as Prometheus writes them)
+            self._cache_config.labels(*[label(values[name]) for name in self._config_labels]).set(1)
+            self._cache_config_set = True
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
