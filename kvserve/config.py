@@ -51,7 +51,7 @@ class EngineConfig:
     kv_quant_residual: int = 128  # int4/int2: recent tokens kept in full precision
     kv_cache_scales: str | None = None  # fp8: a JSON file of calibrated per-layer, per-head K and V scales
     kv_key_centering: bool = True  # int8 / fp8 without calibrated scales: keys stored minus a per-layer, per-head mean
-    kv_hadamard: bool | None = None  # K/V stored in a Hadamard basis (kv/rotation.py); None: where it pays (rotates_kv)
+    kv_hadamard: bool | None = None  # K/V stored in a Hadamard basis (kv/rotation.py); None: int8's default (rotates_kv)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -6,8 +6,10 @@ after it. Attention does not change: (qR) . (kR) = q . k, and the weighted sum o
 turned back, is the weighted sum of the values. The quantization does change: a per-token scale
 (int8, fp8) or a per-group one (int4) spends its levels on the largest channel of a vector, and
 real keys and values have a few large channels; R spreads each vector's energy evenly over its
-channels, so the scale follows the vector's norm rather than its worst channel. On SmolLM2-135M
-it takes fp8_e4m3's perplexity cost from +1.34% to +0.34% (README, KV cache quantization).
+channels, so the scale follows the vector's norm rather than its worst channel. It lowers int8's
+cost on every model measured (the default there, EngineConfig.rotates_kv); fp8 and int4 gain on
+SmolLM2-135M (fp8_e4m3 +1.34% -> +0.34% perplexity) but lose on Gemma 3 and Qwen2.5, whose leftover
+key constants it spreads over every channel (README, KV cache quantization).
 """
 
 from __future__ import annotations
