@@ -460,6 +460,10 @@ class Hadamard:
         """The rotated tensors: new contiguous ones, or xs themselves, overwritten, when in_place."""
         if not self.fits(xs):
             raise ValueError("hadamard: 1-3 CPU tensors [T, heads, D] of one dtype, heads packed")
+        return self.run(xs, inverse, in_place)
+
+    def run(self, xs: tuple[torch.Tensor, ...], inverse: bool, in_place: bool = False) -> tuple[torch.Tensor, ...]:
+        """__call__ for tensors fits() has already accepted (the per-layer path asks once)."""
         call = self._call
         outs = xs if in_place else tuple(torch.empty(x.shape, dtype=x.dtype) for x in xs)
         for i, x in enumerate(xs):

@@ -19,32 +19,6 @@ namespace {
 
 using namespace kvserve;
 
-template <int DT>
-struct Elem;
-template <>
-struct Elem<kFloat32> {
-  using type = float;
-  static inline float load(float v) { return v; }
-  static inline float store(float v) { return v; }
-};
-template <>
-struct Elem<kBFloat16> {
-  using type = uint16_t;
-  static inline float load(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
-  static inline uint16_t store(float f) { return bf16_bits(f); }
-};
-template <>
-struct Elem<kFloat16> {
-  using type = _Float16;
-  static inline float load(_Float16 v) { return static_cast<float>(v); }
-  static inline _Float16 store(float f) { return static_cast<_Float16>(f); }
-};
-
 // the value torch would hold after rounding to the activation dtype
 template <int DT>
 inline float rounded(float v) {

@@ -15,51 +15,21 @@ using namespace kvserve;
 
 constexpr int kMaxDim = 1024;
 
-template <int DT>
-inline float load_elem(const void* base, int64_t i);
-template <>
-inline float load_elem<kFloat32>(const void* base, int64_t i) {
-  return static_cast<const float*>(base)[i];
-}
-template <>
-inline float load_elem<kBFloat16>(const void* base, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <>
-inline float load_elem<kFloat16>(const void* base, int64_t i) {
-  return static_cast<float>(static_cast<const _Float16*>(base)[i]);
-}
-
-template <int DT>
-inline void store_elem(void* base, int64_t i, float v);
-template <>
-inline void store_elem<kFloat32>(void* base, int64_t i, float v) {
-  static_cast<float*>(base)[i] = v;
-}
-template <>
-inline void store_elem<kBFloat16>(void* base, int64_t i, float v) {
-  static_cast<uint16_t*>(base)[i] = bf16_bits(v);
-}
-template <>
-inline void store_elem<kFloat16>(void* base, int64_t i, float v) {
-  static_cast<_Float16*>(base)[i] = static_cast<_Float16>(v);
-}
-
 // one tensor [tokens, heads, dim] (token stride `stride`, heads packed) into out (token stride
 // out_stride); out may be x: each row is read whole before it is written
 template <int DT>
 void rotate(void* out, const void* x, int64_t tokens, int64_t stride, int64_t out_stride, int heads, int dim, const float* signs,
             float scale, bool inverse) {
+  using T = typename Elem<DT>::type;
+  const T* in = static_cast<const T*>(x);
+  T* to = static_cast<T*>(out);
   const int64_t rows = tokens * heads;
 #pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t src = (r / heads) * stride + (r % heads) * dim;
     const int64_t dst = (r / heads) * out_stride + (r % heads) * dim;
     alignas(64) float buf[kMaxDim];
-    for (int d = 0; d < dim; ++d) buf[d] = inverse ? load_elem<DT>(x, src + d) : load_elem<DT>(x, src + d) * signs[d];
+    for (int d = 0; d < dim; ++d) buf[d] = inverse ? Elem<DT>::load(in[src + d]) : Elem<DT>::load(in[src + d]) * signs[d];
     for (int h = 1; h < dim; h *= 2)
       for (int i = 0; i < dim; i += 2 * h)
 #pragma omp simd
@@ -70,7 +40,7 @@ void rotate(void* out, const void* x, int64_t tokens, int64_t stride, int64_t ou
         }
     for (int d = 0; d < dim; ++d) {
       const float v = buf[d] * scale;
-      store_elem<DT>(out, dst + d, inverse ? v * signs[d] : v);
+      to[dst + d] = Elem<DT>::store(inverse ? v * signs[d] : v);
     }
   }
 }

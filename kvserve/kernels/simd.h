@@ -106,6 +106,33 @@ inline void store_element(void* out, int dtype, int64_t index, float value) {
   }
 }
 
+// one element of a DT array: its C type, read as float, written from float as torch rounds
+template <int DT>
+struct Elem;
+template <>
+struct Elem<kFloat32> {
+  using type = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+};
+template <>
+struct Elem<kBFloat16> {
+  using type = uint16_t;
+  static inline float load(uint16_t v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static inline uint16_t store(float f) { return bf16_bits(f); }
+};
+template <>
+struct Elem<kFloat16> {
+  using type = _Float16;
+  static inline float load(_Float16 v) { return static_cast<float>(v); }
+  static inline _Float16 store(float f) { return static_cast<_Float16>(f); }
+};
+
 // exp(x) = 2^n * 2^f with f in [-0.5, 0.5] from a degree-6 polynomial: relative error ~2e-7,
 // saturating outside [-87, 88]. Branch-free, so it works on a float (and auto-vectorizes in a
 // loop) or on an f32x16.

@@ -65,7 +65,7 @@ class Rotation:
 
     def _apply(self, xs: tuple[torch.Tensor, ...], inverse: bool, in_place: bool) -> tuple[torch.Tensor, ...] | torch.Tensor:
         if self.native is not None and self.native.fits(xs):
-            out = self.native(xs, inverse, in_place)
+            out = self.native.run(xs, inverse, in_place)
         else:
             out = tuple(self._butterflies(x, inverse) for x in xs)
         return out[0] if len(out) == 1 else out
