@@ -178,6 +178,32 @@ def test_bf16_queries_read_scaled_formats_like_the_torch_path(kv_dtype, group):
             assert (out[row].float() - ref[0]).abs().max() < 0.03, (kv_dtype, window, row)
 
 
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (2, 128)])
+def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim):
+    """bf16 queries over KIVI records and bf16 residual blocks (on AVX512-BF16 CPUs codes become
+    bf16 by an OR, 128 + code, and meet the scaled query in vdpbf16ps), against SDPA over the
+    torch codec's K/V: windows starting mid key group, odd runs, residual blocks between."""
+    spec = KVCacheSpec(1, 2, dim, kv_dtype, 32, residual_dtype="bfloat16")
+    pool = PagedKVPool(spec, 24, torch.device("cpu"), num_residual_blocks=12)
+    g = torch.Generator().manual_seed(7)
+    blocks = 12
+    k, v = torch.randn(blocks * 32, 2, dim, generator=g), torch.randn(blocks * 32, 2, dim, generator=g) * 3
+    k[:, :, 5] = k[:, :, 5] * 10 + 4  # an outlier channel with an offset, for the zero points
+    v[40:50] += 2.0
+    table = fill(pool, k.bfloat16().float(), v.bfloat16().float(), residual_blocks=3)
+    keys, values = pool.layers[0].gather(table[None])
+    q = (torch.randn(3, 2 * group, dim, generator=g) * 0.3).bfloat16()
+    lengths = (blocks * 32 - 5, 9 * 32 + 1, 41)
+    for window in (None, 101):
+        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor(lengths), dim**-0.5, window)
+        for row, n in enumerate(lengths):
+            ref = reference_attention(q[row : row + 1].float(), keys[0], values[0], list(range(blocks)), 32, torch.tensor([n - 1]), window)
+            # bf16 output, bf16 scaled queries and weights: a few 2^-9 roundings
+            assert (out[row].float() - ref[0]).abs().max() < 8e-3 * ref[0].abs().max(), (kv_dtype, window, row)
+
+
 def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir):
     llm = LLM(str(tiny_dir("qwen3")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int4", kv_quant_residual=40,
               enable_prefix_caching=False)  # fmt: skip
