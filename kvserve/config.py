@@ -49,6 +49,7 @@ class EngineConfig:
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale
     kv_quant_residual: int = 128  # int4/int2: recent tokens kept in full precision
+    kv_quant_sink_block: bool = True  # int4/int2: each sequence's first block kept in full precision (its attention sink)
     kv_cache_scales: str | None = None  # fp8: a JSON file of calibrated per-layer, per-head K and V scales
     kv_key_centering: bool = True  # int8 / fp8 without calibrated scales: keys stored minus a per-layer, per-head mean
     kv_hadamard: bool | None = None  # K/V stored in a Hadamard basis (kv/rotation.py); None: int8's default (rotates_kv)
@@ -100,8 +101,9 @@ class EngineConfig:
             raise ValueError(f"kv_quant_residual must be at most {MAX_KV_QUANT_RESIDUAL} tokens, got {self.kv_quant_residual}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", block_size_for(self.kv_cache_dtype, None, self.kv_quant_group_size))
-        if not isinstance(self.kv_key_centering, bool):
-            raise ValueError(f"kv_key_centering must be true or false, got {self.kv_key_centering!r}")
+        for name in ("kv_key_centering", "kv_quant_sink_block"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.kv_hadamard is not None and not isinstance(self.kv_hadamard, bool):
             raise ValueError(f"kv_hadamard must be true, false or None (auto), got {self.kv_hadamard!r}")
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):

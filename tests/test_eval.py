@@ -28,7 +28,7 @@ def test_eval_scores_lossless_exactly_and_lossy_honestly(tiny_dir, capsys):
     report = json.loads(out)
     assert report["windows"] == 2 and report["scored_tokens"] == 2 * 191
     ref, same, int8, int4 = report["reference"], *report["configs"]
-    columns = {"name", "flags", "kv_cache_dtype", "kv_hadamard", "bytes_per_token", "token_capacity", "perplexity", "perplexity_delta_pct",
+    columns = {"name", "flags", "kv_cache_dtype", "kv_hadamard", "kv_quant_sink_block", "bytes_per_token", "token_capacity", "perplexity", "perplexity_delta_pct",
                "mean_kl", "top1_agreement", "greedy_agreement", "needle", "needle_outside"}  # fmt: skip
     for row in (ref, same, int8, int4):
         assert set(row) == columns
@@ -39,6 +39,7 @@ def test_eval_scores_lossless_exactly_and_lossy_honestly(tiny_dir, capsys):
         assert row["needle_outside"] == {}  # --needle-question inside only
     assert ref["mean_kl"] is None and ref["perplexity_delta_pct"] is None
     assert not ref["kv_hadamard"] and not int4["kv_hadamard"]  # rotated only when asked (int8's default depends on the head dim)
+    assert int4["kv_quant_sink_block"] and not ref["kv_quant_sink_block"]
     # the same flags again: the same computation, scored exactly
     assert same["mean_kl"] == 0.0 and same["perplexity_delta_pct"] == 0.0
     assert same["top1_agreement"] == 1.0 and same["greedy_agreement"] == 1.0

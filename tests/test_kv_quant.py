@@ -204,11 +204,12 @@ def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim
             assert (out[row].float() - ref[0]).abs().max() < 8e-3 * ref[0].abs().max(), (kv_dtype, window, row)
 
 
-def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir):
+@pytest.mark.parametrize("sink_block", [True, False])
+def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir, sink_block):
     llm = LLM(str(tiny_dir("qwen3")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int4", kv_quant_residual=40,
-              enable_prefix_caching=False)  # fmt: skip
+              kv_quant_sink_block=sink_block, enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
-    assert engine.kv_spec.block_size == 32
+    assert engine.kv_spec.block_size == 32 and llm.stats()["kv_quant_sink_block"] == sink_block
     seq = engine.add_request(list(range(3, 100)), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     first = engine.kv.pool.num_blocks
     while not seq.is_finished:
@@ -216,12 +217,53 @@ def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(ti
         if seq.is_finished:
             break
         table = engine.kv.block_table(seq.request_id)
-        # blocks wholly older than the last 40 tokens are quantized, the others (full or not) are not
+        # blocks wholly older than the last 40 tokens are quantized, the others (full or not) are
+        # not, nor the first block with --kv-quant-sink-block
         for i, block in enumerate(table):
-            assert (block < first) == ((i + 1) * 32 <= seq.num_computed_tokens - 40), (i, seq.num_computed_tokens, table)
+            old = (i + 1) * 32 <= seq.num_computed_tokens - 40
+            assert (block < first) == (old and not (sink_block and i == 0)), (i, seq.num_computed_tokens, table)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["kv_quant_residual_free_blocks"] == stats["kv_quant_residual_blocks"]
+
+
+def test_a_kivi_sink_block_is_cached_and_forgotten_when_its_pool_reuses_it(tiny_dir):
+    """The full-precision first block is published from the residual pool: a repeated prompt hits
+    it, holding the K/V a fresh computation of those tokens stores; once other requests reuse that
+    block the cache no longer offers it, and the prompt decodes the tokens it decoded at first.
+    (A hit's quantized blocks may change later tokens: README, prefix caching.)"""
+    kw = dict(dtype="float32", kv_cache_dtype="int4", kv_quant_residual=32, max_num_seqs=2, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_dir("qwen3")), kv_cache_memory=0.05, **kw)
+    engine, params = llm.engine, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = random_prompts(1, 100, 100, seed=11)[0]
+    alone = LLM(str(tiny_dir("qwen3")), kv_cache_memory=0.05, enable_prefix_caching=False, **kw).engine
+    seq = alone.add_request(prompt, params)
+    alone.step()  # the first 64 prompt tokens
+    fresh = alone.kv.block_table(seq.request_id)[0]
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    hit = engine.kv.lookup("probe", prompt, None)
+    sink = hit.blocks[0][0].block_id
+    assert hit.num_tokens >= 64 and sink >= engine.kv.pool.num_blocks  # the sink block, full precision
+    for cached, computed in zip(engine.pool.layers, alone.pool.layers):
+        for a, b in zip(cached.gather(torch.tensor([[sink]])), computed.gather(torch.tensor([[fresh]]))):
+            assert torch.equal(a, b)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(again.token_ids) == 40 and llm.stats()["prefix_cache_hits_total"] >= 64
+    # other prompts take every residual block, the cached sink block among them
+    for others in range(engine.num_residual_blocks):
+        llm.generate(random_prompts(2, 40, 60, seed=100 + others), params, use_tqdm=False)
+    assert engine.kv.lookup("probe2", prompt, None).num_tokens == 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == expected
+    assert llm.stats()["kv_quant_residual_free_blocks"] == llm.stats()["kv_quant_residual_blocks"]
+
+
+def test_the_sink_block_is_set_apart_per_sequence():
+    spec = dict(num_layers=4, num_kv_heads=2, head_dim=64, kv_dtype="int4", block_size=32, layer_windows=(None, 8, None, 8))
+    with_sink, without = KVCacheSpec(**spec), KVCacheSpec(**spec, sink_block=False)
+    assert with_sink.quant_sink_blocks == 1 and without.quant_sink_blocks == 0
+    assert KVCacheSpec(**{**spec, "kv_dtype": "int8"}).quant_sink_blocks == 0
+    groups = len(with_sink.groups)
+    assert with_sink.residual_blocks(5, 64) - without.residual_blocks(5, 64) == 5 * groups
 
 
 def next_token_agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
@@ -248,16 +290,17 @@ def test_int8_follows_the_unquantized_engine(tiny_dir):
                 assert next_token_agreement(llm, prompts, reference) >= floor, (family, backend, kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "fp8_e5m2"])
-def test_low_bit_formats_run_with_batching_preemption_and_prefix_caching(tiny_dir, kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "sink_block"), [("int4", True), ("int4", False), ("int2", True), ("fp8_e5m2", True)])
+def test_low_bit_formats_run_with_batching_preemption_and_prefix_caching(tiny_dir, kv_dtype, sink_block):
     # Gemma's 12-token windows hold less than KIVI's residual, so its sliding layers never quantize
     # (nor publish blocks): the full-attention Qwen3 exercises int4 / int2 with the prefix cache
     path = str(tiny_dir("qwen3" if KV_FORMATS[kv_dtype].kind == "kivi" else "gemma3"))
     # room for a few sequences' prompts, not for their outputs: some are preempted. (KIVI's outputs
-    # first fill its full-precision residual blocks, whose pool is sized by --max-num-seqs.)
+    # first fill its full-precision residual blocks, whose pool is sized by --max-num-seqs; sink
+    # blocks take their own there, so more sequences run to fill it.)
     blocks = 8 if KV_FORMATS[kv_dtype].kind == "kivi" else 60
-    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, kv_cache_dtype=kv_dtype, max_num_seqs=4, max_model_len=250,
-              max_num_batched_tokens=64, kv_quant_residual=32)  # fmt: skip
+    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, kv_cache_dtype=kv_dtype, max_num_seqs=8 if sink_block else 4,
+              max_model_len=250, max_num_batched_tokens=64, kv_quant_residual=32, kv_quant_sink_block=sink_block)  # fmt: skip
     system = random_prompts(1, 70, 70, seed=5)[0]
     prompts = [system + p for p in random_prompts(10, 5, 40, seed=6)]
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)

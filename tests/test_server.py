@@ -170,7 +170,8 @@ def test_metrics_count_exact_tokens(server, reference):
     body = httpx.get(server + "/metrics").text
     assert "Everyone" not in body and 'model_name="tiny"' in body
     info = next(line for line in body.splitlines() if line.startswith("kvserve:cache_config_info{"))
-    assert 'kv_cache_dtype="float32"' in info and 'kv_hadamard="false"' in info and info.endswith(" 1.0")
+    assert 'kv_cache_dtype="float32"' in info and 'kv_hadamard="false"' in info and 'kv_quant_sink_block="false"' in info
+    assert info.endswith(" 1.0")
 
 
 def test_prefix_cache_over_http(server, reference):

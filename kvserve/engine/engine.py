@@ -66,6 +66,7 @@ def kv_cache_spec(config: EngineConfig, model_config: ModelConfig) -> KVCacheSpe
         group_size=config.kv_quant_group_size,
         residual=config.kv_quant_residual,
         residual_dtype=config.dtype,
+        sink_block=config.kv_quant_sink_block,
     )
 
 
@@ -174,7 +175,8 @@ class LLMEngine:
         return {
             "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
-            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/scales {config.kv_cache_scales}"
+            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/sink {config.kv_quant_sink_block}"
+                               f"/scales {config.kv_cache_scales}"
                                + ("/keys centered" if config.centers_keys else "") + f"/hadamard {config.rotates_kv(model_config.head_dim)}",
         }  # fmt: skip
 
@@ -622,6 +624,7 @@ class LLMEngine:
             "kv_quant_residual_blocks": self.num_residual_blocks,
             "kv_key_centering": self.config.centers_keys,
             "kv_hadamard": self.rotates_kv,
+            "kv_quant_sink_block": bool(self.kv_spec.quant_sink_blocks),
             "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,

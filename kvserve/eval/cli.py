@@ -110,6 +110,7 @@ def format_table(report: dict) -> str:
         kl = "-" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
         # the cache as it ran: flags given to the command itself (--no-kv-hadamard, say) apply to every row
         kv = r["kv_cache_dtype"] + (" rotated" if r["kv_hadamard"] else "")
+        kv += " no sink" if r["kv_cache_dtype"] in ("int4", "int2") and not r["kv_quant_sink_block"] else ""
         table.append([r["name"], kv, f"{r['bytes_per_token']:,}", f"{r['token_capacity']:,}", f"{r['perplexity']:.3f}", delta, kl,
                       _pct(r["top1_agreement"]), _pct(r["greedy_agreement"]), *[_pct(r[kind][n], 0) for kind, n in needles]])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

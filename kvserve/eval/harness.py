@@ -68,6 +68,7 @@ class ConfigResult:
     flags: str
     kv_cache_dtype: str
     kv_hadamard: bool  # stored rotated (--kv-hadamard, or int8's default)
+    kv_quant_sink_block: bool  # int4/int2: the first block kept in full precision (--kv-quant-sink-block)
     bytes_per_token: int
     token_capacity: int
     perplexity: float
@@ -186,7 +187,7 @@ class Evaluation:
                 greedy = sum(a == b for a, b in pairs) / len(pairs)
         return ConfigResult(
             name=name, flags=flags, kv_cache_dtype=stats["kv_cache_dtype"], kv_hadamard=stats["kv_hadamard"],
-            bytes_per_token=stats["bytes_per_token"],
+            kv_quant_sink_block=stats["kv_quant_sink_block"], bytes_per_token=stats["bytes_per_token"],
             token_capacity=stats["token_capacity"], perplexity=perplexity, perplexity_delta_pct=delta, mean_kl=kl,
             top1_agreement=top1, greedy_agreement=greedy, needle=retrieval.get("inside", {}),
             needle_outside=retrieval.get("outside", {}),

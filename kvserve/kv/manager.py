@@ -73,6 +73,8 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
             self.pool.on_evict = prefix_cache.evicted
+            if self.residual_pool is not None:  # sink blocks are published from it
+                self.residual_pool.on_evict = prefix_cache.evicted
         self.prefix_stats = PrefixCacheStats()
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
@@ -230,8 +232,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ KIVI's residual
     def plan_quantization(self, request_id: str, num_computed: int) -> None:
-        """Move the request's residual blocks that are full and older than the residual window to
-        fresh quantized blocks (the caller converts them: take_quantization)."""
+        """Move the request's residual blocks that are full and older than the residual window, but
+        its sink block, to fresh quantized blocks (the caller converts them: take_quantization)."""
         tables = self._tables.get(request_id)
         if self.residual_pool is None or tables is None:
             return
@@ -240,7 +242,7 @@ class KVCacheManager:
         done = self._quantized.setdefault(request_id, [0] * len(self.groups))
         row = self._rows[request_id]
         for g, table in enumerate(tables):
-            for i in range(done[g], min(ready, len(table))):
+            for i in range(max(done[g], self.spec.quant_sink_blocks), min(ready, len(table))):
                 block = table[i]
                 if block is not None and block.block_id >= self.pool.num_blocks:
                     if not self.pool.num_free_blocks:
@@ -273,8 +275,8 @@ class KVCacheManager:
         hashes = self._hashes[request_id] = chain_hashes(cache.root, token_ids[: full * bs], bs, salt, self._hashes.get(request_id))
         for i in range(done, full):
             blocks = [table[i] if i < len(table) else None for table in tables]
-            if any(b is not None and self._pool_of(b) is not self.pool for b in blocks):
-                full = i  # a residual block: published once quantized
+            if i >= self.spec.quant_sink_blocks and any(b is not None and self._pool_of(b) is not self.pool for b in blocks):
+                full = i  # a residual block: published once quantized (a sink block stays as it is)
                 break
             parent = hashes[i - 1] if i else cache.parent_of_first(salt)
             for g, block in enumerate(blocks):

@@ -149,6 +149,8 @@ class KVCacheSpec:
     group_size: int = DEFAULT_QUANT_GROUP_SIZE
     residual: int = DEFAULT_QUANT_RESIDUAL
     residual_dtype: str = "float32"
+    # int4/int2: a sequence's first block stays in full precision (its attention sink)
+    sink_block: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", normalize_kv_dtype(self.kv_dtype))
@@ -213,6 +215,12 @@ class KVCacheSpec:
         quantize each token as it is stored)."""
         return self.residual if self.format.kind == "kivi" else 0
 
+    @property
+    def quant_sink_blocks(self) -> int:
+        """Leading blocks of a sequence int4/int2 never quantize: the first, where the attention
+        sink (the first token, with outlier keys) would set its key group's scales."""
+        return int(self.sink_block and self.format.kind == "kivi")
+
     def meta_bytes_per_token(self, which: str) -> float:
         """Scale bytes one token takes per KV head, for `which` of "key", "value"."""
         fmt = self.format
@@ -254,10 +262,11 @@ class KVCacheSpec:
 
     def residual_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """Full-precision blocks a KIVI cache (int4, int2) sets apart: per running sequence and group
-        its residual (or window) and a partly filled block, plus one step's worth of new tokens."""
+        its residual (or window), a partly filled block and its sink block, plus one step's worth of new tokens."""
         if self.format.kind != "kivi":
             return 0
-        per_seq = sum(blocks_for_tokens(min(self.quant_residual, g.window or self.quant_residual), self.block_size) + 2 for g in self.groups)
+        per_seq = sum(blocks_for_tokens(min(self.quant_residual, g.window or self.quant_residual), self.block_size) + 2 + self.quant_sink_blocks
+                      for g in self.groups)
         return max_num_seqs * per_seq + len(self.groups) * (blocks_for_tokens(max_num_batched_tokens, self.block_size) + 1)
 
     @property

@@ -149,7 +149,7 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
                      "while one prefill chunk runs: the chunk and the window before it in each sliding-window group "
                      f"(or a whole sequence of --max-model-len {longest} at its peak)")  # fmt: skip
     if result["residual_bytes"]:
-        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens of "
+        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens and first block of "
                      "--max-num-seqs sequences")  # fmt: skip
     if parts:
         need += " (" + "; ".join(parts) + ")"

@@ -62,8 +62,8 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
         self._last_totals: dict[str, int] = {}
         # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
-        self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "prefix_cache",
-                               "kv_compression"]  # fmt: skip
+        self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "kv_quant_sink_block",
+                               "prefix_cache", "kv_compression"]  # fmt: skip
         self._cache_config = Gauge("kvserve:cache_config_info", "The KV cache's configuration (labels; value 1)",
                                    self._config_labels, registry=r)  # fmt: skip
         self._cache_config_set = False
