@@ -27,8 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
                        help="int4/int2: keep each sequence's first block (--block-size tokens) in full precision too: the "
                        "first token is the attention sink most heads look at, and its outlier keys would set the scales of "
-                       "its whole key group (on SmolLM2 int4 it cuts the mean KL about 4x; see the README). Costs one "
-                       "full-precision block per running sequence (default: on)")
+                       "its whole key group (on SmolLM2 int4 it cuts the mean KL 2.5x; see the README). Costs one "
+                       "full-precision block per running sequence, set apart for --max-num-seqs")
     group.add_argument("--kv-cache-scales", default=None, metavar="FILE",
                        help='fp8: a JSON file of calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, '
                        "used instead of each token's own")

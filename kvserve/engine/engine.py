@@ -195,7 +195,7 @@ class LLMEngine:
         if num_blocks <= 0:
             residual = self.num_residual_blocks * self.kv_spec.residual_block_bytes
             apart = (f" after the {residual / GIB:.3f} GiB that {self.kv_spec.kv_dtype} sets apart for its full-precision residual "
-                     "(--kv-quant-residual, --max-num-seqs)") if residual else ""  # fmt: skip
+                     "(--kv-quant-residual, --kv-quant-sink-block, --max-num-seqs)") if residual else ""  # fmt: skip
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes{apart}")
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)

@@ -829,12 +829,13 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
   auto residual_row = [&](int64_t id, int64_t t) {  // element offset of a residual block's row
     return (id - kv.first_residual) * kv.residual_block_stride + t * kv.residual_token_stride + static_cast<int64_t>(kv_head) * dim;
   };
-  auto prefetch_block = [&](const uint8_t* cache, int64_t position) {  // the rows of the block holding `position`
+  auto prefetch_block = [&](const uint8_t* cache, int64_t position) {  // this head's rows of the block holding `position`
     if (position >= first + count) return;
     const int64_t id = table[position / bs];
     if (id >= kv.first_residual) return;
     const uint8_t* record = cache + id * kv.block_stride + kv_head * row_bytes;
-    for (int t = 0; t < bs; ++t) _mm_prefetch(reinterpret_cast<const char*>(record + t * kv.token_stride), _MM_HINT_T1);
+    for (int t = 0; t < bs; ++t)
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(record + t * kv.token_stride + byte), _MM_HINT_T1);
   };
   const uint8_t* key_cache = static_cast<const uint8_t*>(kv.key);
   const uint8_t* value_cache = static_cast<const uint8_t*>(kv.value);
@@ -1014,12 +1015,12 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
   for (int g = 0; g < G; ++g) {
     float group_offset[16];
     for (int vg = 0; vg < value_groups; ++vg) group_offset[vg] = _mm512_reduce_add_ps(offset[g][vg]);
-    for (int c = 0; c < value_chunks; ++c)
+    for (int c = 0; c < value_chunks; ++c) {
+      const float chunk_offset = group_offset[c * 32 / kv.value_group];
       for (int v = 0; v < 2; ++v)
-        for (int k = 0; k < 16; ++k) {
-          const int d = c * 32 + kivi_value_lane_dim<Bits>(v, k);
-          out_rows[g * dim + d] = (acc[(g * value_chunks + c) * 32 + v * 16 + k] - group_offset[d / kv.value_group]) * inv_sum[g];
-        }
+        for (int k = 0; k < 16; ++k)
+          out_rows[g * dim + c * 32 + kivi_value_lane_dim<Bits>(v, k)] = (acc[(g * value_chunks + c) * 32 + v * 16 + k] - chunk_offset) * inv_sum[g];
+    }
   }
 }
 
