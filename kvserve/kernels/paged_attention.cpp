@@ -744,7 +744,7 @@ bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_ro
 // scales (rounded to bf16), and the same weights times 128 + z into the group's offset.
 // Residual (bf16) blocks: keys against the plain query, values permuted into the codes' lanes.
 
-// the lane (0..63, vector lane / 32, element lane % 32) of dim d (0..63) of a 64-dim key chunk
+// where kivi_key_codes puts dim d (0..63) of a 64-dim key chunk: vector (k0, k1) lane / 32, element lane % 32
 template <int Bits>
 constexpr int kivi_key_lane(int d) {
   return Bits == 4 ? (d % 2) * 32 + d / 2 : ((d % 4) / 2) * 32 + (d % 2) * 16 + d / 4;
