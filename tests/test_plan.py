@@ -244,17 +244,22 @@ def test_plan_capacity_equals_what_the_engine_admits_for_gemma_3_270m():
     assert hybrid["bytes_per_block"] == block and hybrid["physical_bytes"] == (512 + 5 * 32) * block
 
 
-@pytest.mark.parametrize(("kv_dtype", "hybrid", "dtype"), [("int4", True, "float32"), ("int4", True, "bfloat16"), ("float32", False, "float32")])
-def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid, dtype):
+@pytest.mark.parametrize(("kv_dtype", "hybrid", "dtype", "kivi"),
+                         [("int4", True, "float32", {}), ("int4", True, "bfloat16", {}), ("float32", False, "float32", {}),
+                          ("int4", True, "bfloat16", {"kv_quant_residual": 64, "kv_quant_sink_block": False})])  # fmt: skip
+def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid, dtype, kivi):
     """int4 sets full-precision residual blocks apart for --max-num-seqs sequences before the quantized
-    pool; --disable-hybrid-kv-cache-manager makes every layer hold every block: the planner counts both."""
+    pool (per --kv-quant-residual and --kv-quant-sink-block); --disable-hybrid-kv-cache-manager makes
+    every layer hold every block: the planner counts both."""
     path = str(tiny_dir("gemma3-w8"))
     flags = [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
+    if kivi:
+        flags += ["--kv-quant-residual", str(kivi["kv_quant_residual"]), "--no-kv-quant-sink-block"]
     proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1.02", "--weights-gib", "1", "--headroom-gib", "0",
                     "--kv-dtype", kv_dtype, "--max-num-seqs", "4", "--dtype", dtype, "--json", *flags)  # fmt: skip
     planned = json.loads(proc.stdout)
     llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=0.02, max_num_seqs=4,
-              disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+              disable_hybrid_kv_cache_manager=not hybrid, **kivi)  # fmt: skip
     stats = llm.stats()
     assert planned["num_blocks"] == stats["num_blocks"] > 0
     assert planned["residual_blocks"] == stats["kv_quant_residual_blocks"]

@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from kvserve.kv.spec import GIB, KV_DTYPES, KVCacheSpec, block_size_for
+from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, KVCacheSpec, block_size_for
 from kvserve.model.config import ModelConfig
 
 
@@ -18,6 +18,8 @@ class KVShape:
     layer_windows: tuple[int | None, ...] = ()
     hybrid: bool = True  # False: --disable-hybrid-kv-cache-manager, every layer holds every block
     residual_dtype: str = "bfloat16"  # int4 / int2: the full-precision residual blocks are in the model's --dtype
+    quant_residual: int = DEFAULT_QUANT_RESIDUAL  # int4 / int2: --kv-quant-residual
+    sink_block: bool = True  # int4 / int2: --kv-quant-sink-block
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -25,14 +27,17 @@ class KVShape:
                 raise ValueError(f"{name.replace('num_', '').replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     @staticmethod
-    def from_model(config: ModelConfig, hybrid: bool = True, residual_dtype: str = "bfloat16") -> "KVShape":
+    def from_model(config: ModelConfig, hybrid: bool = True, residual_dtype: str = "bfloat16", quant_residual: int = DEFAULT_QUANT_RESIDUAL,
+                   sink_block: bool = True) -> "KVShape":  # fmt: skip
         windows = tuple(config.layer_window(i) for i in range(config.num_layers))
-        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else (), hybrid, residual_dtype)
+        return KVShape(config.num_layers, config.num_kv_heads, config.head_dim, windows if any(windows) else (), hybrid, residual_dtype,
+                       quant_residual, sink_block)  # fmt: skip
 
     def spec(self, kv_dtype: str, block_size: int) -> KVCacheSpec:
         """int4 / int2 take blocks of a multiple of their group size (32), as the engine does."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, block_size_for(kv_dtype, block_size),
-                           self.layer_windows, self.hybrid, residual_dtype=self.residual_dtype)  # fmt: skip
+                           self.layer_windows, self.hybrid, residual=self.quant_residual, residual_dtype=self.residual_dtype,
+                           sink_block=self.sink_block)  # fmt: skip
 
 
 NO_LIMIT = 1 << 30  # tokens: no model context known
@@ -168,6 +173,8 @@ def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | Non
         "head_dim": shape.head_dim,
         "sliding_layers": sum(1 for w in shape.layer_windows if w is not None),
         "block_size": main["block_size"],
+        "kv_quant_residual": shape.quant_residual,
+        "kv_quant_sink_block": shape.sink_block,
     }
     main["by_dtype"] = {name: plan_dtype(shape, name, workload, budget) for name in KV_DTYPES}
     return main

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvserve.kv.spec import GIB, KV_DTYPES, normalize_kv_dtype
+from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan
 from kvserve.plan.replay import read_trace, replay
@@ -29,6 +29,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="plan as the engine runs with this flag: sliding-window layers hold every block, as full layers do")
     shape.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="float16", help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32)")
+    shape.add_argument("--kv-quant-residual", type=int, default=DEFAULT_QUANT_RESIDUAL,
+                       help="int4/int2: recent tokens each sequence keeps in full-precision residual blocks, as the engine's flag (default: %(default)s)")
+    shape.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
+                       help="int4/int2: each sequence's first block kept in full precision, as the engine's flag")
     work = parser.add_argument_group("workload")
     work.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (prompt + output), e.g. 4096,2048")
     work.add_argument("--trace", default=None, help="JSONL trace: one {\"prompt_len\": N, \"output_len\": M} per line")
@@ -71,11 +75,13 @@ def load_model_config(model: str) -> ModelConfig:
 def _shape(args: argparse.Namespace) -> tuple[KVShape, ModelConfig | None]:
     if args.model:
         config = load_model_config(args.model)
-        return KVShape.from_model(config, hybrid=not args.disable_hybrid_kv_cache_manager, residual_dtype=args.dtype), config
+        return KVShape.from_model(config, hybrid=not args.disable_hybrid_kv_cache_manager, residual_dtype=args.dtype,
+                                  quant_residual=args.kv_quant_residual, sink_block=args.kv_quant_sink_block), config  # fmt: skip
     missing = [f"--{n.replace('_', '-')}" for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"give --model or all of --layers --kv-heads --head-dim (missing {' '.join(missing)})")
-    return KVShape(args.layers, args.kv_heads, args.head_dim, residual_dtype=args.dtype), None
+    return KVShape(args.layers, args.kv_heads, args.head_dim, residual_dtype=args.dtype, quant_residual=args.kv_quant_residual,
+                   sink_block=args.kv_quant_sink_block), None  # fmt: skip
 
 
 def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
@@ -149,8 +155,9 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
                      "while one prefill chunk runs: the chunk and the window before it in each sliding-window group "
                      f"(or a whole sequence of --max-model-len {longest} at its peak)")  # fmt: skip
     if result["residual_bytes"]:
-        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens and first block of "
-                     "--max-num-seqs sequences")  # fmt: skip
+        sink = result.get("shape", {}).get("kv_quant_sink_block", True)
+        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens"
+                     f"{' and first block' if sink else ''} of --max-num-seqs sequences")  # fmt: skip
     if parts:
         need += " (" + "; ".join(parts) + ")"
     if result["fits"]:
@@ -171,6 +178,10 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
         lines.append(f"Not even its longest sequence ({longest:,} tokens) fits, so there are no engine flags to suggest.")
     else:
         dtype = "" if result["kv_dtype"] in ("float16", "bfloat16", "float32") else f" --kv-cache-dtype {result['kv_dtype']}"
+        s = result["shape"]
+        if result["kv_dtype"] in ("int4", "int2"):  # KIVI settings the residual blocks were counted with
+            dtype += f" --kv-quant-residual {s['kv_quant_residual']}" if s["kv_quant_residual"] != DEFAULT_QUANT_RESIDUAL else ""
+            dtype += "" if s["kv_quant_sink_block"] else " --no-kv-quant-sink-block"
         lines.append(
             f"Engine flags:{dtype} --kv-cache-memory {r['kv_cache_memory']:g} --max-num-seqs {r['max_num_seqs']} \\\n"
             f"  --max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
@@ -259,6 +270,7 @@ def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | Non
         model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=memory, num_kv_blocks=args.num_kv_blocks,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, kv_quant_residual=shape.quant_residual,
+        kv_quant_sink_block=shape.sink_block,
     )
     return replay(config, model_config, trace, progress=not args.json)
