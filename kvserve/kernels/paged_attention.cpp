@@ -948,6 +948,9 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
     }
   const __m512i pick0 = _mm512_load_si512(residual_index[0]), pick1 = _mm512_load_si512(residual_index[1]);
   probs.resize(static_cast<size_t>(G) * 16 * (bs + 16));
+  // byte offsets of 16 consecutive rows' value scale pairs within a record
+  const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(heads * value_groups * 2));
   for (int64_t i = 0; i < count;) {
     const int64_t position = first + i;
     const int64_t id = table[position / bs];
@@ -960,9 +963,6 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
     const int weight_groups = residual ? 1 : value_groups;
     // weights [g][value group][row]: p, times the row's group scale, as bf16, 16 rows at a time
     uint16_t* weight = probs.data();
-    const int64_t pair_stride = static_cast<int64_t>(heads) * value_groups * 2;
-    const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                   _mm512_set1_epi32(static_cast<int32_t>(pair_stride)));
     for (int vg = 0; vg < weight_groups; ++vg)
       for (int j = 0; j < run; j += 16) {
         const __mmask16 rows = static_cast<__mmask16>(run - j >= 16 ? 0xFFFF : (1u << (run - j)) - 1);
