@@ -285,6 +285,8 @@ def test_bad_input_gets_an_error_and_the_server_lives(server, path, body, status
     assert error["message"]
     if field:
         assert field in error["message"] or error.get("param") == field, error
+    if isinstance(body, bytes) and b"\\ud" in body:  # the surrogate's field is named as the param too
+        assert error["param"] == field, error
     ok = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
 

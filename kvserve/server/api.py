@@ -81,7 +81,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         field = ".".join(loc) or "body"
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('msg')}", None
-        param = param or (loc[0] if loc else None)
+        cause = err.get("ctx", {}).get("error")
+        param = param or (loc[0] if loc else getattr(cause, "param", None))
         parts.append(f"{field}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request", param
 

@@ -49,6 +49,14 @@ def _unpaired_surrogate(value: object, path: str) -> str | None:
     return None
 
 
+class UnpairedSurrogateError(ValueError):
+    """Text JSON can carry but Unicode cannot; `param` is the top-level field that holds it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path} holds an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text")
+        self.param = path.split(".")[0]
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -88,7 +96,7 @@ class _SamplingFields(BaseModel):
     def _text_is_unicode(cls, data):
         path = _unpaired_surrogate(data, "")
         if path is not None:
-            raise ValueError(f"{path} holds an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text")
+            raise UnpairedSurrogateError(path)
         return data
 
     @field_validator("cache_salt")
