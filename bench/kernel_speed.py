@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import kernels
-from kvserve.model.attention import context_mask
+from kvserve.attention.torch_sdpa import context_mask
+from kvserve.kv.pool import PagedKVPool
+from kvserve.kv.spec import KVCacheSpec
 
 
 def per_call_ms(fn, repeat: int) -> float:
@@ -46,8 +48,12 @@ def main() -> None:
 
     # decode attention over a 1 GiB-per-layer-pair pool (much larger than the caches)
     batch, heads, head_dim, block_size, num_blocks = 64, 4, 256, 16, 65536
-    key_cache = torch.randn(num_blocks * block_size, 1, head_dim, generator=g).to(dtype)
-    value_cache = torch.randn(num_blocks * block_size, 1, head_dim, generator=g).to(dtype)
+    pool = PagedKVPool(KVCacheSpec(1, 1, head_dim, str(dtype).removeprefix("torch."), block_size), num_blocks, torch.device("cpu"))
+    layer = pool.layers[0]
+    for start in range(0, num_blocks * block_size, 1 << 18):
+        slots = torch.arange(start, min(start + (1 << 18), num_blocks * block_size))
+        layer.store(slots, torch.randn(len(slots), 1, head_dim, generator=g), torch.randn(len(slots), 1, head_dim, generator=g))
+    key_cache, value_cache = layer.key, layer.value  # [slots, 1, head_dim] in the cache's dtype
     lengths = torch.randint(64, 641, (batch,), generator=g)
     max_blocks = -(-int(lengths.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks)
@@ -61,7 +67,7 @@ def main() -> None:
         values = values.view(batch, -1, 1, head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(q.view(batch, 1, heads, head_dim), keys, values, attn_mask=mask)
 
-    ours = per_call_ms(lambda: kernels.paged_decode_attention(q, key_cache, value_cache, tables, lengths, block_size, 0.0625, None), 20)
+    ours = per_call_ms(lambda: kernels.paged_decode_attention(q, layer.view, tables, lengths, 0.0625, None), 20)
     row("decode attention, 64 seqs, 64..640 tokens", ours, per_call_ms(torch_decode, 20), "block gather + SDPA")
 
     for n in (300, 512, 2048):
@@ -69,7 +75,7 @@ def main() -> None:
         prompt_q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
         keys, values = key_cache[:n].transpose(0, 1)[None], value_cache[:n].transpose(0, 1)[None]
         queries = prompt_q.transpose(0, 1)[None]
-        ours = per_call_ms(lambda: kernels.paged_prefill_attention(prompt_q, key_cache, value_cache, table, 0, block_size, 0.0625, None), 5)
+        ours = per_call_ms(lambda: kernels.paged_prefill_attention(prompt_q, layer.view, table, 0, 0.0625, None), 5)
         theirs = per_call_ms(lambda: F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True), 5)
         row(f"prefill attention, {n}-token prompt", ours, theirs, "causal flash SDPA")
 

@@ -76,8 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "generic question instead); streaming keeps --sink-tokens first "
                        "tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
                        "--kv-keep-ratio or --kv-budget. See the README's KV eviction")
-    group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]")
-    group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio)")
+    group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]; with --kv-compression none, the budget of "
+                       "requests that ask for compression themselves (the API's kv_compression field)")
+    group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio); with --kv-compression none, as --kv-keep-ratio")
     group.add_argument("--snapkv-window", type=int, default=32,
                        help="snapkv: the last prompt queries whose attention scores the positions, all kept (default: %(default)s)")
     group.add_argument("--snapkv-kernel", type=int, default=7,

@@ -111,6 +111,7 @@ def test_eval_scores_a_compressed_window_and_asks_needles_after_compressing(tiny
         (["--config", "", "--context", "1"], "--context must be at least 2"),
         (["--config", "", "--greedy-prompts", "100000"], "greedy-prompts"),
         (["--config", "", "--text", "/usr/bin/env"], "not a text file"),
+        (["--config", "--kv-cache-dtype int4 --kv-compression snapkv --kv-keep-ratio 0.5"], "--config '--kv-cache-dtype int4"),
     ],
 )
 def test_eval_rejects_bad_input_with_one_line(tiny_dir, capsys, argv, message):

@@ -204,6 +204,46 @@ def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim
             assert (out[row].float() - ref[0]).abs().max() < 8e-3 * ref[0].abs().max(), (kv_dtype, window, row)
 
 
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3", "int4", "int2"])
+@pytest.mark.parametrize(("query_dtype", "dim"), [(torch.float32, 64), (torch.float32, 24), (torch.bfloat16, 64)])
+def test_a_long_context_split_across_threads_decodes_like_one_pass(kv_dtype, query_dtype, dim):
+    """The decode kernel splits a context of 1,024 slots or more at the multiples of 512 into parts
+    computed apart and merged by their log-sum-exp. Every format and query dtype, against SDPA over
+    the same K/V (the torch codec's dequantized values); a sequence alone and in a batch with
+    another gets the same bits (the parts depend on its own context only)."""
+    kivi = KV_FORMATS[kv_dtype].kind == "kivi"
+    if kivi and dim % 32:
+        pytest.skip("KIVI needs head_dim a multiple of its group")
+    bs, blocks = (32, 80) if kivi else (16, 160)
+    spec = KVCacheSpec(1, 1, dim, kv_dtype, bs, residual_dtype="bfloat16")
+    pool = PagedKVPool(spec, blocks, torch.device("cpu"), num_residual_blocks=blocks if kivi else 0)
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(blocks * bs, 1, dim, generator=g), torch.randn(blocks * bs, 1, dim, generator=g) * 2
+    k[:, :, 3] = k[:, :, 3] * 8 + 2
+    k[1700:1710] *= 4  # a few keys that take most of the attention, in one part
+    store = spec.torch_dtype if not spec.format.quantized else torch.bfloat16
+    table = fill(pool, k.to(store).float(), v.to(store).float(), residual_blocks=3)
+    if not kivi:
+        table = torch.randperm(blocks, generator=g)
+        layer = pool.layers[0]
+        layer.store((table[:, None] * bs + torch.arange(bs)).reshape(-1), k, v)
+    keys, values = pool.layers[0].gather(table[None])
+    q = (torch.randn(2, 4, dim, generator=g) * 0.5).to(query_dtype)
+    lengths = (blocks * bs - 7, 1100)
+    for window in (None, 1500):
+        out = kernels.paged_decode_attention(q[:1], pool.layers[0].view, table[None], torch.tensor(lengths[:1]), dim**-0.5, window)
+        out2 = kernels.paged_decode_attention(q[1:], pool.layers[0].view, table[None], torch.tensor(lengths[1:]), dim**-0.5, window)
+        both = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].expand(2, -1).contiguous(), torch.tensor(lengths),
+                                              dim**-0.5, window)
+        assert torch.equal(both[0], out[0]) and torch.equal(both[1], out2[0]), (kv_dtype, query_dtype, dim, window)
+        for row, (n, got) in enumerate(zip(lengths, (out[0], out2[0]))):
+            ref = reference_attention(q[row : row + 1].float(), keys[0], values[0], list(range(len(table))), bs, torch.tensor([n - 1]), window)[0]
+            err = (got.float() - ref).abs().max().item()
+            bound = 1e-5 if query_dtype == torch.float32 else 1e-2 * ref.abs().max().item()
+            assert err < bound, (kv_dtype, query_dtype, dim, window, n, err)
+
+
 @pytest.mark.parametrize("sink_block", [True, False])
 def test_kivi_keeps_the_residual_in_full_precision_and_quantizes_whole_blocks(tiny_dir, sink_block):
     llm = LLM(str(tiny_dir("qwen3")), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int4", kv_quant_residual=40,

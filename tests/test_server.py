@@ -100,6 +100,12 @@ def test_logprobs_n_and_seed(server):
     resp = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=5, temperature=0, logprobs=2)
     lp = resp.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    # text_offset: where each token's text starts, counted through the tokens before it, streamed or not
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    stream = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=5, temperature=0, logprobs=2, stream=True)
+    pieces = [ch.choices[0].logprobs for ch in stream if ch.choices and ch.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
     resp = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=8, temperature=1.0, seed=3, n=3)
     assert sorted(ch.index for ch in resp.choices) == [0, 1, 2]
     again = c.completions.create(model="tiny", prompt="Everyone is permitted", max_tokens=8, temperature=1.0, seed=3, n=3)

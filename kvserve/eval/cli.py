@@ -125,6 +125,12 @@ def format_table(report: dict) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def _naming_config(flags: str, exc: ValueError) -> ValueError:
+    """The error, saying which --config it is about."""
+    message = str(exc)
+    return ValueError(message if message.startswith("--config") else f"--config {flags!r}: {message}")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     if not args.config:
         raise ValueError('give at least one --config "ENGINE FLAGS" to compare with the reference')
@@ -137,11 +143,21 @@ def run_eval(args: argparse.Namespace) -> int:
     text_path = args.text or default_text_path()
     text = read_text(text_path)
     reference_config = engine_config_from_args(args)
-    configs = [(flags, engine_config_from_args(config_args(args, flags))) for flags in args.config]
+    configs = []
+    for flags in args.config:
+        try:
+            configs.append((flags, engine_config_from_args(config_args(args, flags))))
+        except ValueError as exc:  # a combination the engine's config refuses
+            raise _naming_config(flags, exc) from None
     evaluation = Evaluation(plan, text, progress=not args.no_progress)
     try:
         reference = evaluation.run("reference", "", reference_config)
-        results = [evaluation.run(flags.strip() or "(same flags)", flags, config) for flags, config in configs]
+        results = []
+        for flags, config in configs:
+            try:
+                results.append(evaluation.run(flags.strip() or "(same flags)", flags, config))
+            except ValueError as exc:  # refused by the engine (a combination no flag check catches)
+                raise _naming_config(flags, exc) from None
     finally:
         evaluation.close()
     report = {

@@ -36,7 +36,9 @@ class EvalPlan:
     score_from: int = 0  # score positions from here on; a compressing configuration compresses the window's first score_from tokens
 
     def __post_init__(self) -> None:
-        for name in ("context", "score_chunk", "max_windows", "greedy_prompt_len", "greedy_tokens"):
+        if self.context < 2:
+            raise ValueError(f"--context must be at least 2 (a window scores its tokens after the first), got {self.context}")
+        for name in ("score_chunk", "max_windows", "greedy_prompt_len", "greedy_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.greedy_prompts <= MAX_GREEDY_PROMPTS:
@@ -47,8 +49,6 @@ class EvalPlan:
             raise ValueError(f"--needle-lengths must be positive, got {list(self.needle_lengths)}")
         if not self.needle_questions or any(q not in NEEDLE_QUESTIONS for q in self.needle_questions):
             raise ValueError(f"--needle-question must be one of inside, outside, both; got {list(self.needle_questions)}")
-        if self.context < 2:
-            raise ValueError(f"--context must be at least 2 (a window scores its tokens after the first), got {self.context}")
         if not 0 <= self.score_from < self.context - 1:
             raise ValueError(f"--score-from must be in [0, --context - 1) = [0, {self.context - 1}), got {self.score_from}")
 

@@ -109,8 +109,9 @@ inline float row_max(const float* row, int64_t count) {
   return peak;
 }
 
-// scores [G][count] -> exp(score - the row's max) in place; inv_sum[g] = 1 / the row's sum
-inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum) {
+// scores [G][count] -> exp(score - the row's max) in place; inv_sum[g] = 1 / the row's sum, and
+// where lse is given, lse[g] = log of the row's sum of exp(score) (to merge a split context's parts)
+inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum, float* lse) {
   for (int g = 0; g < G; ++g) {
     float* row = scores + g * count;
     const float peak = row_max(row, count);
@@ -129,6 +130,7 @@ inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum) {
       tail += row[i];
     }
     inv_sum[g] = 1.f / tail;
+    if (lse) lse[g] = peak + std::log(tail);
   }
 }
 
@@ -137,7 +139,7 @@ inline void softmax_rows(float* scores, int G, int64_t count, float* inv_sum) {
 // widened copy of the context.
 void decode_task_rows(float* out_rows, const float* queries, int group, const KVView& kv, const int64_t* table, int64_t first,
                       int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc,
-                      std::vector<float>& row) {
+                      std::vector<float>& row, float* lse) {
   const int dim = kv.head_dim;
   const int bs = kv.block_size;
   scores.resize(static_cast<size_t>(group) * count);
@@ -152,7 +154,7 @@ void decode_task_rows(float* out_rows, const float* queries, int group, const KV
     }
   }
   std::vector<float> inv_sum(group);
-  softmax_rows(scores.data(), group, count, inv_sum.data());
+  softmax_rows(scores.data(), group, count, inv_sum.data(), lse);
   acc.assign(static_cast<size_t>(group) * dim, 0.f);
   for (int64_t i = 0; i < count;) {
     const int64_t position = first + i;
@@ -180,7 +182,7 @@ void decode_task_rows(float* out_rows, const float* queries, int group, const KV
 // offset, subtracted at the end. Residual blocks (full precision) are read as they are.
 template <int G, int Bits>
 void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
-                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc, float* lse) {
   const int dim = kv.head_dim, chunks = dim / 16, bs = kv.block_size, heads = kv.num_kv_heads;
   const int value_groups = dim / kv.value_group, chunks_per_group = kv.value_group / 16;
   const int64_t row_bytes = static_cast<int64_t>(dim) * Bits / 8;
@@ -252,7 +254,7 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
   }
 
   float inv_sum[G];
-  softmax_rows(s, G, count, inv_sum);
+  softmax_rows(s, G, count, inv_sum, lse);
 
   // values a block's run of rows at a time, one 16-dim chunk at a time in registers
   acc.assign(static_cast<size_t>(G) * dim, 0.f);
@@ -298,14 +300,14 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
 // true when a KIVI specialization handled the task
 bool decode_task_kivi_dispatch(int group, float* out_rows, const float* queries, const KVView& kv, const int64_t* table,
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                               std::vector<float>& acc) {
+                               std::vector<float>& acc, float* lse) {
   if ((kv.dtype != kInt4 && kv.dtype != kInt2) || kv.head_dim % 16 != 0 || kv.value_group % 16 != 0 || kv.group_size <= 0) return false;
   return with_group_size(group, [&](auto size) {
     constexpr int G = decltype(size)::value;
     if (kv.dtype == kInt4)
-      decode_task_kivi<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+      decode_task_kivi<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
     else
-      decode_task_kivi<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+      decode_task_kivi<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
     return true;
   });
 }
@@ -368,7 +370,7 @@ inline void for_each_block_run(const int64_t* table, int64_t first, int64_t coun
 
 template <int G, int DT>
 void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
-                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc, float* lse) {
   const void* key_cache = kv.key;
   const void* value_cache = kv.value;
   const int head_dim = kv.head_dim;
@@ -435,7 +437,7 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
   });
 
   float inv_sum[G];
-  softmax_rows(s, G, count, inv_sum);
+  softmax_rows(s, G, count, inv_sum, lse);
   if constexpr (kScaled)
     for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
       const RunScales value_scales = run_scales(value_cache, i0, base);
@@ -481,10 +483,11 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
 
 template <int G>
 bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
-                                int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+                                int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc,
+                                float* lse) {
   if (!is_float_format(kv.dtype) && !is_scaled_format(kv.dtype)) return false;
   return with_kv_dtype(kv.dtype, [&](auto dtype) {
-    decode_task_fast<G, decltype(dtype)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+    decode_task_fast<G, decltype(dtype)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
     return true;
   });
 }
@@ -492,10 +495,10 @@ bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVV
 // true when a vectorized specialization handled the task
 bool decode_task_fast_dispatch(int group, float* out_rows, const float* queries, const KVView& kv, const int64_t* table,
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                               std::vector<float>& acc) {
+                               std::vector<float>& acc, float* lse) {
   if (kv.head_dim % 16 != 0) return false;
   return with_group_size(group, [&](auto size) {
-    return decode_task_dispatch_dtype<decltype(size)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc);
+    return decode_task_dispatch_dtype<decltype(size)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
   });
 }
 
@@ -560,7 +563,7 @@ inline __m512bh load_row_bh(const uint8_t* row, int c) {
 template <int G, int DT>
 void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv, const int64_t* table, int64_t first,
                       int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
-                      std::vector<float>& acc) {
+                      std::vector<float>& acc, float* lse) {
   // int8 / fp8 records: each row's fp16 scale multiplies its scores (keys) or probabilities (values)
   constexpr bool kScaled = DT != kBFloat16;
   constexpr int kElemBytes = kScaled ? 1 : 2;
@@ -666,6 +669,7 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
     }
     if (padded > count) p[count] = 0;
     inv_sum[g] = 1.f / tail;
+    if (lse) lse[g] = peak + std::log(tail);
   }
 
   // acc: [G][chunks][2][16] float, dims in unpack order
@@ -717,14 +721,14 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
 // true when the bf16 dot-product path handled the task
 bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const KVView& kv, const int64_t* table,
                                int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                               std::vector<uint16_t>& probs, std::vector<float>& acc) {
+                               std::vector<uint16_t>& probs, std::vector<float>& acc, float* lse) {
   if (kv.head_dim % 32 != 0) return false;
   if (kv.dtype != kBFloat16 && !is_scaled_format(kv.dtype)) return false;
   return with_group_size(group, [&](auto size) {
     return with_kv_dtype(kv.dtype, [&](auto dtype) {
       constexpr int DT = decltype(dtype)::value;
       if constexpr (DT == kBFloat16 || DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2) {
-        decode_task_bf16<decltype(size)::value, DT>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc);
+        decode_task_bf16<decltype(size)::value, DT>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc, lse);
         return true;
       } else {
         return false;
@@ -820,7 +824,7 @@ inline __m256i round_bf16(__m512 x, __m512& rounded) {
 template <int G, int Bits>
 void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVView& kv, const int64_t* table, int64_t first,
                            int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
-                           std::vector<float>& acc) {
+                           std::vector<float>& acc, float* lse) {
   const int dim = kv.head_dim, bs = kv.block_size, heads = kv.num_kv_heads;
   const int key_chunks = dim / 64, value_chunks = dim / 32, value_groups = dim / kv.value_group;
   const int64_t row_bytes = static_cast<int64_t>(dim) * Bits / 8;
@@ -933,7 +937,7 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
   }
 
   float inv_sum[G];
-  softmax_rows(s, G, count, inv_sum);
+  softmax_rows(s, G, count, inv_sum, lse);
 
   // values: acc [G][value chunk][2][16] float, lanes in kivi_value_lane_dim order
   acc.assign(static_cast<size_t>(G) * value_chunks * 32, 0.f);
@@ -1027,16 +1031,16 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
 // true when the bf16 KIVI path handled the task
 bool decode_task_kivi_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const KVView& kv, const int64_t* table,
                                     int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                                    std::vector<uint16_t>& probs, std::vector<float>& acc) {
+                                    std::vector<uint16_t>& probs, std::vector<float>& acc, float* lse) {
   if ((kv.dtype != kInt4 && kv.dtype != kInt2) || kv.head_dim % 64 != 0 || kv.head_dim > 512 || kv.value_group % 32 != 0 ||
       kv.head_dim / kv.value_group > 16 || kv.group_size <= 0 || kv.residual_dtype != kBFloat16)
     return false;
   return with_group_size(group, [&](auto size) {
     constexpr int G = decltype(size)::value;
     if (kv.dtype == kInt4)
-      decode_task_kivi_bf16<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc);
+      decode_task_kivi_bf16<G, 4>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc, lse);
     else
-      decode_task_kivi_bf16<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc);
+      decode_task_kivi_bf16<G, 2>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc, lse);
     return true;
   });
 }
@@ -1352,7 +1356,13 @@ void for_each_query_tile(int64_t rows_per_head, int group, int num_heads, int nu
 extern "C" {
 
 // Decode: see DecodeAttentionArgs. Each query attends to slots max(0, len - window) .. len - 1.
+// A task is one sequence's KV head. A context of at least 2 * kSplitTokens slots is split at the
+// multiples of kSplitTokens into parts that threads compute apart (flash-decoding: one long
+// sequence, a model with one KV head, keep every thread busy); each part's output and log-sum-exp
+// are merged after. The parts depend on the sequence's own context alone, never on the batch or
+// the thread count, so a sequence decodes the same bits whatever it is batched with.
 int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
+  constexpr int64_t kSplitTokens = 512;
   const DecodeAttentionArgs& a = *args;
   const KVView& kv = *a.kv;
   const int num_heads = a.num_heads, num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim, window = a.window;
@@ -1364,7 +1374,44 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       head_dim > 512) return 1;
   const int group = num_heads / num_kv_heads;
   const int64_t tasks = a.num_seqs * num_kv_heads;
+
+  struct Part {
+    int64_t task, first, count;
+    int index, parts;  // this part's index among its task's parts
+  };
+  std::vector<Part> work;
+  work.reserve(static_cast<size_t>(tasks));
   int status = 0;
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t context = a.kv_lens[task / num_kv_heads];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+    const int64_t count = context - first;
+    if (count <= 0 || (context + kv.block_size - 1) / kv.block_size > a.max_blocks) {
+      status = 2;
+      continue;
+    }
+    if (count < 2 * kSplitTokens) {
+      work.push_back({task, first, count, 0, 1});
+      continue;
+    }
+    const int parts = static_cast<int>((context - 1) / kSplitTokens - first / kSplitTokens + 1);
+    for (int p = 0; p < parts; ++p) {
+      const int64_t from = std::max(first, (first / kSplitTokens + p) * kSplitTokens);
+      const int64_t to = std::min(context, (first / kSplitTokens + p + 1) * kSplitTokens);
+      work.push_back({task, from, to - from, p, parts});
+    }
+  }
+  // split tasks' parts: outputs [part][group][head_dim] and log-sum-exps [part][group], by task
+  std::vector<int64_t> part_base(static_cast<size_t>(tasks), -1);
+  std::vector<int> part_count(static_cast<size_t>(tasks), 1);
+  int64_t split_parts = 0;
+  for (const Part& part : work)
+    if (part.parts > 1 && part.index == 0) {
+      part_base[part.task] = split_parts;
+      part_count[part.task] = part.parts;
+      split_parts += part.parts;
+    }
+  std::vector<float> part_out(static_cast<size_t>(split_parts) * group * head_dim), part_lse(static_cast<size_t>(split_parts) * group);
 
 #pragma omp parallel
   {
@@ -1372,42 +1419,24 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
     std::vector<float> row(head_dim);
     std::vector<float> acc(static_cast<size_t>(group) * head_dim);
     std::vector<float> result(static_cast<size_t>(group) * head_dim);
+    std::vector<float> inv_sum(group), lse(group);
     std::vector<float> scores;
     std::vector<uint16_t> probs;
 
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t seq = task / num_kv_heads;
-      const int kv_head = static_cast<int>(task % num_kv_heads);
-      const int64_t context = a.kv_lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
-      const int64_t count = context - first;
-      if (count <= 0 || (context + kv.block_size - 1) / kv.block_size > a.max_blocks) {
-#pragma omp atomic write
-        status = 2;
-        continue;
-      }
-      const int64_t* table = a.block_tables + seq * a.max_blocks;
-      auto store_result = [&] {
-        for (int g = 0; g < group; ++g) {
-          const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-          store_row(out, query_dtype, o_offset, head_dim, result.data() + static_cast<size_t>(g) * head_dim, 1.f);
-        }
-      };
+    // result (normalized) and lse for one part of one task
+    auto attend = [&](int64_t seq, int kv_head, const int64_t* table, int64_t first, int64_t count) {
 #if KVSERVE_DECODE_BF16_DOT
       if (query_dtype == kBFloat16 && ((kv_dtype == kBFloat16 && plain_float_view(kv)) || is_scaled_format(kv_dtype))) {
         const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
-        if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc)) {
-          store_result();
-          continue;
-        }
+        if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc,
+                                      lse.data()))
+          return;
       }
       if (query_dtype == kBFloat16 && (kv_dtype == kInt4 || kv_dtype == kInt2)) {
         const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
-        if (decode_task_kivi_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc)) {
-          store_result();
-          continue;
-        }
+        if (decode_task_kivi_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs,
+                                           acc, lse.data()))
+          return;
       }
 #endif
       for (int g = 0; g < group; ++g) {
@@ -1416,27 +1445,21 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       }
       // int8 / fp8 records take the float path's vectorized loop, KIVI records their own; other shapes a row at a time
       if (((plain_float_view(kv) || is_scaled_format(kv_dtype)) &&
-           decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) ||
-          decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc)) {
-        store_result();
-        continue;
-      }
+           decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc,
+                                     lse.data())) ||
+          decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc, lse.data()))
+        return;
       if (!plain_float_view(kv)) {
-        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row);
-        store_result();
-        continue;
+        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row, lse.data());
+        return;
       }
       scores.resize(static_cast<size_t>(group) * count);
-
       for (int64_t i = 0; i < count; ++i) {
         load_row(kv.key, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
         for (int g = 0; g < group; ++g)
           scores[g * count + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
       }
-
-      std::vector<float> inv_sum(group);
-      softmax_rows(scores.data(), group, count, inv_sum.data());
-
+      softmax_rows(scores.data(), group, count, inv_sum.data(), lse.data());
       acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
       for (int64_t i = 0; i < count; ++i) {
         load_row(kv.value, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
@@ -1447,10 +1470,51 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
           for (int d = 0; d < head_dim; ++d) acc_row[d] += weight * row[d];
         }
       }
+      for (int g = 0; g < group; ++g)
+        for (int d = 0; d < head_dim; ++d) result[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+    };
+    auto store_rows = [&](int64_t seq, int kv_head, const float* rows) {
       for (int g = 0; g < group; ++g) {
         const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-        store_row(out, query_dtype, o_offset, head_dim, acc.data() + static_cast<size_t>(g) * head_dim, inv_sum[g]);
+        store_row(out, query_dtype, o_offset, head_dim, rows + static_cast<size_t>(g) * head_dim, 1.f);
       }
+    };
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < static_cast<int64_t>(work.size()); ++w) {
+      const Part& part = work[w];
+      const int64_t seq = part.task / num_kv_heads;
+      const int kv_head = static_cast<int>(part.task % num_kv_heads);
+      attend(seq, kv_head, a.block_tables + seq * a.max_blocks, part.first, part.count);
+      if (part.parts == 1) {
+        store_rows(seq, kv_head, result.data());
+        continue;
+      }
+      const int64_t at = part_base[part.task] + part.index;
+      std::memcpy(part_out.data() + at * group * head_dim, result.data(), sizeof(float) * group * head_dim);
+      std::memcpy(part_lse.data() + at * group, lse.data(), sizeof(float) * group);
+    }
+
+    // merge: out = sum over parts of exp(lse_p - total) * out_p, total the log of the whole sum
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      if (part_base[task] < 0) continue;
+      const int64_t base = part_base[task];
+      const int parts = part_count[task];
+      for (int g = 0; g < group; ++g) {
+        float peak = -INFINITY;
+        for (int p = 0; p < parts; ++p) peak = std::max(peak, part_lse[(base + p) * group + g]);
+        float total = 0.f;
+        for (int p = 0; p < parts; ++p) total += std::exp(part_lse[(base + p) * group + g] - peak);
+        float* merged = result.data() + static_cast<size_t>(g) * head_dim;
+        std::fill(merged, merged + head_dim, 0.f);
+        for (int p = 0; p < parts; ++p) {
+          const float weight = std::exp(part_lse[(base + p) * group + g] - peak) / total;
+          const float* rows = part_out.data() + ((base + p) * group + g) * head_dim;
+          for (int d = 0; d < head_dim; ++d) merged[d] += weight * rows[d];
+        }
+      }
+      store_rows(task / num_kv_heads, static_cast<int>(task % num_kv_heads), result.data());
     }
   }
   return status;

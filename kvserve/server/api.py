@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import reprlib
@@ -83,7 +84,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"request body is not valid JSON: {err.get('msg')}", None
         cause = err.get("ctx", {}).get("error")
         param = param or (loc[0] if loc else getattr(cause, "param", None))
-        parts.append(f"{field}: {err.get('msg')}")
+        parts.append(f"{field}: {err.get('msg').removeprefix('Value error, ')}")
     return "; ".join(parts) or "invalid request", param
 
 
@@ -245,13 +246,16 @@ class OpenAIServer:
             out[text if text not in out else f"{text}#{token_id}"] = value
         return out
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs]) -> dict:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], start: int = 0) -> dict:
+        """OpenAI's legacy logprobs; text_offset: where each token's text starts in the completion,
+        `start` being the first token's (a stream's earlier tokens' text)."""
         tokens = [self._token_text(lp.token_id) for lp in lps]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [self._top_dict(lp.top) for lp in lps],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
@@ -283,11 +287,17 @@ class OpenAIServer:
         created = int(time.time())
         n = body.n
 
+        token_text_seen: dict[int, int] = {}  # a streamed choice's tokens' text so far, for text_offset
+
         def choice(index: int, out: RequestOutput, text: str, lps) -> dict:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._completion_logprobs(lps, token_text_seen.get(index, 0))
+                token_text_seen[index] = token_text_seen.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             c = {
                 "index": index,
                 "text": text,
-                "logprobs": self._completion_logprobs(lps) if body.logprobs is not None else None,
+                "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
             if self.tokenizer is None:
