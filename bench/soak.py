@@ -341,7 +341,9 @@ async def client(http: httpx.AsyncClient, url: str, work: Workload, name: str, u
 
 async def load(url: str, work: Workload, cfg: SoakConfig, seconds: float, phase: str) -> list[Record]:
     records: list[Record] = []
-    limits = httpx.Limits(max_connections=cfg.clients * 2, max_keepalive_connections=cfg.clients)
+    # idle connections expire here before uvicorn's 5 s keep-alive closes them: reusing one the
+    # server is closing at that instant reads a reset (httpx.ReadError), a race of the client's
+    limits = httpx.Limits(max_connections=cfg.clients * 2, max_keepalive_connections=cfg.clients, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         until = time.monotonic() + seconds
         await asyncio.gather(*(client(http, url, work, f"{phase}{cfg.seed}-c{i}", until, records) for i in range(cfg.clients)))

@@ -337,10 +337,17 @@ def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 40])
-def test_linear_on_packed_weights_matches_f_linear(rows):
+@pytest.mark.parametrize("amx_rows", [None, 8])
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_linear_on_packed_weights_matches_f_linear(rows, amx_rows, monkeypatch):
+    """Packed weights take every product (the row-major copy freed) without AMX; with it, products of
+    amx_rows rows or more go to oneDNN on the row-major weight, kept for them."""
     from kvserve.model.layers import Linear
 
+    monkeypatch.setattr(kernels, "amx_gemm_min_rows", lambda: amx_rows)
+    packed_calls = []
+    real_packed_matmul = kernels.packed_matmul
+    monkeypatch.setattr(kernels, "packed_matmul", lambda *a, **k: packed_calls.append(a[0].shape) or real_packed_matmul(*a, **k))
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=True).to(torch.bfloat16)
     x = torch.randn(rows, 96).bfloat16()
@@ -348,9 +355,65 @@ def test_linear_on_packed_weights_matches_f_linear(rows):
         ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         weight = layer.weight.clone()
         layer.enable_native()
-        assert layer.packed is not None and layer.weight.numel() == 0  # the row-major copy is freed
+        assert layer.packed is not None and (layer.weight.numel() == 0) == (amx_rows is None)
         assert torch.equal(kernels.unpack_weight(layer.packed), weight)
         out = layer(x)
+        assert bool(packed_calls) == (amx_rows is None or rows < amx_rows)
         fallback = layer(x.float()[None])[0]  # what the packed kernel does not take unpacks on demand
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05
     assert (fallback - ref).abs().max().item() < 1e-3
+
+
+def test_the_amx_dispatch_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
+    assert kernels.amx_gemm_min_rows() is None
+    monkeypatch.delenv("KVSERVE_DISABLE_AMX")
+    expected = kernels.AMX_GEMM_MIN_ROWS if kernels.cpu_has_amx_bf16() and torch.backends.mkldnn.is_available() else None
+    assert kernels.amx_gemm_min_rows() == expected
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("count,window", [(70, None), (70, 20), (70, 70), (1, None), (33, 1)])
+def test_a_prefill_that_opens_its_sequence_on_amx_matches_the_paged_kernel(shape, count, window):
+    """cpu_paged's AMX path (torch's flash SDPA on the chunk's fresh K/V, a banded mask for a window
+    shorter than the chunk) against the float32 reference over the stored K/V, bf16 as it runs."""
+    from kvserve.attention.cpu_paged import CpuPagedBackend
+    from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
+
+    heads, kv_heads, head_dim = shape
+    g = torch.Generator().manual_seed(count)
+    q = torch.randn(count, heads, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(count, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+    table = torch.arange(-(-count // 16))
+    span = PrefillSpan(0, count, [0], [table])
+    meta = AttentionMetadata(torch.arange(count), [torch.arange(count)])
+    out = CpuPagedBackend._fresh_prefill(q, k, v, span, meta, head_dim**-0.5, window)
+    ref = reference_attention(q, k, v, table, 16, torch.arange(count), window)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+def test_the_engine_prefills_on_amx_where_a_chunk_opens_its_sequence(tiny_dir, monkeypatch):
+    """With the AMX dispatch on (forced here on any CPU), the bf16 engine runs each prompt's first
+    chunk on SDPA and the rest on the paged kernel, and scores its first token as the native-only
+    engine does (up to bf16 rounding)."""
+    from conftest import random_prompts
+    from kvserve import LLM, SamplingParams
+    from kvserve.attention import cpu_paged
+
+    chunks = []
+    real = cpu_paged.CpuPagedBackend._fresh_prefill
+    monkeypatch.setattr(cpu_paged.CpuPagedBackend, "_fresh_prefill", staticmethod(lambda *a: chunks.append(a[3].num_tokens) or real(*a)))
+    prompts = random_prompts(4, 20, 120, seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+    runs = {}
+    for amx in (False, True):
+        monkeypatch.setattr(kernels, "amx_gemm_min_rows", lambda: 8 if amx else None)
+        llm = LLM(str(tiny_dir("gemma3")), dtype="bfloat16", kv_cache_memory=0.02, max_num_batched_tokens=64, enable_prefix_caching=False)
+        runs[amx] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    # every prompt opens with one chunk on SDPA (64 tokens at most: the step's budget); later chunks are paged
+    assert len(chunks) == 4 * 3 and max(chunks) <= 64  # 3 layers per prompt
+    for native, amx in zip(runs[False], runs[True]):
+        assert native.token_ids[0] == amx.token_ids[0]
+        assert abs(native.logprobs[0].logprob - amx.logprobs[0].logprob) < 0.05

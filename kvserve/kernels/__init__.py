@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,6 +175,31 @@ def bf16_dot_available() -> bool:
     """The CPU has AVX512-BF16 dot products (and the kernels were built for it)."""
     library = load_kernels()
     return library is not None and bool(library.kvserve_has_bf16_dot())
+
+
+# measured on a 2-core Xeon with AMX (bench/amx_gemm.py): from 8 rows torch's oneDNN GEMM, on AMX
+# tiles, beats the packed AVX512-BF16 kernel (1.1-1.9x at 8 rows, 5-12x at 64 and 2,048); below, the
+# packed kernel streams the weight faster (1.5-4.6x at 1-4 rows)
+AMX_GEMM_MIN_ROWS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx_bf16() -> bool:
+    """The CPU reports AMX bf16 tiles (Linux's /proc/cpuinfo flags; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
+
+
+def amx_gemm_min_rows() -> int | None:
+    """The rows from which a bf16 product runs on torch's oneDNN GEMM (AMX) rather than the packed
+    kernel; None without AMX, or with KVSERVE_DISABLE_AMX=1 (every product then takes the packed
+    kernel, whose result for a row does not depend on the other rows of its batch)."""
+    if os.environ.get("KVSERVE_DISABLE_AMX") == "1" or not torch.backends.mkldnn.is_available() or not cpu_has_amx_bf16():
+        return None
+    return AMX_GEMM_MIN_ROWS
 
 
 def can_pack(weight: torch.Tensor) -> bool:

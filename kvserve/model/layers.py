@@ -22,19 +22,26 @@ def fits_skinny_matmul(x: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """nn.Linear that runs on the native kernels once enable_native() ran: on a CPU with AVX512-BF16
     a bf16 weight is packed for bf16 dot products (any number of rows) and its row-major copy is
-    freed; otherwise a few rows (a small decode batch) take the skinny kernel."""
+    freed, except on a CPU with AMX, where it is kept for torch's oneDNN GEMM to take batches of
+    kernels.amx_gemm_min_rows() rows or more; otherwise a few rows (a small decode batch) take the
+    skinny kernel."""
 
     native = False
     packed: kernels.PackedWeight | None = None
+    amx_min_rows: int | None = None
 
     def enable_native(self) -> None:
         self.native = True
         if kernels.can_pack(self.weight):
             self.packed = kernels.pack_weight(self.weight)
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self.amx_min_rows = kernels.amx_gemm_min_rows()
+            if self.amx_min_rows is None:
+                self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.amx_min_rows is not None and x.dtype == torch.bfloat16 and x.numel() >= self.amx_min_rows * x.shape[-1]:
+                return F.linear(x, self.weight, self.bias)
             if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:
                 out, _ = kernels.packed_matmul(x, self.packed)
                 return out if self.bias is None else out + self.bias
