@@ -11,25 +11,18 @@ product of kernels.AMX_GEMM_MIN_ROWS rows or more to oneDNN when the CPU has AMX
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kvserve import kernels
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_call_seconds  # noqa: E402
+
 SHAPES = ((1536, 640, "QKV"), (4096, 640, "gate/up"), (640, 2048, "down"), (640, 1024, "o_proj"))
-
-
-def per_call_ms(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1000
 
 
 def main() -> None:
@@ -49,8 +42,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
             repeat = max(3, 2000 // rows)
-            ours = per_call_ms(lambda: kernels.packed_matmul(x, packed), repeat)
-            onednn = per_call_ms(lambda: F.linear(x, weight), repeat)
+            ours = 1000 * best_call_seconds(lambda: kernels.packed_matmul(x, packed), repeat)
+            onednn = 1000 * best_call_seconds(lambda: F.linear(x, weight), repeat)
             print(f"| {what} {n}x{k} | {rows} | {ours:.3f} | {onednn:.3f} | {ours / onednn:.2f}x |")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 PROSE_FILES = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3"]
@@ -28,3 +29,15 @@ def make_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0, bos:
         body = ids[start : start + n - (1 if bos is not None else 0)]
         prompts.append(([bos] if bos is not None else []) + body)
     return prompts
+
+
+def best_call_seconds(fn, repeat: int, rounds: int = 3) -> float:
+    """Seconds per call of fn: the best of `rounds` means over `repeat` calls, after a warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeat)
+    return best

@@ -13,7 +13,8 @@ against an older checkout to see what the split is worth.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,18 +22,10 @@ from kvserve import kernels
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KV_FORMATS, KVCacheSpec
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_call_seconds  # noqa: E402
+
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head_dim
-
-
-def per_call_us(fn, repeat: int, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1e6
 
 
 def main() -> None:
@@ -74,7 +67,7 @@ def main() -> None:
                 cells = []
                 for context in contexts:
                     lens = torch.full((seqs,), context, dtype=torch.int64)
-                    us = per_call_us(lambda: kernels.paged_decode_attention(q, layer.view, tables, lens, dim**-0.5, None),
+                    us = 1e6 * best_call_seconds(lambda: kernels.paged_decode_attention(q, layer.view, tables, lens, dim**-0.5, None),
                                      args.repeat, args.rounds)  # fmt: skip
                     gbs = seqs * context * spec.bytes_per_token / 1e3 / us
                     cells.append(f"{us:9.1f} ({gbs:4.1f})")
