@@ -178,8 +178,8 @@ def bf16_dot_available() -> bool:
 
 
 # measured on a 2-core Xeon with AMX (bench/amx_gemm.py): from 8 rows torch's oneDNN GEMM, on AMX
-# tiles, beats the packed AVX512-BF16 kernel (1.1-1.9x at 8 rows, 5-12x at 64 and 2,048); below, the
-# packed kernel streams the weight faster (1.5-4.6x at 1-4 rows)
+# tiles, beats the packed AVX512-BF16 kernel (1.0-1.6x at 8 rows, 3.7-5.6x at 64, 5-9x at 2,048);
+# below, the packed kernel streams the weight faster (1.25-5.9x at 1-4 rows)
 AMX_GEMM_MIN_ROWS = 8
 
 
