@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, register
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
+from kvserve.attention.torch_sdpa import context_mask
 
 
 @register
@@ -47,11 +48,9 @@ class CpuPagedBackend(AttentionBackend):
         return self.rotate_out(out)
 
     def _opens_on_amx(self, layer: int, q: torch.Tensor, span: PrefillSpan) -> bool:
-        """A bf16 chunk that opens its sequence, on AMX, over a cache that reads back the K/V it was
-        given (float blocks, or KIVI's full-precision residual; int8 / fp8 read back their codes)."""
+        """A bf16 chunk that opens its sequence, on AMX, over a cache that reads back the K/V it was given."""
         kv = self.layers[layer]
-        stored_as_given = kv.key_records is None or kv.spec.format.kind == "kivi"
-        return self.amx_prefill and q.dtype == torch.bfloat16 and span.kv_starts[kv.group] == 0 and stored_as_given
+        return self.amx_prefill and q.dtype == torch.bfloat16 and span.kv_starts[kv.group] == 0 and kv.reads_back_as_stored
 
     @staticmethod
     def _fresh_prefill(
@@ -65,6 +64,6 @@ class CpuPagedBackend(AttentionBackend):
             key = ("amx-prefill-band", n, window)
             if key not in meta.cache:  # causal, and each query sees its last `window` keys
                 rows = torch.arange(n, device=q.device)
-                meta.cache[key] = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - window)
+                meta.cache[key] = context_mask(rows, torch.tensor(n, device=q.device), n, window)
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.cache[key], scale=scale, enable_gqa=True)
         return attn[0].transpose(0, 1)

@@ -89,10 +89,9 @@ class TorchSdpaBackend(AttentionBackend):
     ) -> torch.Tensor:  # fmt: skip
         n, num_heads, head_dim = span.num_tokens, q.shape[1], q.shape[2]
         kv = self.layers[layer]
-        stored_as_given = kv.key_records is None or kv.spec.format.kind == "kivi"  # int8 / fp8 read back what they quantized
         group = kv.group
         kv_start = span.kv_starts[group]
-        if kv_start == 0 and (window is None or window >= n) and stored_as_given:
+        if kv_start == 0 and (window is None or window >= n) and kv.reads_back_as_stored:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             keys = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
             values = v[span.start : span.end].transpose(0, 1).unsqueeze(0)

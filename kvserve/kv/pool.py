@@ -78,6 +78,12 @@ class LayerKV:
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp8: calibrated (K, V) scales per head
     key_center: torch.Tensor | None = None  # int8 / fp8: float32 [kv_heads, head_dim] subtracted from keys as stored (kv/centering.py)
 
+    @property
+    def reads_back_as_stored(self) -> bool:
+        """Attention over what was just stored reads the K/V it was given: float blocks, or KIVI's
+        full-precision residual (int8 / fp8 read back their codes)."""
+        return self.key_records is None or self.spec.format.kind == "kivi"
+
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset);
         a centered cache stores k - key_center."""

@@ -46,7 +46,8 @@ class Linear(nn.Linear):
                 out, _ = kernels.packed_matmul(x, self.packed)
                 return out if self.bias is None else out + self.bias
             bias = self.bias.to(x.dtype) if self.bias is not None else None
-            return F.linear(x, kernels.unpack_weight(self.packed).to(x.dtype), bias)
+            weight = self.weight if self.weight.numel() else kernels.unpack_weight(self.packed)  # kept on AMX CPUs
+            return F.linear(x, weight.to(x.dtype), bias)
         if self.native and fits_skinny_matmul(x):
             out, _ = kernels.skinny_matmul(x, self.weight)
             return out if self.bias is None else out + self.bias
