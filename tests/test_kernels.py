@@ -377,8 +377,8 @@ def test_the_amx_dispatch_can_be_switched_off(monkeypatch):
 def test_a_prefill_that_opens_its_sequence_on_amx_matches_the_paged_kernel(shape, count, window):
     """cpu_paged's AMX path (torch's flash SDPA on the chunk's fresh K/V, a banded mask for a window
     shorter than the chunk) against the float32 reference over the stored K/V, bf16 as it runs."""
-    from kvserve.attention.cpu_paged import CpuPagedBackend
     from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
+    from kvserve.attention.torch_sdpa import fresh_prefill_attention
 
     heads, kv_heads, head_dim = shape
     g = torch.Generator().manual_seed(count)
@@ -387,7 +387,7 @@ def test_a_prefill_that_opens_its_sequence_on_amx_matches_the_paged_kernel(shape
     table = torch.arange(-(-count // 16))
     span = PrefillSpan(0, count, [0], [table])
     meta = AttentionMetadata(torch.arange(count), [torch.arange(count)])
-    out = CpuPagedBackend._fresh_prefill(q, k, v, span, meta, head_dim**-0.5, window)
+    out = fresh_prefill_attention(q, k, v, span, meta, head_dim**-0.5, window)
     ref = reference_attention(q, k, v, table, 16, torch.arange(count), window)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
@@ -402,8 +402,8 @@ def test_the_engine_prefills_on_amx_where_a_chunk_opens_its_sequence(tiny_dir, m
     from kvserve.attention import cpu_paged
 
     chunks = []
-    real = cpu_paged.CpuPagedBackend._fresh_prefill
-    monkeypatch.setattr(cpu_paged.CpuPagedBackend, "_fresh_prefill", staticmethod(lambda *a: chunks.append(a[3].num_tokens) or real(*a)))
+    real = cpu_paged.fresh_prefill_attention
+    monkeypatch.setattr(cpu_paged, "fresh_prefill_attention", lambda *a: chunks.append(a[3].num_tokens) or real(*a))
     prompts = random_prompts(4, 20, 120, seed=3)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
     runs = {}

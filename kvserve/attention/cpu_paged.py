@@ -8,12 +8,11 @@ AVX512-BF16 loop); every other chunk and every decode row take the native kernel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, register
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
-from kvserve.attention.torch_sdpa import context_mask
+from kvserve.attention.torch_sdpa import fresh_prefill_attention
 
 
 @register
@@ -38,7 +37,7 @@ class CpuPagedBackend(AttentionBackend):
             )
         for span in meta.prefills:
             if self._opens_on_amx(layer, q, span):
-                out[span.start : span.end] = self._fresh_prefill(q, k, v, span, meta, scale, window)
+                out[span.start : span.end] = fresh_prefill_attention(q, k, v, span, meta, scale, window)
                 continue
             kernels.paged_prefill_attention(
                 q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_starts[kv.group], scale, window, out=out[span.start : span.end]
@@ -51,19 +50,3 @@ class CpuPagedBackend(AttentionBackend):
         """A bf16 chunk that opens its sequence, on AMX, over a cache that reads back the K/V it was given."""
         kv = self.layers[layer]
         return self.amx_prefill and q.dtype == torch.bfloat16 and span.kv_starts[kv.group] == 0 and kv.reads_back_as_stored
-
-    @staticmethod
-    def _fresh_prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, meta: AttentionMetadata, scale: float, window: int | None
-    ) -> torch.Tensor:  # fmt: skip
-        n = span.num_tokens
-        queries, keys, values = (x[span.start : span.end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
-        if window is None or window >= n:
-            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            key = ("amx-prefill-band", n, window)
-            if key not in meta.cache:  # causal, and each query sees its last `window` keys
-                rows = torch.arange(n, device=q.device)
-                meta.cache[key] = context_mask(rows, torch.tensor(n, device=q.device), n, window)
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.cache[key], scale=scale, enable_gqa=True)
-        return attn[0].transpose(0, 1)

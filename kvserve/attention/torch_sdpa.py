@@ -21,6 +21,24 @@ def context_mask(query_slots: torch.Tensor, kv_len: torch.Tensor, max_len: int, 
     return mask
 
 
+def fresh_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, meta: AttentionMetadata, scale: float, window: int | None
+) -> torch.Tensor:  # fmt: skip
+    """A prefill chunk that opens its sequence attends to its own fresh K/V only: causal SDPA, with a
+    banded mask where a sliding window is shorter than the chunk. q [T, H, D]; k, v [T, KVH, D]."""
+    n = span.num_tokens
+    queries, keys, values = (x[span.start : span.end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
+    if window is None or window >= n:
+        attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        key = ("fresh-prefill-band", n, window)
+        if key not in meta.cache:  # causal, and each query sees its last `window` keys
+            rows = torch.arange(n, device=q.device)
+            meta.cache[key] = context_mask(rows, torch.tensor(n, device=q.device), n, window)
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.cache[key], scale=scale, enable_gqa=True)
+    return attn[0].transpose(0, 1)
+
+
 @register
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
@@ -92,11 +110,7 @@ class TorchSdpaBackend(AttentionBackend):
         group = kv.group
         kv_start = span.kv_starts[group]
         if kv_start == 0 and (window is None or window >= n) and kv.reads_back_as_stored:
-            queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            keys = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            values = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-            return attn[0].transpose(0, 1)
+            return fresh_prefill_attention(q, k, v, span, meta, scale, window)
         table = span.block_tables[group]
         keys, values = self._gather(layer, table)  # [L, KVH, D]
         kv_heads = keys.shape[1]
