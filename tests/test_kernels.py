@@ -1,6 +1,7 @@
 """The native CPU kernels against plain torch references."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -371,6 +372,34 @@ def test_the_amx_dispatch_can_be_switched_off(monkeypatch):
     expected = kernels.AMX_GEMM_MIN_ROWS if kernels.cpu_has_amx_bf16() and torch.backends.mkldnn.is_available() else None
     assert kernels.amx_gemm_min_rows() == expected
 
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"sse2", "avx2", "avx512f"}, "float32"),  # the AVX2/AVX-512 EPYC: bf16 GEMMs emulated
+    ({"sse2", "avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ({"sse2", "avx2", "avx512_bf16", "amx_bf16"}, "bfloat16"),
+])  # fmt: skip
+def test_dtype_auto_follows_the_x86_flags_not_a_timing(monkeypatch, flags, expected):
+    """A timed matmul flipped --dtype auto to float32 on a loaded AMX machine: on x86 the flags decide."""
+    import kvserve.config as config
+
+    def no_timing():
+        raise AssertionError("x86 flags are known: nothing to time")
+
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(config, "_faster_in_a_timed_matmul", no_timing)
+    config.fastest_dtype.cache_clear()
+    try:
+        assert config.fastest_dtype("cpu") == expected
+    finally:
+        config.fastest_dtype.cache_clear()
+
+
+def test_the_cpu_flags_are_read_from_cpuinfo():
+    flags = kernels.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if os.path.exists("/proc/cpuinfo") and platform.machine() in ("x86_64", "AMD64"):
+        assert "sse2" in flags
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("count,window", [(70, None), (70, 20), (70, 70), (1, None), (33, 1)])

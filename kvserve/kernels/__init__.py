@@ -184,13 +184,23 @@ AMX_GEMM_MIN_ROWS = 8
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_amx_bf16() -> bool:
-    """The CPU reports AMX bf16 tiles (Linux's /proc/cpuinfo flags; False elsewhere)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (x86 "flags", Arm "Features");
+    empty elsewhere."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
     except OSError:
-        return False
+        pass
+    return frozenset()
+
+
+def cpu_has_amx_bf16() -> bool:
+    """The CPU reports AMX bf16 tiles."""
+    return "amx_bf16" in cpu_flags()
 
 
 def amx_gemm_min_rows() -> int | None:
