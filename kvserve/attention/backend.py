@@ -25,6 +25,7 @@ class AttentionBackend(abc.ABC):
     def __init__(self, pool: "PagedKVPool") -> None:
         self.pool = pool
         self.layers = pool.layers
+        self._workspace: torch.Tensor | None = None
 
     @abc.abstractmethod
     def forward(
@@ -32,6 +33,29 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor:
         """q [T, H, D]; k, v [T, KVH, D] of the step's tokens. Stores k/v in the layer's slots and
         returns the attention output [T, H, D]; a sliding-window layer sees the last `window` slots."""
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks' K/V for block tables [..., n]: [..., n * block_size, kv_heads, head_dim] each.
+
+        The result lives in a workspace reused by the next call (gathering into fresh memory costs
+        more in page faults than the copy itself), so consume it before gathering again.
+        """
+        kv = self.layers[layer]
+        if kv.key_records is not None:
+            return kv.gather(block_ids)  # a quantized cache: decoded into fresh float blocks
+        _, heads, dim = kv.key.shape
+        block = kv.block_size * heads * dim
+        count = block_ids.numel()
+        if self._workspace is None or self._workspace.shape[1] < count * block or self._workspace.dtype != kv.key.dtype:
+            self._workspace = torch.empty(2, count * block, dtype=kv.key.dtype, device=kv.key.device)
+        shape = (*block_ids.shape[:-1], block_ids.shape[-1] * kv.block_size, heads, dim)
+        out = []
+        for which, cache in enumerate((kv.key, kv.value)):
+            blocks = cache.view(-1, kv.block_size, heads, dim)
+            target = self._workspace[which, : count * block].view(count, kv.block_size, heads, dim)
+            torch.index_select(blocks, 0, block_ids.reshape(-1), out=target)
+            out.append(target.view(shape))
+        return out[0], out[1]
 
     def score_windows(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None) -> None:
         """Add the SnapKV scores of this layer's window queries (after their K/V are stored); a

@@ -1,8 +1,9 @@
 """`cpu_paged`: the native CPU kernels read K/V in place through each group's block tables.
 
-On a CPU with AMX a bf16 prefill chunk that opens its sequence runs torch's flash SDPA on its fresh
-K/V instead (oneDNN's AMX tiles compute it several times faster than the native kernel's
-AVX512-BF16 loop); every other chunk and every decode row take the native kernels.
+On a CPU with AMX a bf16 prefill chunk runs torch's flash SDPA instead (oneDNN's AMX tiles compute
+it several times faster than the native kernel's AVX512-BF16 loop): on its fresh K/V where it opens
+its sequence, over the gathered blocks it can see where it follows cached slots of a float cache.
+Every other chunk and every decode row take the native kernels.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import torch
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, register
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
-from kvserve.attention.torch_sdpa import fresh_prefill_attention
+from kvserve.attention.torch_sdpa import cached_prefill_attention, fresh_prefill_attention
+
+
+# a chunk of fewer rows over a long context reads the cache like a few decode rows, where the native
+# kernel streams it in place instead of gathering it
+CACHED_PREFILL_MIN_ROWS = 32
 
 
 @register
@@ -35,9 +41,13 @@ class CpuPagedBackend(AttentionBackend):
             kernels.paged_decode_attention(
                 q[:num_decode], kv.view, meta.decode_block_tables[kv.group], meta.decode_kv_lens[kv.group], scale, window, out=out[:num_decode]
             )
-        for span in meta.prefills:
-            if self._opens_on_amx(layer, q, span):
+        for i, span in enumerate(meta.prefills):
+            on_amx = self._on_amx(layer, q, span)
+            if on_amx == "fresh":
                 out[span.start : span.end] = fresh_prefill_attention(q, k, v, span, meta, scale, window)
+                continue
+            if on_amx == "cached":
+                out[span.start : span.end] = cached_prefill_attention(self, layer, q, i, span, meta, scale, window)
                 continue
             kernels.paged_prefill_attention(
                 q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_starts[kv.group], scale, window, out=out[span.start : span.end]
@@ -46,7 +56,12 @@ class CpuPagedBackend(AttentionBackend):
             self.score_windows(layer, q, meta, scale, window)
         return self.rotate_out(out)
 
-    def _opens_on_amx(self, layer: int, q: torch.Tensor, span: PrefillSpan) -> bool:
-        """A bf16 chunk that opens its sequence, on AMX, over a cache that reads back the K/V it was given."""
+    def _on_amx(self, layer: int, q: torch.Tensor, span: PrefillSpan) -> str | None:
+        """How a bf16 chunk runs on AMX: "fresh" where it opens its sequence over a cache that reads
+        back the K/V it was given, "cached" where it follows slots of a float cache; else None."""
         kv = self.layers[layer]
-        return self.amx_prefill and q.dtype == torch.bfloat16 and span.kv_starts[kv.group] == 0 and kv.reads_back_as_stored
+        if not self.amx_prefill or q.dtype != torch.bfloat16:
+            return None
+        if span.kv_starts[kv.group] == 0:
+            return "fresh" if kv.reads_back_as_stored else None
+        return "cached" if kv.key_records is None and span.num_tokens >= CACHED_PREFILL_MIN_ROWS else None
