@@ -87,8 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="snapkv: whose attention scores the prompt's positions: window, its last --snapkv-window tokens "
                        "(the question, when the prompt ends with one); generic, a generic question appended after the "
                        "tokens compressed, computed and dropped again (question-agnostic: a document compressed before "
-                       "its questions are known; about a dozen more tokens of prefill per sequence; needs a tokenizer) "
-                       "(default: %(default)s)")
+                       "its questions are known; about a dozen more tokens of prefill per sequence; needs a tokenizer); "
+                       "both, the window's scores and the generic question's added (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 

@@ -42,7 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
     kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
-    snapkv_query: str | None = None  # overrides the engine's --snapkv-query (window | generic) for this request
+    snapkv_query: str | None = None  # overrides the engine's --snapkv-query (window | generic | both) for this request
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

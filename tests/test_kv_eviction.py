@@ -35,7 +35,7 @@ def _llm(path, **kwargs) -> LLM:
 
 
 def _method_flags(method: str) -> dict:
-    """"snapkv/generic" is SnapKV scored by its generic question."""
+    """"snapkv/generic" is SnapKV scored by its generic question ("snapkv/both": and its window)."""
     name, _, query = method.partition("/")
     return dict(kv_compression=name, snapkv_query=query) if query else dict(kv_compression=name)
 
@@ -251,7 +251,7 @@ def test_compressing_a_1000_token_prompt_frees_its_blocks(tiny_dir):
 
 
 # ---------------------------------------------------------------------- batching, chunking, preemption, n > 1, prefix cache
-@pytest.mark.parametrize("method", ["snapkv", "random", "snapkv/generic"])
+@pytest.mark.parametrize("method", ["snapkv", "random", "snapkv/generic", "snapkv/both"])
 def test_batched_and_chunked_prefill_compress_as_alone(tiny_dir, method):
     path = tiny_dir("qwen2")
     prompts = random_prompts(5, 60, 120, seed=4)
@@ -263,7 +263,7 @@ def test_batched_and_chunked_prefill_compress_as_alone(tiny_dir, method):
     _check_free(chunked)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "streaming", "snapkv/generic"])
+@pytest.mark.parametrize("method", ["snapkv", "streaming", "snapkv/generic", "snapkv/both"])
 def test_preemption_with_compression_finishes_every_request(tiny_dir, method):
     path = tiny_dir("llama")
     prompts = random_prompts(6, 100, 110, seed=8)
@@ -403,6 +403,26 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     plain = _llm(path, **flags)
     torch.testing.assert_close(plain.engine.score(tokens, chunk=chunk, compress_at=k), hidden, atol=0, rtol=0)
     assert plain.stats()["kv_probe_tokens_total"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_both_adds_the_windows_scores_and_the_generic_questions(tiny_dir, monkeypatch, backend):
+    """--snapkv-query both: the scores are transformers' attention of the window's last 8 queries
+    over the first k tokens plus that of the generic question appended after them."""
+    path, k = tiny_dir("llama"), 64
+    tokens = random_prompts(1, 100, 100, seed=23)[0]
+    seen = []
+    real = engine_module.top_positions
+    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+    llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40,
+               snapkv_query="both")  # fmt: skip
+    llm.engine.score(tokens, chunk=40, compress_at=k)
+    question = _generic(llm)
+    assert llm.stats()["kv_probe_tokens_total"] == len(question)
+    window = _hf_window_scores(path, tokens[:k], 8, 2)
+    asked = _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k]
+    torch.testing.assert_close(seen[0], window + asked, atol=1e-4, rtol=1e-4)
+    _check_free(llm)
 
 
 def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):

@@ -179,12 +179,12 @@ class ModelRunner:
 
     def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
         """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
-        prompt that will be compressed, or of the generic question that scores it instead (every row)."""
+        prompt that will be compressed, or of the generic question that scores it instead or as well (every row)."""
         if seq.probe is not None:
             return WindowScoreSpan(row, row + end - start, start - self.kv.num_evicted(seq.request_id), tables, seq.window_scores,
                                    context=seq.probe_from)  # fmt: skip
         policy, total = seq.eviction, seq.compression_point
-        if policy is None or policy.method != "snapkv" or policy.query != "window" or seq.eviction_started or policy.tokens_kept(total) >= total:
+        if policy is None or policy.method != "snapkv" or policy.query == "generic" or seq.eviction_started or policy.tokens_kept(total) >= total:
             return None
         first, end = max(start, total - policy.window), min(end, total)
         if first >= end:

@@ -7,7 +7,8 @@ ones, evicting as decode proceeds. random keeps the window and random other toke
 every layer and head (a baseline, not for production). SnapKV's queries are by default the
 prompt's own last tokens, the question when the prompt ends with one; with query "generic" they
 are a generic question (GENERIC_QUESTION) the engine appends after the tokens it compresses,
-computes, and drops again, so a text can be compressed before its questions are known. The budget counts every kept token, the
+computes, and drops again, so a text can be compressed before its questions are known; with
+"both" the window's scores and the question's are added. The budget counts every kept token, the
 window's and the sinks' included; the window takes at most half of it, so a budget near the
 window's size still keeps the positions attention needs most (the first token, a sink, above all).
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 KV_COMPRESSIONS = ("none", "snapkv", "streaming", "random")
-SNAPKV_QUERIES = ("window", "generic")
+SNAPKV_QUERIES = ("window", "generic", "both")
 GENERIC_QUESTION = "\nList every name, number and key fact above."
 
 
@@ -33,7 +34,7 @@ class EvictionPolicy:
     window: int = 32  # snapkv: the last prompt queries that score, all kept
     kernel: int = 7  # snapkv: width of the max-pool that smooths the scores (odd)
     sinks: int = 4  # streaming: first tokens always kept
-    query: str = "window"  # snapkv: whose attention scores: the prompt's last `window` tokens, or GENERIC_QUESTION's
+    query: str = "window"  # snapkv: whose attention scores: the prompt's last `window` tokens, GENERIC_QUESTION's, or both
 
     def __post_init__(self) -> None:
         if self.method not in KV_COMPRESSIONS:

@@ -83,7 +83,7 @@ class _SamplingFields(BaseModel):
     cache_salt: StrictStr | None = None
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
     kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
-    snapkv_query: StrictStr | None = None  # kvserve extension: window | generic, whose attention scores snapkv's positions
+    snapkv_query: StrictStr | None = None  # kvserve extension: window | generic | both, whose attention scores snapkv's positions
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields this server does not implement: refused when they would change the result
