@@ -469,7 +469,7 @@ class LLMEngine:
         if self.kv_spec.layer_windows and all(w is not None for w in self.kv_spec.layer_windows):
             raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
-        if policy.method == "snapkv" and policy.query != "window" and self.tokenizer is None:
+        if policy.asks_generic_question and self.tokenizer is None:
             raise ValueError(f"snapkv_query {policy.query} writes its question with the tokenizer, and this engine has none "
                              "(--skip-tokenizer-init, or no tokenizer files beside the weights): use snapkv_query window (--snapkv-query window)")
         if self.kv_spec.format.kind == "kivi":
@@ -492,7 +492,7 @@ class LLMEngine:
         elif not seq.eviction_started:
             if n < seq.compression_point:
                 return
-            if policy.method == "snapkv" and policy.query != "window" and policy.tokens_kept(n) < n:
+            if policy.asks_generic_question and policy.tokens_kept(n) < n:
                 probe = self._generic_question[: self.max_model_len - n]  # its positions stay below max_model_len
                 if seq.window_scores is None:  # "both" adds the question's scores to the window's
                     seq.window_scores = torch.zeros(self.kv_spec.num_layers, self.kv_spec.num_kv_heads, n, device=self.device)

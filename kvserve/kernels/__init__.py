@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from dataclasses import dataclass
 
@@ -11,7 +10,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels import args
-from kvserve.kernels.build import load_kernels
+from kvserve.kernels.build import cpu_flags, load_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -181,21 +180,6 @@ def bf16_dot_available() -> bool:
 # tiles, beats the packed AVX512-BF16 kernel (1.0-1.6x at 8 rows, 3.7-5.6x at 64, 5-9x at 2,048);
 # below, the packed kernel streams the weight faster (1.25-5.9x at 1-4 rows)
 AMX_GEMM_MIN_ROWS = 8
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (x86 "flags", Arm "Features");
-    empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_has_amx_bf16() -> bool:

@@ -37,16 +37,25 @@ def _flags() -> list[str]:
     return [f"-march={os.environ.get('KVSERVE_MARCH', 'native')}", *FLAGS]
 
 
-def _cpu_flags() -> str:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (x86 "flags", Arm "Features");
+    empty elsewhere."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
     except OSError:
         pass
+    return frozenset()
+
+
+def _cpu_identity() -> str:
     import platform
 
-    return platform.processor() or platform.machine()
+    return " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
@@ -67,7 +76,7 @@ def load_kernels() -> ctypes.CDLL | None:
     for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update("\0".join([compiler, version, *_flags(), _cpu_flags()]).encode())
+    digest.update("\0".join([compiler, version, *_flags(), _cpu_identity()]).encode())
     target = cache_root() / "kernels" / f"kvserve_kernels-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,16 @@ class EvictionPolicy:
     def active(self) -> bool:
         return self.method != "none"
 
+    @property
+    def scores_window(self) -> bool:
+        """snapkv scored (also) by the prompt's last `window` queries."""
+        return self.method == "snapkv" and self.query in ("window", "both")
+
+    @property
+    def asks_generic_question(self) -> bool:
+        """snapkv scored (also) by GENERIC_QUESTION, appended, computed and dropped again."""
+        return self.method == "snapkv" and self.query in ("generic", "both")
+
     def tokens_kept(self, num_tokens: int) -> int:
         """How many of a num_tokens sequence's tokens the budget keeps."""
         if self.budget is not None:
