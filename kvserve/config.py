@@ -82,7 +82,8 @@ class EngineConfig:
     snapkv_window: int = 32
     snapkv_kernel: int = 7
     sink_tokens: int = 4
-    snapkv_query: str = "window"  # window: the prompt's last tokens score (its question); generic: a generic question does
+    snapkv_query: str = "both"  # window: the prompt's last tokens score (its question); generic: a generic question does; both
+    snapkv_question_weight: float = 10.0  # snapkv both: the generic question's mean scores against the window's
 
     def __post_init__(self) -> None:
         try:
@@ -137,7 +138,7 @@ class EngineConfig:
     @property
     def eviction(self) -> EvictionPolicy:
         return EvictionPolicy(self.kv_compression, self.kv_keep_ratio, self.kv_budget, self.snapkv_window, self.snapkv_kernel,
-                              self.sink_tokens, self.snapkv_query)  # fmt: skip
+                              self.sink_tokens, self.snapkv_query, self.snapkv_question_weight)  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -72,9 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "(by default they hold only their window's blocks)")
     group.add_argument("--kv-compression", default="none", choices=list(KV_COMPRESSIONS),
                        help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
-                       "--snapkv-window queries attend to most (per layer and KV head; --snapkv-query generic scores with a "
-                       "generic question instead); streaming keeps --sink-tokens first "
-                       "tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
+                       "--snapkv-window queries and a generic question attend to most (per layer and KV head; see "
+                       "--snapkv-query); streaming keeps --sink-tokens first tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
                        "--kv-keep-ratio or --kv-budget. See the README's KV eviction")
     group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]; with --kv-compression none, the budget of "
                        "requests that ask for compression themselves (the API's kv_compression field)")
@@ -83,12 +82,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="snapkv: the last prompt queries whose attention scores the positions, all kept (default: %(default)s)")
     group.add_argument("--snapkv-kernel", type=int, default=7,
                        help="snapkv: width of the max-pool that smooths the scores, odd (default: %(default)s)")
-    group.add_argument("--snapkv-query", default="window", choices=list(SNAPKV_QUERIES),
-                       help="snapkv: whose attention scores the prompt's positions: window, its last --snapkv-window tokens "
-                       "(the question, when the prompt ends with one); generic, a generic question appended after the "
+    group.add_argument("--snapkv-query", default="both", choices=list(SNAPKV_QUERIES),
+                       help="snapkv: whose attention scores the prompt's positions: window (SnapKV as published), its last "
+                       "--snapkv-window tokens (the question, when the prompt ends with one); generic, a generic question appended after the "
                        "tokens compressed, computed and dropped again (question-agnostic: a document compressed before "
                        "its questions are known; about a dozen more tokens of prefill per sequence; needs a tokenizer); "
-                       "both, the window's scores and the generic question's added (default: %(default)s)")
+                       "both, the window's scores and the generic question's added, weighed by --snapkv-question-weight "
+                       "(default: %(default)s)")
+    group.add_argument("--snapkv-question-weight", type=float, default=10.0,
+                       help="snapkv with --snapkv-query both: how much the generic question's scores weigh against the "
+                       "window's, each averaged over its queries (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 

@@ -178,7 +178,8 @@ def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkey
     seen = []
     real = engine_module.top_positions
     monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
-    llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29)
+    llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29,
+               snapkv_query="window")  # fmt: skip
     kept = _record_compactions(llm)
     llm.generate([prompt], GREEDY, use_tqdm=False)
     expected = _hf_window_scores(path, prompt, 8, 2)
@@ -400,7 +401,7 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     _check_free(llm)
     # the same positions kept by a window-scored SnapKV whose selection is replaced by this one
     monkeypatch.setattr(engine_module, "top_positions", lambda *a: keep)
-    plain = _llm(path, **flags)
+    plain = _llm(path, snapkv_query="window", **flags)
     torch.testing.assert_close(plain.engine.score(tokens, chunk=chunk, compress_at=k), hidden, atol=0, rtol=0)
     assert plain.stats()["kv_probe_tokens_total"] == 0
 
@@ -408,21 +409,32 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_both_adds_the_windows_scores_and_the_generic_questions(tiny_dir, monkeypatch, backend):
     """--snapkv-query both: the scores are transformers' attention of the window's last 8 queries
-    over the first k tokens plus that of the generic question appended after them."""
+    over the first k tokens plus that of the generic question appended after them, each question
+    query weighing --snapkv-question-weight x 8 / len(question) (the two means in that ratio)."""
     path, k = tiny_dir("llama"), 64
     tokens = random_prompts(1, 100, 100, seed=23)[0]
-    seen = []
-    real = engine_module.top_positions
-    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
-    llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40,
-               snapkv_query="both")  # fmt: skip
-    llm.engine.score(tokens, chunk=40, compress_at=k)
-    question = _generic(llm)
-    assert llm.stats()["kv_probe_tokens_total"] == len(question)
     window = _hf_window_scores(path, tokens[:k], 8, 2)
-    asked = _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k]
-    torch.testing.assert_close(seen[0], window + asked, atol=1e-4, rtol=1e-4)
-    _check_free(llm)
+    for weight in (3.0, 0.5):
+        seen = []
+        real = engine_module.top_positions
+        monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+        llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40,
+                   snapkv_query="both", snapkv_question_weight=weight)  # fmt: skip
+        llm.engine.score(tokens, chunk=40, compress_at=k)
+        monkeypatch.setattr(engine_module, "top_positions", real)
+        question = _generic(llm)
+        assert llm.stats()["kv_probe_tokens_total"] == len(question)
+        asked = _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k]
+        torch.testing.assert_close(seen[0], window + asked * (weight * 8 / len(question)), atol=1e-4, rtol=1e-4)
+        _check_free(llm)
+
+
+def test_the_question_weight_is_validated():
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "3"):
+        with pytest.raises(ValueError, match="snapkv_question_weight must be a positive finite number"):
+            EvictionPolicy("snapkv", 0.5, query="both", question_weight=bad)
+    assert EvictionPolicy("snapkv", 0.5, query="generic").question_query_weight(32, 11) == 1.0  # only "both" mixes
+    assert EvictionPolicy("snapkv", 0.5, query="both", question_weight=2.0).question_query_weight(32, 8) == 8.0
 
 
 def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):
@@ -447,7 +459,7 @@ def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(t
 def test_a_request_chooses_the_generic_question(tiny_dir):
     path = tiny_dir("llama")
     prompt = random_prompts(1, 90, 90, seed=27)[0]
-    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8)  # the engine scores with the window
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8, snapkv_query="window")  # the engine scores with the window
     generic = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, snapkv_query="generic")
     out = llm.generate([prompt], generic, use_tqdm=False)[0]
     assert llm.stats()["kv_probe_tokens_total"] == len(_generic(llm))
@@ -497,7 +509,7 @@ def test_a_generic_question_on_gemma3_and_where_it_cannot_run(tiny_dir):
     assert llm.stats()["kv_probe_tokens_total"] == 3 * len(_generic(llm))
     _check_free(llm)
     for prompt, keep, run in zip(prompts, kept, runs):
-        plain = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8)
+        plain = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.4, snapkv_window=8, snapkv_query="window")
         plain.engine.pool.compact = (lambda compact: lambda ids, slices, _, *rest: compact(ids, slices, keep, *rest))(plain.engine.pool.compact)
         assert _run_counting_blocks(plain, prompt, params) == run  # same tokens, and no block of the question held
     full = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_budget=8, snapkv_window=8, max_model_len=40)
@@ -511,7 +523,9 @@ def test_a_generic_question_on_gemma3_and_where_it_cannot_run(tiny_dir):
     assert full.stats()["kv_probe_tokens_total"] == 2 and full.stats()["kv_compactions_total"] == 1
     with pytest.raises(ValueError, match="tokenizer"):
         _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.5, skip_tokenizer_init=True)
-    _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True)  # the prompt's window needs none
+    with pytest.raises(ValueError, match="the default is both.*--snapkv-query window"):
+        _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True)
+    _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, skip_tokenizer_init=True, snapkv_query="window")  # the prompt's window needs none
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

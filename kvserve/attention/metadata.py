@@ -36,6 +36,7 @@ class WindowScoreSpan:
     block_tables: list[torch.Tensor]  # per group: [nb] blocks covering kv_len slots
     out: torch.Tensor  # full-attention layers' rows are filled; sliding-window layers evict nothing
     context: int | None = None  # a generic question's rows score only the first `context` keys, those it follows
+    weight: float = 1.0  # each query's scores count this much (a generic question's under --snapkv-query both)
 
     @property
     def kv_len(self) -> int:

@@ -463,15 +463,16 @@ class LLMEngine:
             if method != "none" and params.kv_keep_ratio is None and policy.keep_ratio is None and policy.budget is None:
                 raise ValueError(f"kv_compression {method} needs kv_keep_ratio (the engine has no --kv-keep-ratio or --kv-budget)")
             ratio, budget = (params.kv_keep_ratio, None) if params.kv_keep_ratio is not None else (policy.keep_ratio, policy.budget)
-            policy = EvictionPolicy(method, ratio, budget, policy.window, policy.kernel, policy.sinks, policy.query)
+            policy = dataclasses.replace(policy, method=method, keep_ratio=ratio, budget=budget)
         if not policy.active:
             return None
         if self.kv_spec.layer_windows and all(w is not None for w in self.kv_spec.layer_windows):
             raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
         if policy.asks_generic_question and self.tokenizer is None:
-            raise ValueError(f"snapkv_query {policy.query} writes its question with the tokenizer, and this engine has none "
-                             "(--skip-tokenizer-init, or no tokenizer files beside the weights): use snapkv_query window (--snapkv-query window)")
+            raise ValueError(f"snapkv_query {policy.query} (--snapkv-query; the default is both) writes its generic question with "
+                             "the tokenizer, and this engine has none (--skip-tokenizer-init, or no tokenizer files beside the "
+                             "weights): use snapkv_query window (--snapkv-query window)")  # fmt: skip
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy
@@ -631,6 +632,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_compression": self.config.kv_compression,
             "snapkv_query": self.config.snapkv_query,
+            "snapkv_question_weight": self.config.snapkv_question_weight,
             "kv_evicted_tokens_total": self.num_evicted_tokens,
             "kv_compactions_total": self.num_compactions,
             "kv_probe_tokens_total": self.num_probe_tokens,

@@ -8,7 +8,8 @@ every layer and head (a baseline, not for production). SnapKV's queries are by d
 prompt's own last tokens, the question when the prompt ends with one; with query "generic" they
 are a generic question (GENERIC_QUESTION) the engine appends after the tokens it compresses,
 computes, and drops again, so a text can be compressed before its questions are known; with
-"both" the window's scores and the question's are added. The budget counts every kept token, the
+"both" the window's scores and the question's are added, the question's weighing `question_weight`
+times the window's (each averaged over its queries). The budget counts every kept token, the
 window's and the sinks' included; the window takes at most half of it, so a budget near the
 window's size still keeps the positions attention needs most (the first token, a sink, above all).
 """
@@ -34,7 +35,8 @@ class EvictionPolicy:
     window: int = 32  # snapkv: the last prompt queries that score, all kept
     kernel: int = 7  # snapkv: width of the max-pool that smooths the scores (odd)
     sinks: int = 4  # streaming: first tokens always kept
-    query: str = "window"  # snapkv: whose attention scores: the prompt's last `window` tokens, GENERIC_QUESTION's, or both
+    query: str = "both"  # snapkv: whose attention scores: the prompt's last `window` tokens, GENERIC_QUESTION's, or both
+    question_weight: float = 10.0  # snapkv "both": the question's mean scores per query count this much against the window's
 
     def __post_init__(self) -> None:
         if self.method not in KV_COMPRESSIONS:
@@ -53,6 +55,9 @@ class EvictionPolicy:
                 raise ValueError(f"{flag} must be an integer of at least {low}, got {value!r}")
         if self.query not in SNAPKV_QUERIES:
             raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {self.query!r}")
+        weight = self.question_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"snapkv_question_weight must be a positive finite number, got {weight!r}")
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel must be odd (the pooled scores keep their positions), got {self.kernel}")
         if self.method != "none" and self.keep_ratio is None and self.budget is None:
@@ -71,6 +76,13 @@ class EvictionPolicy:
     def asks_generic_question(self) -> bool:
         """snapkv scored (also) by GENERIC_QUESTION, appended, computed and dropped again."""
         return self.method == "snapkv" and self.query in ("generic", "both")
+
+    def question_query_weight(self, window_queries: int, question_queries: int) -> float:
+        """What each of the generic question's queries counts, window queries counting 1 (the window's
+        own scores are plain sums): with "both", question_weight times the window's mean per query."""
+        if self.query != "both":
+            return 1.0
+        return self.question_weight * window_queries / question_queries
 
     def tokens_kept(self, num_tokens: int) -> int:
         """How many of a num_tokens sequence's tokens the budget keeps."""
