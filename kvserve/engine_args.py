@@ -91,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "(default: %(default)s)")
     group.add_argument("--snapkv-question-weight", type=float, default=10.0,
                        help="snapkv with --snapkv-query both: how much the generic question's scores weigh against the "
-                       "window's, each averaged over its queries (default: %(default)s)")
+                       "window's, each averaged over its queries; in (0, 1e6] (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
 
 

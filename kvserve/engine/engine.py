@@ -470,9 +470,9 @@ class LLMEngine:
             raise ValueError(f"kv_compression {policy.method}: every layer of {self.config.model} has a sliding window, and "
                              "compression applies to full-attention layers (a sliding window already bounds the others)")  # fmt: skip
         if policy.asks_generic_question and self.tokenizer is None:
-            raise ValueError(f"snapkv_query {policy.query} (--snapkv-query; the default is both) writes its generic question with "
-                             "the tokenizer, and this engine has none (--skip-tokenizer-init, or no tokenizer files beside the "
-                             "weights): use snapkv_query window (--snapkv-query window)")  # fmt: skip
+            raise ValueError(f"snapkv_query {policy.query} writes its generic question with the tokenizer, and this engine has "
+                             "none (--skip-tokenizer-init, or no tokenizer files beside the weights): use snapkv_query window "
+                             "(--snapkv-query window; both is --snapkv-query's default)")  # fmt: skip
         if self.kv_spec.format.kind == "kivi":
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_spec.kv_dtype}")
         return policy

@@ -52,7 +52,8 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--needle-question", choices=("inside", "outside", "both"), default="inside",
                        help="KV compression (--kv-compression) of a needle case: inside compresses the prompt with the question "
                        "at its end (SnapKV's window reads it); outside compresses the haystack before the question is read "
-                       "(question-agnostic); both runs each (default: %(default)s)")
+                       "(question-agnostic: the window is the haystack's last tokens, with --snapkv-query both or generic "
+                       "the generic question too); both runs each (default: %(default)s)")
     group.add_argument("--score-from", type=int, default=0,
                        help="score each window's positions from this one on; a configuration with --kv-compression compresses "
                        "the window's first N tokens before it computes the rest, so e.g. --context 2048 --score-from 1536 "

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 KV_COMPRESSIONS = ("none", "snapkv", "streaming", "random")
 SNAPKV_QUERIES = ("window", "generic", "both")
 GENERIC_QUESTION = "\nList every name, number and key fact above."
+MAX_QUESTION_WEIGHT = 1e6  # float32 scores times a larger one could overflow to inf
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class EvictionPolicy:
         if self.query not in SNAPKV_QUERIES:
             raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {self.query!r}")
         weight = self.question_weight
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-            raise ValueError(f"snapkv_question_weight must be a positive finite number, got {weight!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_QUESTION_WEIGHT:
+            raise ValueError(f"snapkv_question_weight must be a number in (0, {MAX_QUESTION_WEIGHT:g}], got {weight!r}")
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel must be odd (the pooled scores keep their positions), got {self.kernel}")
         if self.method != "none" and self.keep_ratio is None and self.budget is None:
