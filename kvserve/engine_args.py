@@ -73,8 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-compression", default="none", choices=list(KV_COMPRESSIONS),
                        help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
                        "--snapkv-window queries and a generic question attend to most (per layer and KV head; see "
-                       "--snapkv-query); streaming keeps --sink-tokens first tokens and the most recent ones, evicting as decode proceeds; random is a baseline. Needs "
-                       "--kv-keep-ratio or --kv-budget. See the README's KV eviction")
+                       "--snapkv-query); streaming keeps --sink-tokens first tokens and the most recent ones, evicting as "
+                       "decode proceeds; random is a baseline. Needs --kv-keep-ratio or --kv-budget. See the README's KV eviction")
     group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]; with --kv-compression none, the budget of "
                        "requests that ask for compression themselves (the API's kv_compression field)")
     group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio); with --kv-compression none, as --kv-keep-ratio")

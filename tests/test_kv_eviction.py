@@ -434,7 +434,7 @@ def test_the_question_weight_is_validated():
         with pytest.raises(ValueError, match=r"snapkv_question_weight must be a number in \(0, 1e\+06\]"):
             EvictionPolicy("snapkv", 0.5, query="both", question_weight=bad)
     assert EvictionPolicy("snapkv", 0.5, query="generic").question_query_weight(32, 11) == 1.0  # only "both" mixes
-    assert EvictionPolicy("snapkv", 0.5, query="both", question_weight=2.0).question_query_weight(32, 8) == 8.0
+    assert EvictionPolicy("snapkv", 0.5, query="both", question_weight=2.0).question_query_weight(100, 8) == 8.0  # 2 x 32 / 8
 
 
 def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):

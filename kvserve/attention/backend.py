@@ -66,8 +66,8 @@ class AttentionBackend(abc.ABC):
         for span in meta.window_scores:
             keys, _ = kv.gather(span.block_tables[kv.group])
             scored = span.kv_len if span.context is None else span.context
-            scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)[:, :scored]
-            span.out[layer, :, :scored] += scores if span.weight == 1.0 else scores * span.weight
+            scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
+            span.out[layer, :, :scored].add_(scores[:, :scored], alpha=span.weight)
 
     def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v in the pool's Hadamard basis when it stores K/V rotated (kv/rotation.py)."""

@@ -181,7 +181,7 @@ class ModelRunner:
         """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
         prompt that will be compressed, or of the generic question that scores it instead or as well (every row)."""
         if seq.probe is not None:
-            weight = seq.eviction.question_query_weight(min(seq.eviction.window, seq.probe_from), len(seq.probe))
+            weight = seq.eviction.question_query_weight(seq.probe_from, len(seq.probe))
             return WindowScoreSpan(row, row + end - start, start - self.kv.num_evicted(seq.request_id), tables, seq.window_scores,
                                    context=seq.probe_from, weight=weight)  # fmt: skip
         policy, total = seq.eviction, seq.compression_point

@@ -78,12 +78,13 @@ class EvictionPolicy:
         """snapkv scored (also) by GENERIC_QUESTION, appended, computed and dropped again."""
         return self.method == "snapkv" and self.query in ("generic", "both")
 
-    def question_query_weight(self, window_queries: int, question_queries: int) -> float:
-        """What each of the generic question's queries counts, window queries counting 1 (the window's
-        own scores are plain sums): with "both", question_weight times the window's mean per query."""
+    def question_query_weight(self, num_compressed: int, question_len: int) -> float:
+        """What each of the generic question's queries counts when it scores num_compressed tokens, a
+        window query counting 1 (the window's own scores are plain sums): with "both", question_weight
+        times the mean of the window's min(window, num_compressed) queries."""
         if self.query != "both":
             return 1.0
-        return self.question_weight * window_queries / question_queries
+        return self.question_weight * min(self.window, num_compressed) / question_len
 
     def tokens_kept(self, num_tokens: int) -> int:
         """How many of a num_tokens sequence's tokens the budget keeps."""
