@@ -404,9 +404,9 @@ def test_the_cpu_flags_are_read_from_cpuinfo():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("count,window", [(70, None), (70, 20), (70, 70), (1, None), (33, 1)])
-def test_a_prefill_that_opens_its_sequence_on_amx_matches_the_paged_kernel(shape, count, window):
-    """cpu_paged's AMX path (torch's flash SDPA on the chunk's fresh K/V, a banded mask for a window
-    shorter than the chunk) against the float32 reference over the stored K/V, bf16 as it runs."""
+def test_a_prefill_that_opens_its_sequence_on_sdpa_matches_the_reference(shape, count, window):
+    """The torch_sdpa backend's first chunk (torch's flash SDPA on the chunk's fresh K/V, a banded
+    mask for a window shorter than the chunk) against the float32 reference, bf16 as it runs."""
     from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
     from kvserve.attention.torch_sdpa import fresh_prefill_attention
 
@@ -427,8 +427,8 @@ def test_a_prefill_that_opens_its_sequence_on_amx_matches_the_paged_kernel(shape
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("start,count,window", [(37, 50, None), (100, 70, 20), (100, 70, 90), (160, 33, 16), (0, 40, 7), (5, 1, 3)])
 def test_a_prefill_over_cached_slots_on_sdpa_matches_the_reference(backend_name, shape, start, count, window):
-    """cached_prefill_attention (cpu_paged's AMX path for a later chunk, torch_sdpa's for every chunk
-    it does not open fresh): the blocks a window has left are not read (poisoned here), a window
+    """cached_prefill_attention (the torch_sdpa backend's path for every chunk it does not open
+    fresh, over either backend's pool): the blocks a window has left are not read (poisoned here), a window
     shorter than the chunk runs in pieces; against the float32 reference, bf16 as it runs."""
     from kvserve.attention.backend import create_backend
     from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
@@ -453,38 +453,3 @@ def test_a_prefill_over_cached_slots_on_sdpa_matches_the_reference(backend_name,
     ref = reference_attention(q, kv.key.float().nan_to_num(), kv.value.float(), table.tolist(), block_size, torch.arange(start, start + count), window)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
-
-
-def test_the_engine_prefills_on_amx_by_chunk(tiny_dir, monkeypatch):
-    """With the AMX dispatch on (forced here on any CPU), the bf16 engine runs each prompt's first
-    chunk on SDPA over its fresh K/V, later chunks of CACHED_PREFILL_MIN_ROWS rows or more on SDPA
-    over the gathered cache, shorter ones on the paged kernel, and scores its first token as the
-    native-only engine does (up to bf16 rounding)."""
-    from conftest import random_prompts
-    from kvserve import LLM, SamplingParams
-    from kvserve.attention import cpu_paged
-
-    calls = {"fresh": [], "cached": [], "native": []}
-    fresh, cached, native = cpu_paged.fresh_prefill_attention, cpu_paged.cached_prefill_attention, kernels.paged_prefill_attention
-    monkeypatch.setattr(cpu_paged, "fresh_prefill_attention", lambda *a: calls["fresh"].append(a[3].num_tokens) or fresh(*a))
-    monkeypatch.setattr(cpu_paged, "cached_prefill_attention", lambda *a: calls["cached"].append((a[4].num_tokens, a[4].kv_starts)) or cached(*a))
-    monkeypatch.setattr(kernels, "paged_prefill_attention", lambda q, *a, **k: calls["native"].append(q.shape[0]) or native(q, *a, **k))
-    prompts = random_prompts(4, 100, 200, seed=3)
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
-    runs, native_rows = {}, {}
-    for amx in (False, True):
-        for made in calls.values():
-            made.clear()
-        monkeypatch.setattr(kernels, "amx_gemm_min_rows", lambda: 8 if amx else None)
-        llm = LLM(str(tiny_dir("gemma3")), dtype="bfloat16", kv_cache_memory=0.02, max_num_batched_tokens=64, enable_prefix_caching=False)
-        runs[amx] = llm.generate(prompts, params, use_tqdm=False)
-        native_rows[amx] = list(calls["native"])
-        del llm
-    assert not native_rows[True] or max(native_rows[True]) < cpu_paged.CACHED_PREFILL_MIN_ROWS
-    # every prompt opens with one chunk on fresh SDPA (64 tokens at most: the step's budget), 3 layers each
-    assert len(calls["fresh"]) == 4 * 3 and max(calls["fresh"]) <= 64
-    assert calls["cached"] and all(n >= cpu_paged.CACHED_PREFILL_MIN_ROWS and min(starts) > 0 for n, starts in calls["cached"])
-    assert sum(native_rows[False]) > sum(native_rows[True])
-    for native_run, amx_run in zip(runs[False], runs[True]):
-        assert native_run.token_ids[0] == amx_run.token_ids[0]
-        assert abs(native_run.logprobs[0].logprob - amx_run.logprobs[0].logprob) < 0.05

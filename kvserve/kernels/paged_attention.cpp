@@ -315,11 +315,37 @@ bool decode_task_kivi_dispatch(int group, float* out_rows, const float* queries,
 inline bool plain_float_view(const KVView& kv) { return is_float_format(kv.dtype) && kv.first_residual >= (int64_t{1} << 62); }
 
 
-// ---- vectorized path: head_dim a multiple of 16, group size known at compile time -------------
+// ---- a tile of query rows over one KV head, head_dim a multiple of 16 ---------------------------
+// Rows are a decode step's group of query heads, or a prefill tile's tokens times that group; row r
+// sees slots [first[r], end[r]) of one sequence (one block table). Every row's arithmetic is fixed
+// by its own range and the slots' positions, never by the other rows: keys are walked block by
+// block from the start of the block holding the tile's first slot, a key's score is its own dot
+// product, and values are paired at even offsets within a block (a slot outside a row's range
+// weighs exactly 0 there, so it adds nothing). That is what lets a prefill tile share each key and
+// value load among its tokens and still give each token the bits it would get decoding alone.
 
-struct NextRun {
-  int64_t offset = 0;  // element offset of the next run's first row
-  int64_t run = 0;     // its length (0 at the end)
+struct TileRows {
+  int count;             // query rows
+  const int64_t* first;  // [count]: the first visible slot of each row
+  const int64_t* end;    // [count]: one past its last
+  int64_t lo() const { return *std::min_element(first, first + count); }
+  int64_t hi() const { return *std::max_element(end, end + count); }
+};
+
+struct TileScratch {
+  std::vector<float> scores;   // [rows][span]: scores, then probabilities (the float path)
+  std::vector<uint16_t> probs; // [rows][span + 1]: bf16 probabilities (the bf16 path)
+  std::vector<float> acc;      // [rows][head_dim]
+  std::vector<float> value_scales;
+  std::vector<float> vectors;  // 64-byte vectors for the bf16 path (partial sums, value pairs)
+
+  // n zeroed 64-byte vectors of type V, aligned
+  template <typename V>
+  V* aligned(size_t n) {
+    vectors.assign(n * 16 + 16, 0.f);
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(vectors.data()) + 63) & ~uintptr_t{63};
+    return reinterpret_cast<V*>(at);
+  }
 };
 
 // Element offset of slot `position` of a sequence (block table `table`), kv head `kv_head`.
@@ -328,59 +354,113 @@ inline int64_t kv_offset(const KVView& kv, const int64_t* table, int64_t positio
          static_cast<int64_t>(kv_head) * kv.head_dim;
 }
 
-// Calls fn(i, offset, run, next) for each run of consecutive positions inside one block: i is the
-// index of the run's first position relative to `first`, offset the element offset of its first
-// K/V row, next the run after it. Blocks are scattered through the pool, so the hardware
-// prefetcher stalls at every block edge: the first run is prefetched here; with kBulkPrefetch the
-// next run is too, all at once before each call, otherwise fn spreads those prefetches over its
-// own loop (measured better where fn computes much per row).
-template <bool kBulkPrefetch, typename Fn>
-inline void for_each_block_run(const int64_t* table, int64_t first, int64_t count, int kv_head, const KVView& kv,
-                               const void* cache, int elem_bytes, Fn fn) {
-  const int64_t row_stride = kv.token_stride;
-  const int64_t row_bytes = static_cast<int64_t>(kv.head_dim) * elem_bytes;
-  const int block_size = kv.block_size;
-  auto run_at = [&](int64_t i, int64_t& offset) {
-    const int64_t position = first + i;
-    const int64_t block = position / block_size;
-    const int64_t within = position - block * block_size;
-    offset = table[block] * kv.block_stride + within * kv.token_stride + static_cast<int64_t>(kv_head) * kv.head_dim;
-    return std::min<int64_t>(block_size - within, count - i);
-  };
-  auto prefetch = [&](int64_t offset, int64_t run) {
-    const char* base = static_cast<const char*>(cache) + offset * elem_bytes;
-    for (int64_t j = 0; j < run; ++j)
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(base + j * row_stride * elem_bytes + byte);
-  };
-  int64_t i = 0;
-  int64_t offset = 0;
-  int64_t run = count > 0 ? run_at(0, offset) : 0;
-  if (run) prefetch(offset, run);
-  while (i < count) {
-    const int64_t next = i + run;
-    NextRun ahead;
-    ahead.run = next < count ? run_at(next, ahead.offset) : 0;
-    if (kBulkPrefetch && ahead.run) prefetch(ahead.offset, ahead.run);
-    fn(i, offset, run, ahead);
-    i = next;
-    offset = ahead.offset;
-    run = ahead.run;
+// Element offset of the block of slot `position` (its first row, kv head kv_head).
+inline int64_t block_offset(const KVView& kv, const int64_t* table, int64_t position, int kv_head) {
+  return table[position / kv.block_size] * kv.block_stride + static_cast<int64_t>(kv_head) * kv.head_dim;
+}
+
+// Calls fn(block_start, begin, end, offset, next_offset) for each block of slots covering [lo, hi):
+// the block's first slot, the part [begin, end) of it inside [lo, hi), the element offset of the
+// block's first row and of the next block's (-1 at the end, for prefetching).
+template <typename Fn>
+inline void for_each_block(const KVView& kv, const int64_t* table, int64_t lo, int64_t hi, int kv_head, Fn fn) {
+  const int bs = kv.block_size;
+  for (int64_t start = lo - lo % bs; start < hi; start += bs) {
+    const int64_t next = start + bs < hi ? block_offset(kv, table, start + bs, kv_head) : -1;
+    fn(start, std::max(lo, start), std::min(hi, start + bs), block_offset(kv, table, start, kv_head), next);
   }
 }
 
-template <int G, int DT>
-void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
-                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc, float* lse) {
-  const void* key_cache = kv.key;
-  const void* value_cache = kv.value;
-  const int head_dim = kv.head_dim;
-  const int chunks = head_dim / 16;
-  const int64_t row_stride = kv.token_stride;
-  scores.resize(static_cast<size_t>(G) * count);
-  float* s = scores.data();
+inline void prefetch_row(const void* cache, int64_t offset, int elem_bytes, int row_bytes) {
+  const char* row = static_cast<const char*>(cache) + offset * elem_bytes;
+  for (int byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+}
 
-  // int8 / fp8 records: a row's codes times its fp16 scale (kv_formats.h); keys' scales multiply the
-  // scores, values' the probabilities
+// softmax over each row's own range of scores [rows][span] (span from slot `base`); outside its
+// range a row's entries become exactly 0. inv_sum[r], and lse[r] where given.
+inline void tile_softmax(float* scores, int64_t span, int64_t base, const TileRows& rows, float* inv_sum, float* lse) {
+  for (int r = 0; r < rows.count; ++r) {
+    float* row = scores + r * span;
+    const int64_t from = rows.first[r] - base, to = rows.end[r] - base;
+    softmax_rows(row + from, 1, to - from, inv_sum + r, lse ? lse + r : nullptr);
+    std::fill(row, row + from, 0.f);
+    std::fill(row + to, row + span, 0.f);
+  }
+}
+
+template <int RB, typename Load>
+inline void float_scores_block(float* s, int64_t span, const float* queries, int head_dim, const void* key_cache, int64_t offset,
+                               Load load, int64_t at, float key_scale) {
+  const int chunks = head_dim / 16;
+  f32x16 a[RB], b[RB];
+  for (int r = 0; r < RB; ++r) a[r] = b[r] = f32x16{};
+  int c = 0;
+  for (; c + 1 < chunks; c += 2) {
+    const f32x16 k0 = load(key_cache, offset + c * 16);
+    const f32x16 k1 = load(key_cache, offset + c * 16 + 16);
+    for (int r = 0; r < RB; ++r) {
+      f32x16 q0, q1;
+      std::memcpy(&q0, queries + r * head_dim + c * 16, sizeof(q0));
+      std::memcpy(&q1, queries + r * head_dim + c * 16 + 16, sizeof(q1));
+      a[r] += q0 * k0;
+      b[r] += q1 * k1;
+    }
+  }
+  if (c < chunks) {
+    const f32x16 k0 = load(key_cache, offset + c * 16);
+    for (int r = 0; r < RB; ++r) {
+      f32x16 q0;
+      std::memcpy(&q0, queries + r * head_dim + c * 16, sizeof(q0));
+      a[r] += q0 * k0;
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r * span + at] = hsum(a[r] + b[r]) * key_scale;
+}
+
+template <int RB, typename Load>
+inline void float_values_block(float* acc, const float* p, int64_t span, int head_dim, int c, const void* value_cache, int64_t offset,
+                               int64_t row_stride, Load load, int64_t at, int64_t from, int64_t to) {
+  // pairs at even offsets of the block: slot j adds into a, j + 1 into b
+  f32x16 a[RB], b[RB];
+  for (int r = 0; r < RB; ++r) {
+    std::memcpy(&a[r], acc + r * head_dim + c * 16, sizeof(a[r]));
+    b[r] = f32x16{};
+  }
+  for (int64_t j = from - from % 2; j < to; j += 2) {
+    const f32x16 v0 = j >= from ? load(value_cache, offset + j * row_stride + c * 16) : f32x16{};
+    const f32x16 v1 = j + 1 < to ? load(value_cache, offset + (j + 1) * row_stride + c * 16) : f32x16{};
+    for (int r = 0; r < RB; ++r) {
+      a[r] += p[r * span + at + j] * v0;
+      b[r] += p[r * span + at + j + 1] * v1;
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const f32x16 sum = a[r] + b[r];
+    std::memcpy(acc + r * head_dim + c * 16, &sum, sizeof(sum));
+  }
+}
+
+// fn(std::integral_constant<int, RB>{}, row) over the rows in blocks of up to 8
+template <typename Fn>
+inline void for_each_row_block(int rows, Fn fn) {
+  int r = 0;
+  for (; r + 8 <= rows; r += 8) fn(std::integral_constant<int, 8>{}, r);
+  switch (rows - r) {
+    case 7: fn(std::integral_constant<int, 7>{}, r); break;
+    case 6: fn(std::integral_constant<int, 6>{}, r); break;
+    case 5: fn(std::integral_constant<int, 5>{}, r); break;
+    case 4: fn(std::integral_constant<int, 4>{}, r); break;
+    case 3: fn(std::integral_constant<int, 3>{}, r); break;
+    case 2: fn(std::integral_constant<int, 2>{}, r); break;
+    case 1: fn(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// float queries [rows][head_dim] (unscaled); float or int8 / fp8 K/V. out_rows [rows][head_dim].
+template <int DT>
+void attend_tile_float(float* out_rows, float* lse, const float* queries, const TileRows& rows, const KVView& kv, const int64_t* table,
+                       int kv_head, float scale, TileScratch& scratch) {
   constexpr bool kScaled = DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2;
   constexpr int kElemBytes = DT == kFloat32 ? 4 : kScaled ? 1 : 2;
   auto load = [](const void* cache, int64_t offset) {
@@ -389,119 +469,56 @@ void decode_task_fast(float* out_rows, const float* queries, const KVView& kv, c
     else
       return load16<DT>(cache, offset);
   };
-  // a run's row scales (kv_formats.h); 1 for float formats
-  auto run_scales = [&](const void* cache, int64_t i0, int64_t base) { return RunScales(kv, cache, base, (first + i0) % kv.block_size, kv_head); };
-  auto scale_at = [&](const RunScales& scales, int64_t j) {
+  auto row_scale = [&](const void* cache, int64_t offset, int64_t within) {
     if constexpr (kScaled)
-      return scales[j];
+      return RunScales(kv, cache, offset + within * kv.token_stride, within, kv_head)[0];
     else
       return 1.f;
   };
-  const int64_t row_bytes = static_cast<int64_t>(head_dim) * kElemBytes;
-  auto prefetch_bytes = [&](const void* cache, int64_t offset, int64_t from, int64_t to) {
-    const char* row = static_cast<const char*>(cache) + offset * kElemBytes;
-    for (int64_t byte = from; byte < to; byte += 64) __builtin_prefetch(row + byte, 0, 2);
-  };
-  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
-    // the next run's rows, spread over this run's keys
-    for (int64_t j = run; j < next.run; ++j) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
-    const RunScales key_scales = run_scales(key_cache, i0, base);
-    for (int64_t j = 0; j < run; ++j) {
-      if (j < next.run) prefetch_bytes(key_cache, next.offset + j * row_stride, 0, row_bytes);
-      const int64_t offset = base + j * row_stride;
-      f32x16 a[G], b[G];
-      for (int g = 0; g < G; ++g) a[g] = b[g] = f32x16{};
-      int c = 0;
-      for (; c + 1 < chunks; c += 2) {
-        const f32x16 k0 = load(key_cache, offset + c * 16);
-        const f32x16 k1 = load(key_cache, offset + c * 16 + 16);
-        for (int g = 0; g < G; ++g) {
-          f32x16 q0, q1;
-          std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
-          std::memcpy(&q1, queries + g * head_dim + c * 16 + 16, sizeof(q1));
-          a[g] += q0 * k0;
-          b[g] += q1 * k1;
-        }
-      }
-      if (c < chunks) {
-        const f32x16 k0 = load(key_cache, offset + c * 16);
-        for (int g = 0; g < G; ++g) {
-          f32x16 q0;
-          std::memcpy(&q0, queries + g * head_dim + c * 16, sizeof(q0));
-          a[g] += q0 * k0;
-        }
-      }
-      const float key_scale = scale * scale_at(key_scales, j);
-      for (int g = 0; g < G; ++g) s[g * count + i0 + j] = hsum(a[g] + b[g]) * key_scale;
+  const int head_dim = kv.head_dim;
+  const int64_t row_stride = kv.token_stride;
+  const int row_bytes = head_dim * kElemBytes;
+  const int64_t lo = rows.lo(), hi = rows.hi();
+  const int64_t base = lo - lo % kv.block_size, span = hi - base + 1;  // + 1: the pair past the last slot
+  scratch.scores.assign(static_cast<size_t>(rows.count) * span, 0.f);
+  float* s = scratch.scores.data();
+
+  for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
+    for (int64_t j = begin - start; j < end - start; ++j) {
+      if (next >= 0) prefetch_row(kv.key, next + j * row_stride, kElemBytes, row_bytes);
+      const float key_scale = scale * row_scale(kv.key, offset, j);
+      for_each_row_block(rows.count, [&](auto size, int r0) {
+        float_scores_block<decltype(size)::value>(s + r0 * span, span, queries + static_cast<size_t>(r0) * head_dim, head_dim, kv.key,
+                                                  offset + j * row_stride, load, start + j - base, key_scale);
+      });
     }
   });
 
-  float inv_sum[G];
-  softmax_rows(s, G, count, inv_sum, lse);
+  std::vector<float> inv_sum(rows.count);
+  tile_softmax(s, span, base, rows, inv_sum.data(), lse);
   if constexpr (kScaled)
-    for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
-      const RunScales value_scales = run_scales(value_cache, i0, base);
-      for (int64_t j = 0; j < run; ++j) {
-        const float value_scale = scale_at(value_scales, j);
-        for (int g = 0; g < G; ++g) s[g * count + i0 + j] *= value_scale;
+    for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t) {
+      for (int64_t j = begin - start; j < end - start; ++j) {
+        const float value_scale = row_scale(kv.value, offset, j);
+        for (int r = 0; r < rows.count; ++r) s[r * span + start + j - base] *= value_scale;
       }
     });
 
-  acc.assign(static_cast<size_t>(G) * head_dim, 0.f);
-  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
-    for (int c = 0; c < chunks; ++c) {
-      // the next run's rows, this chunk's bytes of each
-      for (int64_t j = 0; j < next.run; ++j)
-        prefetch_bytes(value_cache, next.offset + j * row_stride, c * 16 * kElemBytes, (c + 1) * 16 * kElemBytes);
-      f32x16 a[G], b[G];
-      for (int g = 0; g < G; ++g) {
-        std::memcpy(&a[g], acc.data() + g * head_dim + c * 16, sizeof(a[g]));
-        b[g] = f32x16{};
-      }
-      int64_t j = 0;
-      for (; j + 1 < run; j += 2) {
-        const f32x16 v0 = load(value_cache, base + j * row_stride + c * 16);
-        const f32x16 v1 = load(value_cache, base + (j + 1) * row_stride + c * 16);
-        for (int g = 0; g < G; ++g) {
-          a[g] += s[g * count + i0 + j] * v0;
-          b[g] += s[g * count + i0 + j + 1] * v1;
-        }
-      }
-      if (j < run) {
-        const f32x16 v0 = load(value_cache, base + j * row_stride + c * 16);
-        for (int g = 0; g < G; ++g) a[g] += s[g * count + i0 + j] * v0;
-      }
-      for (int g = 0; g < G; ++g) {
-        f32x16 sum = a[g] + b[g];
-        std::memcpy(acc.data() + g * head_dim + c * 16, &sum, sizeof(sum));
-      }
+  scratch.acc.assign(static_cast<size_t>(rows.count) * head_dim, 0.f);
+  float* acc = scratch.acc.data();
+  for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
+    for (int c = 0; c < head_dim / 16; ++c) {
+      if (next >= 0)
+        for (int64_t j = 0; j < kv.block_size; ++j) __builtin_prefetch(static_cast<const char*>(kv.value) + (next + j * row_stride + c * 16) * kElemBytes, 0, 2);
+      for_each_row_block(rows.count, [&](auto size, int r0) {
+        float_values_block<decltype(size)::value>(acc + static_cast<size_t>(r0) * head_dim, s + r0 * span, span, head_dim, c, kv.value,
+                                                  offset, row_stride, load, start - base, begin - start, end - start);
+      });
     }
   });
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+  for (int r = 0; r < rows.count; ++r)
+    for (int d = 0; d < head_dim; ++d) out_rows[r * head_dim + d] = acc[r * head_dim + d] * inv_sum[r];
 }
-
-template <int G>
-bool decode_task_dispatch_dtype(float* out_rows, const float* queries, const KVView& kv, const int64_t* table, int64_t first,
-                                int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<float>& acc,
-                                float* lse) {
-  if (!is_float_format(kv.dtype) && !is_scaled_format(kv.dtype)) return false;
-  return with_kv_dtype(kv.dtype, [&](auto dtype) {
-    decode_task_fast<G, decltype(dtype)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
-    return true;
-  });
-}
-
-// true when a vectorized specialization handled the task
-bool decode_task_fast_dispatch(int group, float* out_rows, const float* queries, const KVView& kv, const int64_t* table,
-                               int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                               std::vector<float>& acc, float* lse) {
-  if (kv.head_dim % 16 != 0) return false;
-  return with_group_size(group, [&](auto size) {
-    return decode_task_dispatch_dtype<decltype(size)::value>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, acc, lse);
-  });
-}
-
 
 // ---- bf16 K/V and queries on a CPU with AVX512-BF16 ---------------------------------------------
 // vdpbf16ps multiplies bf16 pairs straight from the pool (no widening to float). Scores: each key's
@@ -560,97 +577,125 @@ inline __m512bh load_row_bh(const uint8_t* row, int c) {
   }
 }
 
-template <int G, int DT>
-void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv, const int64_t* table, int64_t first,
-                      int64_t count, int kv_head, float scale, std::vector<float>& scores, std::vector<uint16_t>& probs,
-                      std::vector<float>& acc, float* lse) {
+// bf16 queries [rows][head_dim] over bf16 or int8 / fp8 K/V, head_dim a multiple of 32 (see the
+// section's comment for the arithmetic; TileRows for what fixes a row's bits).
+template <int RB, int DT>
+inline void bf16_partials_block(__m512* partial, const uint16_t* queries, int head_dim, const uint8_t* key, int j) {
+  const int chunks = head_dim / 32;
+  __m512 a[RB], b[RB];
+  for (int r = 0; r < RB; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  int c = 0;
+  for (; c + 1 < chunks; c += 2) {
+    const __m512bh k0 = load_row_bh<DT>(key, c), k1 = load_row_bh<DT>(key, c + 1);
+    for (int r = 0; r < RB; ++r) {
+      a[r] = _mm512_dpbf16_ps(a[r], load_bh(queries + r * head_dim + c * 32), k0);
+      b[r] = _mm512_dpbf16_ps(b[r], load_bh(queries + r * head_dim + c * 32 + 32), k1);
+    }
+  }
+  if (c < chunks) {
+    const __m512bh k0 = load_row_bh<DT>(key, c);
+    for (int r = 0; r < RB; ++r) a[r] = _mm512_dpbf16_ps(a[r], load_bh(queries + r * head_dim + c * 32), k0);
+  }
+  for (int r = 0; r < RB; ++r) partial[r * 16 + j] = _mm512_add_ps(a[r], b[r]);
+}
+
+template <int RB>
+inline void bf16_values_block(float* acc, const uint16_t* p, int64_t pitch, int chunks, int c, const __m512bh* pairs_lo,
+                              const __m512bh* pairs_hi, int pair_count, int64_t at) {
+  __m512 lo[RB], hi[RB];
+  for (int r = 0; r < RB; ++r) {
+    lo[r] = _mm512_loadu_ps(acc + (r * chunks + c) * 32);
+    hi[r] = _mm512_loadu_ps(acc + (r * chunks + c) * 32 + 16);
+  }
+  for (int i = 0; i < pair_count; ++i)
+    for (int r = 0; r < RB; ++r) {
+      uint32_t both;
+      std::memcpy(&both, p + r * pitch + at + 2 * i, sizeof(both));
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(both));
+      lo[r] = _mm512_dpbf16_ps(lo[r], pairs_lo[i], weight);
+      hi[r] = _mm512_dpbf16_ps(hi[r], pairs_hi[i], weight);
+    }
+  for (int r = 0; r < RB; ++r) {
+    _mm512_storeu_ps(acc + (r * chunks + c) * 32, lo[r]);
+    _mm512_storeu_ps(acc + (r * chunks + c) * 32 + 16, hi[r]);
+  }
+}
+
+template <int DT>
+void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, const TileRows& rows, const KVView& kv, const int64_t* table,
+                      int kv_head, float scale, TileScratch& scratch) {
   // int8 / fp8 records: each row's fp16 scale multiplies its scores (keys) or probabilities (values)
   constexpr bool kScaled = DT != kBFloat16;
   constexpr int kElemBytes = kScaled ? 1 : 2;
   const uint8_t* key_cache = static_cast<const uint8_t*>(kv.key);
   const uint8_t* value_cache = static_cast<const uint8_t*>(kv.value);
-  const int head_dim = kv.head_dim;
-  // a run's row scales (kv_formats.h), times what load_row_bh's codes leave out
-  auto run_scales = [&](const uint8_t* cache, int64_t i0, int64_t base) { return RunScales(kv, cache, base, (first + i0) % kv.block_size, kv_head); };
-  auto scale_at = [&](const RunScales& scales, int64_t j) { return scales[j] * kCodeUnit<DT>; };
-  const int chunks = head_dim / 32;
-  const int64_t row_stride = kv.token_stride;
-  scores.resize(static_cast<size_t>(G) * count);
-  float* s = scores.data();
-
-  const int row_lines = (head_dim * kElemBytes + 63) / 64;
-  auto prefetch_row = [&](const uint8_t* cache, const NextRun& next, int64_t j) {
-    if (j < next.run)
-      for (int line = 0; line < row_lines; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(cache + (next.offset + j * row_stride) * kElemBytes) + line * 64, _MM_HINT_T1);
+  auto scale_at = [&](const uint8_t* cache, int64_t offset, int64_t within) {
+    return RunScales(kv, cache, offset + within * kv.token_stride, within, kv_head)[0] * kCodeUnit<DT>;
   };
-  for_each_block_run<false>(table, first, count, kv_head, kv, key_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
-    // the next run's rows, one per key scored here (and the rest after)
-    for (int64_t j = run; j < next.run; ++j) prefetch_row(key_cache, next, j);
-    const RunScales key_scales = run_scales(key_cache, i0, base);  // read only for int8 / fp8
-    for (int64_t j0 = 0; j0 < run; j0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, run - j0));
-      __m512 partial[G][16];
+  const int head_dim = kv.head_dim, chunks = head_dim / 32, count = rows.count;
+  const int64_t row_stride = kv.token_stride;
+  const int row_bytes = head_dim * kElemBytes;
+  const int64_t lo = rows.lo(), hi = rows.hi();
+  const int64_t base = lo - lo % kv.block_size, span = hi - base;
+  scratch.scores.assign(static_cast<size_t>(count) * span, 0.f);
+  float* s = scratch.scores.data();
+
+  // scores, 16 keys at a time from each block's start
+  __m512* partial = scratch.aligned<__m512>(static_cast<size_t>(count) * 16);
+  for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
+    for (int64_t j0 = 0; start + j0 < end; j0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, end - start - j0));
+      if (start + j0 + n <= begin) continue;
+      alignas(64) float factor[16];
       for (int j = 0; j < 16; ++j) {
-        if (j < n) prefetch_row(key_cache, next, j0 + j);
-        if (j >= n) {
-          for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
+        const int64_t slot = start + j0 + j;
+        factor[j] = scale;
+        if (j >= n || slot < begin) {
+          for (int r = 0; r < count; ++r) partial[r * 16 + j] = _mm512_setzero_ps();
           continue;
         }
-        const uint8_t* key = key_cache + (base + (j0 + j) * row_stride) * kElemBytes;
-        __m512 a[G], b[G];
-        for (int g = 0; g < G; ++g) a[g] = b[g] = _mm512_setzero_ps();
-        int c = 0;
-        for (; c + 1 < chunks; c += 2) {
-          const __m512bh k0 = load_row_bh<DT>(key, c), k1 = load_row_bh<DT>(key, c + 1);
-          for (int g = 0; g < G; ++g) {
-            a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
-            b[g] = _mm512_dpbf16_ps(b[g], load_bh(queries + g * head_dim + c * 32 + 32), k1);
-          }
-        }
-        if (c < chunks) {
-          const __m512bh k0 = load_row_bh<DT>(key, c);
-          for (int g = 0; g < G; ++g) a[g] = _mm512_dpbf16_ps(a[g], load_bh(queries + g * head_dim + c * 32), k0);
-        }
-        for (int g = 0; g < G; ++g) partial[g][j] = _mm512_add_ps(a[g], b[g]);
+        if (next >= 0) prefetch_row(key_cache, next + (j0 + j) * row_stride, kElemBytes, row_bytes);
+        if constexpr (kScaled) factor[j] = scale * scale_at(key_cache, offset, j0 + j);
+        const uint8_t* key = key_cache + (offset + (j0 + j) * row_stride) * kElemBytes;
+        for_each_row_block(count, [&](auto size, int r0) {
+          bf16_partials_block<decltype(size)::value, DT>(partial + r0 * 16, queries + static_cast<size_t>(r0) * head_dim, head_dim, key, j);
+        });
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      __m512 factor = _mm512_set1_ps(scale);
-      if constexpr (kScaled) {
-        alignas(64) float row_scale[16] = {};
-        for (int j = 0; j < n; ++j) row_scale[j] = scale * scale_at(key_scales, j0 + j);
-        factor = _mm512_load_ps(row_scale);
-      }
-      for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(s + g * count + i0 + j0, keep, _mm512_mul_ps(reduce16(partial[g]), factor));
+      const __m512 by = _mm512_load_ps(factor);
+      for (int r = 0; r < count; ++r) _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, _mm512_mul_ps(reduce16(partial + r * 16), by));
     }
   });
 
-  // softmax in float; probabilities rounded to bf16 (after the value rows' scales, which the
-  // normalization leaves out), pairs padded with a zero
-  std::vector<float> value_scales(kScaled ? count + 16 : 0, 0.f);
-  if constexpr (kScaled)
-    for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun&) {
-      const RunScales scales = run_scales(value_cache, i0, base);
-      for (int64_t j = 0; j < run; ++j) value_scales[i0 + j] = scale_at(scales, j);
+  // softmax in float over each row's range; probabilities rounded to bf16 (after the value rows'
+  // scales, which the normalization leaves out); 0 outside the range and in the pad slot
+  std::vector<float>& value_scales = scratch.value_scales;
+  if constexpr (kScaled) {
+    value_scales.assign(span + 16, 0.f);
+    for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t) {
+      for (int64_t j = begin - start; j < end - start; ++j) value_scales[start + j - base] = scale_at(value_cache, offset, j);
     });
-  const int64_t padded = count + (count & 1);
-  probs.resize(static_cast<size_t>(G) * padded);
-  float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* row = s + g * count;
-    uint16_t* p = probs.data() + g * padded;
-    const float peak = row_max(row, count);
+  }
+  const int64_t pitch = span + 2;
+  scratch.probs.assign(static_cast<size_t>(count) * pitch, 0);
+  std::vector<float> inv_sum(count);
+  for (int r = 0; r < count; ++r) {
+    const int64_t from = rows.first[r] - base, length = rows.end[r] - rows.first[r];
+    const float* row = s + r * span + from;
+    uint16_t* p = scratch.probs.data() + r * pitch + from;
+    const float* row_scales = kScaled ? value_scales.data() + from : nullptr;
+    const float peak = row_max(row, length);
     f32x16 total = f32x16{};
     int64_t i = 0;
-    for (; i + 16 <= count; i += 16) {
+    for (; i + 16 <= length; i += 16) {
       f32x16 v;
       std::memcpy(&v, row + i, sizeof(v));
       v = exp16(v - peak);
       f32x16 weight = v;
       if constexpr (kScaled) {
-        f32x16 row_scale;
-        std::memcpy(&row_scale, value_scales.data() + i, sizeof(row_scale));
-        weight = v * row_scale;
+        f32x16 value_scale;
+        std::memcpy(&value_scale, row_scales + i, sizeof(value_scale));
+        weight = v * value_scale;
       }
       const __m512i bits = _mm512_castps_si512((__m512)weight);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -659,84 +704,59 @@ void decode_task_bf16(float* out_rows, const uint16_t* queries, const KVView& kv
       total += kScaled ? v : (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
     }
     float tail = hsum(total);
-    for (; i < count; ++i) {
+    for (; i < length; ++i) {
       const float prob = fast_exp(row[i] - peak);
-      p[i] = bf16_bits(kScaled ? prob * value_scales[i] : prob);
+      p[i] = bf16_bits(kScaled ? prob * row_scales[i] : prob);
       uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
       float value;
       std::memcpy(&value, &bits, sizeof(value));
       tail += kScaled ? prob : value;
     }
-    if (padded > count) p[count] = 0;
-    inv_sum[g] = 1.f / tail;
-    if (lse) lse[g] = peak + std::log(tail);
+    inv_sum[r] = 1.f / tail;
+    if (lse) lse[r] = peak + std::log(tail);
   }
 
-  // acc: [G][chunks][2][16] float, dims in unpack order
-  acc.assign(static_cast<size_t>(G) * chunks * 32, 0.f);
+  // values: acc [rows][chunks][2][16] float, dims in unpack order; slots paired at even offsets of
+  // a block, a slot outside [lo, hi) read as zeros
+  scratch.acc.assign(static_cast<size_t>(count) * chunks * 32, 0.f);
+  float* acc = scratch.acc.data();
   const __m512i zero = _mm512_setzero_si512();
-  for_each_block_run<false>(table, first, count, kv_head, kv, value_cache, kElemBytes, [&](int64_t i0, int64_t base, int64_t run, const NextRun& next) {
+  const int max_pairs = (kv.block_size + 1) / 2;
+  __m512bh* pairs_lo = scratch.aligned<__m512bh>(2 * static_cast<size_t>(max_pairs));
+  __m512bh* pairs_hi = pairs_lo + max_pairs;
+  for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
+    const int64_t from = (begin - start) - (begin - start) % 2, to = end - start;
+    const int pair_count = static_cast<int>((to - from + 1) / 2);
     for (int c = 0; c < chunks; ++c) {
-      // the next run's rows, this chunk's bytes of each
-      for (int64_t j = 0; j < next.run; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(value_cache + (next.offset + j * row_stride + c * 32) * kElemBytes), _MM_HINT_T1);
-      __m512 lo[G], hi[G];
-      for (int g = 0; g < G; ++g) {
-        lo[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
-        hi[g] = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32 + 16);
+      if (next >= 0)
+        for (int64_t j = 0; j < kv.block_size; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(value_cache + (next + j * row_stride + c * 32) * kElemBytes), _MM_HINT_T1);
+      for (int i = 0; i < pair_count; ++i) {
+        const int64_t j = from + 2 * i;
+        const __m512i v0 = start + j >= begin ? (__m512i)load_row_bh<DT>(value_cache + (offset + j * row_stride) * kElemBytes, c) : zero;
+        const __m512i v1 = j + 1 < to ? (__m512i)load_row_bh<DT>(value_cache + (offset + (j + 1) * row_stride) * kElemBytes, c) : zero;
+        pairs_lo[i] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        pairs_hi[i] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
       }
-      for (int64_t j = 0; j < run; j += 2) {
-        const __m512i v0 = (__m512i)load_row_bh<DT>(value_cache + (base + j * row_stride) * kElemBytes, c);
-        const __m512i v1 = j + 1 < run ? (__m512i)load_row_bh<DT>(value_cache + (base + (j + 1) * row_stride) * kElemBytes, c) : zero;
-        const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
-        const __m512bh pair_hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
-        for (int g = 0; g < G; ++g) {
-          const uint16_t* p = probs.data() + g * padded + i0 + j;
-          const uint32_t both = j + 1 < run ? (static_cast<uint32_t>(p[1]) << 16) | p[0] : p[0];
-          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(both));
-          lo[g] = _mm512_dpbf16_ps(lo[g], pair_lo, weight);
-          hi[g] = _mm512_dpbf16_ps(hi[g], pair_hi, weight);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        _mm512_storeu_ps(acc.data() + (g * chunks + c) * 32, lo[g]);
-        _mm512_storeu_ps(acc.data() + (g * chunks + c) * 32 + 16, hi[g]);
-      }
+      for_each_row_block(count, [&](auto size, int r0) {
+        bf16_values_block<decltype(size)::value>(acc + static_cast<size_t>(r0) * chunks * 32, scratch.probs.data() + r0 * pitch, pitch, chunks,
+                                                 c, pairs_lo, pairs_hi, pair_count, start + from - base);
+      });
     }
   });
   // back to natural dim order: lo holds dims {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}
   const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int g = 0; g < G; ++g) {
-    const __m512 norm = _mm512_set1_ps(inv_sum[g]);
+  for (int r = 0; r < count; ++r) {
+    const __m512 norm = _mm512_set1_ps(inv_sum[r]);
     for (int c = 0; c < chunks; ++c) {
-      const __m512 lo = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32);
-      const __m512 hi = _mm512_loadu_ps(acc.data() + (g * chunks + c) * 32 + 16);
-      _mm512_storeu_ps(out_rows + g * head_dim + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), norm));
-      _mm512_storeu_ps(out_rows + g * head_dim + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), norm));
+      const __m512 l = _mm512_loadu_ps(acc + (r * chunks + c) * 32);
+      const __m512 h = _mm512_loadu_ps(acc + (r * chunks + c) * 32 + 16);
+      _mm512_storeu_ps(out_rows + r * head_dim + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(l, first_half, h), norm));
+      _mm512_storeu_ps(out_rows + r * head_dim + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second_half, h), norm));
     }
   }
 }
-
-// true when the bf16 dot-product path handled the task
-bool decode_task_bf16_dispatch(int group, const uint16_t* queries, float* out_rows, const KVView& kv, const int64_t* table,
-                               int64_t first, int64_t count, int kv_head, float scale, std::vector<float>& scores,
-                               std::vector<uint16_t>& probs, std::vector<float>& acc, float* lse) {
-  if (kv.head_dim % 32 != 0) return false;
-  if (kv.dtype != kBFloat16 && !is_scaled_format(kv.dtype)) return false;
-  return with_group_size(group, [&](auto size) {
-    return with_kv_dtype(kv.dtype, [&](auto dtype) {
-      constexpr int DT = decltype(dtype)::value;
-      if constexpr (DT == kBFloat16 || DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2) {
-        decode_task_bf16<decltype(size)::value, DT>(out_rows, queries, kv, table, first, count, kv_head, scale, scores, probs, acc, lse);
-        return true;
-      } else {
-        return false;
-      }
-    });
-  });
-}
-
 
 // ---- KIVI (int4 / int2) records and bf16 queries on a CPU with AVX512-BF16 ----------------------
 // A code n < 16 is exact in bf16 as 128 + n, whose bits are 0x4300 | n: codes become bf16 with an
@@ -1048,423 +1068,168 @@ bool decode_task_kivi_bf16_dispatch(int group, const uint16_t* queries, float* o
 #endif  // KVSERVE_DECODE_BF16_DOT
 
 
-// ---- prefill: a chunk of queries against its paged context, flash-style -----------------------
-// Keys are first unpacked to float, transposed in tiles of 16 positions ([tile][head_dim][16]) so
-// a tile of 8 query rows scores 16 keys with broadcast-FMAs; values are unpacked to [pos][head_dim].
-// Each task is (kv head, 8 query rows), rows ordered token-major then head within the group.
-
-constexpr int kKeyTile = 16;
-constexpr int kRowTile = 8;
-
-struct PrefillBuffers {
-  std::vector<float> keys_t;   // [kv_heads][tiles][head_dim][16]
-  std::vector<float> values;   // [kv_heads][tiles * 16][head_dim]
-  std::vector<uint32_t> keys_pairs;    // bf16 path: [kv_heads][tiles][head_dim / 2][16] (d pairs of one key)
-  std::vector<uint32_t> values_pairs;  // bf16 path: [kv_heads][tiles][8][head_dim] (one d of two keys)
+// Which context each query row attends to. A decode batch's rows are sequences, each with its own
+// block table and length; a prefill chunk's rows are consecutive tokens of one sequence, sharing
+// its table, the row r seeing first_len + r slots. Both run the same code per row below, so a
+// token's attention has the same bits whether it was decoded, prefilled in any chunk, or recomputed
+// after a prefix hit or a preemption.
+struct QueryRows {
+  int64_t count;
+  const int64_t* tables;  // count tables of max_blocks entries, or one shared table (table_stride 0)
+  int64_t table_stride;
+  int64_t max_blocks;
+  const int64_t* kv_lens;  // per row, or null: row r's context is first_len + r
+  int64_t first_len;
+  int64_t context(int64_t r) const { return kv_lens ? kv_lens[r] : first_len + r; }
+  const int64_t* table(int64_t r) const { return tables + r * table_stride; }
 };
 
-// head_pad: head_dim rounded up to 16; the padding is zero in keys, values and queries alike.
-void unpack_context(PrefillBuffers& buf, const KVView& kv, const int64_t* table, int64_t key_base, int64_t context_end,
-                    int head_pad) {
-  const int num_kv_heads = kv.num_kv_heads;
-  const int head_dim = kv.head_dim;
-  const bool plain = plain_float_view(kv);
-  const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
-  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_pad;
-  buf.keys_t.resize(per_head * num_kv_heads);
-  buf.values.resize(per_head * num_kv_heads);
-  const int64_t jobs = tiles * num_kv_heads;
-#pragma omp parallel
-  {
-    std::vector<float> key_row(head_pad, 0.f);
-#pragma omp for schedule(static)
-    for (int64_t job = 0; job < jobs; ++job) {
-      const int kv_head = static_cast<int>(job / tiles);
-      const int64_t tile = job % tiles;
-      float* kt = buf.keys_t.data() + kv_head * per_head + static_cast<size_t>(tile) * head_pad * kKeyTile;
-      float* vt = buf.values.data() + kv_head * per_head + static_cast<size_t>(tile) * kKeyTile * head_pad;
-      for (int j = 0; j < kKeyTile; ++j) {
-        const int64_t position = key_base + tile * kKeyTile + j;
-        float* v_row = vt + static_cast<size_t>(j) * head_pad;
-        std::fill(v_row, v_row + head_pad, 0.f);
-        if (position < 0 || position >= context_end) {
-          for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = 0.f;
-          continue;
-        }
-        if (plain) {
-          const int64_t offset = kv_offset(kv, table, position, kv_head);
-          load_row(kv.key, kv.dtype, offset, head_dim, key_row.data());
-          load_row(kv.value, kv.dtype, offset, head_dim, v_row);
-        } else {
-          const int64_t block = position / kv.block_size;
-          const int t = static_cast<int>(position - block * kv.block_size);
-          BlockRows(kv, false, table[block]).row(t, kv_head, key_row.data());
-          BlockRows(kv, true, table[block]).row(t, kv_head, v_row);
-        }
-        for (int d = 0; d < head_pad; ++d) kt[d * kKeyTile + j] = key_row[d];
-      }
-    }
-  }
-}
-
-inline float hmax(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-void prefill_rows(const PrefillBuffers& buf, float* out_rows, const float* queries, int rows, int group,
-                  int64_t first_token_position, int64_t row_base, int64_t key_base, int64_t tiles, int kv_head,
-                  int head_dim, int window) {
-  const int chunks = head_dim / 16;
-  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_dim;
-  const float* keys_t = buf.keys_t.data() + kv_head * per_head;
-  const float* values = buf.values.data() + kv_head * per_head;
-  int64_t q_pos[kRowTile];
-  float m[kRowTile], l[kRowTile];
-  for (int r = 0; r < kRowTile; ++r) {
-    q_pos[r] = first_token_position + (row_base + std::min(r, rows - 1)) / group;
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(out_rows, out_rows + static_cast<size_t>(kRowTile) * head_dim, 0.f);
-  const int64_t newest = q_pos[rows - 1];
-  const int64_t oldest_visible = window > 0 ? q_pos[0] - window + 1 : 0;
-  const int64_t tile_lo = std::max<int64_t>(0, (oldest_visible - key_base) / kKeyTile);
-  const int64_t tile_hi = std::min<int64_t>(tiles - 1, (newest - key_base) / kKeyTile);
-  alignas(64) float probs[kRowTile][kKeyTile];
-
-  for (int64_t tile = tile_lo; tile <= tile_hi; ++tile) {
-    const float* kt = keys_t + static_cast<size_t>(tile) * head_dim * kKeyTile;
-    f32x16 s[kRowTile];
-    for (int r = 0; r < kRowTile; ++r) s[r] = f32x16{};
-    for (int d = 0; d < head_dim; ++d) {
-      f32x16 k;
-      std::memcpy(&k, kt + d * kKeyTile, sizeof(k));
-      for (int r = 0; r < kRowTile; ++r) s[r] += queries[r * head_dim + d] * k;
-    }
-    const int64_t tile_pos = key_base + tile * kKeyTile;
-    // every row sees every key of the tile: no masking needed
-    const bool whole = tile_pos >= 0 && tile_pos + kKeyTile - 1 <= q_pos[0] && (window <= 0 || tile_pos > newest - window);
-    for (int r = 0; r < rows; ++r) {
-      if (!whole) {
-        bool any = false;
-        for (int j = 0; j < kKeyTile; ++j) {
-          const int64_t kp = tile_pos + j;
-          const bool visible = kp <= q_pos[r] && (window <= 0 || kp > q_pos[r] - window) && kp >= 0;
-          if (!visible) s[r][j] = -INFINITY;
-          any |= visible;
-        }
-        if (!any) {
-          std::fill(probs[r], probs[r] + kKeyTile, 0.f);
-          continue;
-        }
-      }
-      const float peak = std::max(m[r], hmax(s[r]));
-      const float alpha = std::exp(m[r] - peak);  // 0 on the first visible tile (m = -inf)
-      f32x16 p = exp16(s[r] - peak);
-      if (!whole)
-        for (int j = 0; j < kKeyTile; ++j)
-          if (s[r][j] == -INFINITY) p[j] = 0.f;
-      l[r] = l[r] * alpha + hsum(p);
-      m[r] = peak;
-      std::memcpy(probs[r], &p, sizeof(p));
-      if (alpha != 1.f) {
-        float* a = out_rows + static_cast<size_t>(r) * head_dim;
-        for (int d = 0; d < head_dim; ++d) a[d] *= alpha;
-      }
-    }
-    for (int r = rows; r < kRowTile; ++r) std::fill(probs[r], probs[r] + kKeyTile, 0.f);
-    const float* vt = values + static_cast<size_t>(tile) * kKeyTile * head_dim;
-    for (int c = 0; c < chunks; ++c) {
-      f32x16 a[kRowTile];
-      for (int r = 0; r < kRowTile; ++r) std::memcpy(&a[r], out_rows + r * head_dim + c * 16, sizeof(a[r]));
-      for (int j = 0; j < kKeyTile; ++j) {
-        f32x16 v;
-        std::memcpy(&v, vt + j * head_dim + c * 16, sizeof(v));
-        for (int r = 0; r < kRowTile; ++r) a[r] += probs[r][j] * v;
-      }
-      for (int r = 0; r < kRowTile; ++r) std::memcpy(out_rows + r * head_dim + c * 16, &a[r], sizeof(a[r]));
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int d = 0; d < head_dim; ++d) out_rows[r * head_dim + d] *= inv;
-  }
-}
-
-#if KVSERVE_DECODE_BF16_DOT
-// The bf16 prefill path (bf16 queries and pool, head_dim % 32 == 0): the context is copied without
-// widening into pair layouts for vdpbf16ps. Scores: a key tile is [d pair][16 keys], so one
-// instruction adds q[2p] k[2p] + q[2p+1] k[2p+1] for 16 keys. Values: a tile is [key pair][d],
-// so one instruction adds p_i v_i + p_{i+1} v_{i+1} for 16 dims, with the probabilities rounded to
-// bf16 (as flash attention does for P @ V). Half the instructions of the float path, half the bytes.
-void unpack_context_bf16(PrefillBuffers& buf, const KVView& kv, const int64_t* table, int64_t key_base, int64_t context_end) {
-  const uint16_t* key_cache = static_cast<const uint16_t*>(kv.key);
-  const uint16_t* value_cache = static_cast<const uint16_t*>(kv.value);
-  const int num_kv_heads = kv.num_kv_heads;
-  const int head_dim = kv.head_dim;
-  const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
-  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * head_dim / 2;  // in 32-bit pairs
-  buf.keys_pairs.resize(per_head * num_kv_heads);
-  buf.values_pairs.resize(per_head * num_kv_heads);
-  const int64_t jobs = tiles * num_kv_heads;
-  const int pairs = head_dim / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t job = 0; job < jobs; ++job) {
-    const int kv_head = static_cast<int>(job / tiles);
-    const int64_t tile = job % tiles;
-    uint32_t* kt = buf.keys_pairs.data() + kv_head * per_head + static_cast<size_t>(tile) * pairs * kKeyTile;
-    uint16_t* vt = reinterpret_cast<uint16_t*>(buf.values_pairs.data() + kv_head * per_head + static_cast<size_t>(tile) * pairs * kKeyTile);
-    for (int j = 0; j < kKeyTile; ++j) {
-      const int64_t position = key_base + tile * kKeyTile + j;
-      uint16_t* v_out = vt + static_cast<size_t>(j / 2) * head_dim * 2 + (j & 1);
-      if (position < 0 || position >= context_end) {
-        for (int p = 0; p < pairs; ++p) kt[p * kKeyTile + j] = 0;
-        for (int d = 0; d < head_dim; ++d) v_out[2 * d] = 0;
-        continue;
-      }
-      const int64_t offset = kv_offset(kv, table, position, kv_head);
-      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(key_cache + offset);
-      for (int p = 0; p < pairs; ++p) kt[p * kKeyTile + j] = k_row[p];
-      const uint16_t* v_row = value_cache + offset;
-      for (int d = 0; d < head_dim; ++d) v_out[2 * d] = v_row[d];
-    }
-  }
-}
-
-// like prefill_rows, for kRowTileBf16 rows; queries: bf16 rows of head_dim (unscaled: the scale
-// applies to the scores)
-constexpr int kRowTileBf16 = 16;
-
-void prefill_rows_bf16(const PrefillBuffers& buf, float* out_rows, const uint16_t* queries, int rows, int group,
-                       int64_t first_token_position, int64_t row_base, int64_t key_base, int64_t tiles, int kv_head,
-                       int head_dim, int window, float scale) {
-  const int pairs = head_dim / 2;
-  const int chunks = head_dim / 16;
-  const size_t per_head = static_cast<size_t>(tiles) * kKeyTile * pairs;
-  const uint32_t* keys = buf.keys_pairs.data() + kv_head * per_head;
-  const uint32_t* values = buf.values_pairs.data() + kv_head * per_head;
-  int64_t q_pos[kRowTileBf16];
-  float m[kRowTileBf16], l[kRowTileBf16];
-  for (int r = 0; r < kRowTileBf16; ++r) {
-    q_pos[r] = first_token_position + (row_base + std::min(r, rows - 1)) / group;
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(out_rows, out_rows + static_cast<size_t>(kRowTileBf16) * head_dim, 0.f);
-  const int64_t newest = q_pos[rows - 1];
-  const int64_t oldest_visible = window > 0 ? q_pos[0] - window + 1 : 0;
-  const int64_t tile_lo = std::max<int64_t>(0, (oldest_visible - key_base) / kKeyTile);
-  const int64_t tile_hi = std::min<int64_t>(tiles - 1, (newest - key_base) / kKeyTile);
-  alignas(64) uint32_t prob_pairs[kRowTileBf16][kKeyTile / 2];
-  const __m512 scale_v = _mm512_set1_ps(scale);
-
-  for (int64_t tile = tile_lo; tile <= tile_hi; ++tile) {
-    const uint32_t* kt = keys + static_cast<size_t>(tile) * pairs * kKeyTile;
-    __m512 acc[kRowTileBf16];
-    for (int r = 0; r < kRowTileBf16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int p = 0; p < pairs; ++p) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(kt + p * kKeyTile));
-      for (int r = 0; r < kRowTileBf16; ++r) {
-        int32_t q;
-        std::memcpy(&q, queries + r * head_dim + 2 * p, sizeof(q));
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q), k);
-      }
-    }
-    f32x16 s[kRowTileBf16];
-    for (int r = 0; r < kRowTileBf16; ++r) s[r] = (f32x16)_mm512_mul_ps(acc[r], scale_v);
-    const int64_t tile_pos = key_base + tile * kKeyTile;
-    const bool whole = tile_pos >= 0 && tile_pos + kKeyTile - 1 <= q_pos[0] && (window <= 0 || tile_pos > newest - window);
-    for (int r = 0; r < rows; ++r) {
-      if (!whole) {
-        bool any = false;
-        for (int j = 0; j < kKeyTile; ++j) {
-          const int64_t kp = tile_pos + j;
-          const bool visible = kp <= q_pos[r] && (window <= 0 || kp > q_pos[r] - window) && kp >= 0;
-          if (!visible) s[r][j] = -INFINITY;
-          any |= visible;
-        }
-        if (!any) {
-          std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
-          continue;
-        }
-      }
-      const float peak = std::max(m[r], _mm512_reduce_max_ps((__m512)s[r]));
-      const float alpha = std::exp(m[r] - peak);  // 0 on the first visible tile (m = -inf)
-      f32x16 p = exp16(s[r] - peak);
-      if (!whole)
-        for (int j = 0; j < kKeyTile; ++j)
-          if (s[r][j] == -INFINITY) p[j] = 0.f;
-      // round to bf16 (nearest even) and sum what is actually used
-      const __m512i bits = _mm512_castps_si512((__m512)p);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)));
-      m[r] = peak;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs[r]), _mm512_cvtepi32_epi16(rounded));
-      if (alpha != 1.f) {
-        float* a = out_rows + static_cast<size_t>(r) * head_dim;
-        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(alpha)));
-      }
-    }
-    for (int r = rows; r < kRowTileBf16; ++r) std::fill(prob_pairs[r], prob_pairs[r] + kKeyTile / 2, 0u);
-    const uint32_t* vt = values + static_cast<size_t>(tile) * pairs * kKeyTile;
-    for (int c = 0; c < chunks; ++c) {
-      __m512 a[kRowTileBf16];
-      for (int r = 0; r < kRowTileBf16; ++r) a[r] = _mm512_loadu_ps(out_rows + r * head_dim + c * 16);
-      for (int kp = 0; kp < kKeyTile / 2; ++kp) {
-        const __m512bh v = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(vt + static_cast<size_t>(kp) * head_dim + c * 16));
-        for (int r = 0; r < kRowTileBf16; ++r)
-          a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(prob_pairs[r][kp])), v);
-      }
-      for (int r = 0; r < kRowTileBf16; ++r) _mm512_storeu_ps(out_rows + r * head_dim + c * 16, a[r]);
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int d = 0; d < head_dim; ++d) out_rows[r * head_dim + d] *= inv;
-  }
-}
-#endif  // KVSERVE_DECODE_BF16_DOT
-
-// Calls fn(kv_head, row_base, rows, offsets) in parallel for each tile of kRows query rows of
-// each kv head; rows run token-major, then head within the group, and offsets[r] is the element
-// offset of row r's [token][head][dim] vector in the query and the output. Later tiles see more
-// keys: they are handed out first so the threads finish together.
-template <int kRows, typename Fn>
-void for_each_query_tile(int64_t rows_per_head, int group, int num_heads, int num_kv_heads, int head_dim, Fn fn) {
-  const int64_t row_tiles = (rows_per_head + kRows - 1) / kRows;
-  const int64_t tasks = row_tiles * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int kv_head = static_cast<int>(task % num_kv_heads);
-    const int64_t row_base = (row_tiles - 1 - task / num_kv_heads) * kRows;
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_head - row_base));
-    int64_t offsets[kRows];
-    for (int r = 0; r < rows; ++r) {
-      const int64_t token = (row_base + r) / group;
-      const int head = kv_head * group + static_cast<int>((row_base + r) % group);
-      offsets[r] = (token * num_heads + head) * head_dim;
-    }
-    fn(kv_head, row_base, rows, offsets);
-  }
-}
-
-}  // namespace
-
-extern "C" {
-
-// Decode: see DecodeAttentionArgs. Each query attends to slots max(0, len - window) .. len - 1.
-// A task is one sequence's KV head. A context of at least 2 * kSplitTokens slots is split at the
-// multiples of kSplitTokens into parts that threads compute apart (flash-decoding: one long
+// Each query row attends to slots max(0, len - window) .. len - 1 of its context. A task is one
+// row's KV head (its group of query heads). A context of at least 2 * kSplitTokens slots is split
+// at the multiples of kSplitTokens into parts that threads compute apart (flash-decoding: one long
 // sequence, a model with one KV head, keep every thread busy); each part's output and log-sum-exp
-// are merged after. The parts depend on the sequence's own context alone, never on the batch or
-// the thread count, so a sequence decodes the same bits whatever it is batched with.
-int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
+// are merged after. The parts depend on the row's own context alone, never on the other rows or
+// the thread count.
+int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* query, int query_dtype, int num_heads, int window,
+                float scale, int max_tile_tokens) {
   constexpr int64_t kSplitTokens = 512;
-  const DecodeAttentionArgs& a = *args;
-  const KVView& kv = *a.kv;
-  const int num_heads = a.num_heads, num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim, window = a.window;
-  const int query_dtype = a.query_dtype, kv_dtype = kv.dtype;
-  const float scale = a.scale;
-  void* out = a.out;
-  const void* query = a.query;
+  const int num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim;
+  const int kv_dtype = kv.dtype;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || kv.block_size <= 0 || kv_dtype < 0 || kv_dtype > 7 ||
       head_dim > 512) return 1;
   const int group = num_heads / num_kv_heads;
-  const int64_t tasks = a.num_seqs * num_kv_heads;
+  const bool plain = plain_float_view(kv);
+  bool bf16_tiles = false;
+#if KVSERVE_DECODE_BF16_DOT
+  bf16_tiles = query_dtype == kBFloat16 && ((kv_dtype == kBFloat16 && plain) || is_scaled_format(kv_dtype)) && head_dim % 32 == 0;
+#endif
+  const bool float_tiles = !bf16_tiles && (plain || is_scaled_format(kv_dtype)) && head_dim % 16 == 0;
+  const int tile_tokens = bf16_tiles || float_tiles ? std::max(1, max_tile_tokens) : 1;
 
-  struct Part {
-    int64_t task, first, count;
-    int index, parts;  // this part's index among its task's parts
+  // each token's visible slots [first, context); one of at least 2 * kSplitTokens is split at the
+  // multiples of kSplitTokens into parts (q0 .. q1), merged after by log-sum-exp
+  struct Span {
+    int64_t first, context;
+    bool split() const { return context - first >= 2 * kSplitTokens; }
+    int64_t q0() const { return split() ? first / kSplitTokens : -1; }
+    int64_t q1() const { return split() ? (context - 1) / kSplitTokens : -1; }
+    int parts() const { return split() ? static_cast<int>(q1() - q0() + 1) : 1; }
+    int64_t part_first(int p) const { return split() ? std::max(first, (q0() + p) * kSplitTokens) : first; }
+    int64_t part_end(int p) const { return split() ? std::min(context, (q0() + p + 1) * kSplitTokens) : context; }
   };
-  std::vector<Part> work;
-  work.reserve(static_cast<size_t>(tasks));
-  int status = 0;
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t context = a.kv_lens[task / num_kv_heads];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
-    const int64_t count = context - first;
-    if (count <= 0 || (context + kv.block_size - 1) / kv.block_size > a.max_blocks) {
-      status = 2;
-      continue;
-    }
-    if (count < 2 * kSplitTokens) {
-      work.push_back({task, first, count, 0, 1});
-      continue;
-    }
-    const int parts = static_cast<int>((context - 1) / kSplitTokens - first / kSplitTokens + 1);
-    for (int p = 0; p < parts; ++p) {
-      const int64_t from = std::max(first, (first / kSplitTokens + p) * kSplitTokens);
-      const int64_t to = std::min(context, (first / kSplitTokens + p + 1) * kSplitTokens);
-      work.push_back({task, from, to - from, p, parts});
-    }
+  std::vector<Span> spans(static_cast<size_t>(rows.count));
+  for (int64_t t = 0; t < rows.count; ++t) {
+    const int64_t context = rows.context(t);
+    spans[t] = {window > 0 ? std::max<int64_t>(0, context - window) : 0, context};
+    if (context <= 0 || (context + kv.block_size - 1) / kv.block_size > rows.max_blocks) return 2;
   }
-  // split tasks' parts: outputs [part][group][head_dim] and log-sum-exps [part][group], by task
-  std::vector<int64_t> part_base(static_cast<size_t>(tasks), -1);
-  std::vector<int> part_count(static_cast<size_t>(tasks), 1);
+  // tiles: runs of up to tile_tokens consecutive tokens whose contexts split alike
+  struct Work {
+    int64_t token;
+    int tokens, kv_head, part;
+  };
+  std::vector<Work> work;
+  std::vector<int64_t> part_base(static_cast<size_t>(rows.count), -1);
   int64_t split_parts = 0;
-  for (const Part& part : work)
-    if (part.parts > 1 && part.index == 0) {
-      part_base[part.task] = split_parts;
-      part_count[part.task] = part.parts;
-      split_parts += part.parts;
-    }
-  std::vector<float> part_out(static_cast<size_t>(split_parts) * group * head_dim), part_lse(static_cast<size_t>(split_parts) * group);
+  for (int64_t t = 0; t < rows.count;) {
+    int tokens = 1;
+    while (tokens < tile_tokens && t + tokens < rows.count && spans[t + tokens].split() == spans[t].split() &&
+           spans[t + tokens].q0() == spans[t].q0() && spans[t + tokens].q1() == spans[t].q1())
+      ++tokens;
+    const int parts = spans[t].parts();
+    if (parts > 1)
+      for (int i = 0; i < tokens; ++i, split_parts += parts) part_base[t + i] = split_parts;
+    for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      for (int p = 0; p < parts; ++p) work.push_back({t, tokens, kv_head, p});
+    t += tokens;
+  }
+  // split tokens' parts: outputs [part][kv head][group][head_dim], log-sum-exps [part][kv head][group]
+  const int64_t part_rows = static_cast<int64_t>(num_kv_heads) * group;
+  std::vector<float> part_out(static_cast<size_t>(split_parts * part_rows * head_dim)), part_lse(static_cast<size_t>(split_parts * part_rows));
+  auto query_offset = [&](int64_t token, int kv_head) { return (token * num_heads + kv_head * group) * head_dim; };
+  auto store_rows = [&](int64_t token, int kv_head, const float* values) {
+    for (int g = 0; g < group; ++g)
+      store_row(out, query_dtype, query_offset(token, kv_head) + g * head_dim, head_dim, values + static_cast<size_t>(g) * head_dim, 1.f);
+  };
 
 #pragma omp parallel
   {
-    std::vector<float> queries(static_cast<size_t>(group) * head_dim);
-    std::vector<float> row(head_dim);
-    std::vector<float> acc(static_cast<size_t>(group) * head_dim);
-    std::vector<float> result(static_cast<size_t>(group) * head_dim);
-    std::vector<float> inv_sum(group), lse(group);
-    std::vector<float> scores;
-    std::vector<uint16_t> probs;
+    TileScratch scratch;
+    std::vector<float> queries, result, lse, row(head_dim), inv_sum(group);
+    std::vector<uint16_t> queries_bf16;
+    std::vector<int64_t> firsts, ends;
 
-    // result (normalized) and lse for one part of one task
-    auto attend = [&](int64_t seq, int kv_head, const int64_t* table, int64_t first, int64_t count) {
+    // one tile's rows (tokens x group), for the part p of each token: result and lse [rows]
+    auto attend = [&](const Work& w) {
+      const int count = w.tokens * group;
+      const int64_t* table = rows.table(w.token);
+      firsts.resize(count);
+      ends.resize(count);
+      for (int i = 0; i < w.tokens; ++i)
+        for (int g = 0; g < group; ++g) {
+          firsts[i * group + g] = spans[w.token + i].part_first(w.part);
+          ends[i * group + g] = spans[w.token + i].part_end(w.part);
+        }
+      const TileRows tile{count, firsts.data(), ends.data()};
+      result.resize(static_cast<size_t>(count) * head_dim);
+      lse.resize(count);
 #if KVSERVE_DECODE_BF16_DOT
-      if (query_dtype == kBFloat16 && ((kv_dtype == kBFloat16 && plain_float_view(kv)) || is_scaled_format(kv_dtype))) {
-        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
-        if (decode_task_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs, acc,
-                                      lse.data()))
-          return;
+      if (bf16_tiles) {
+        queries_bf16.resize(static_cast<size_t>(count) * head_dim);
+        for (int i = 0; i < w.tokens; ++i)
+          std::memcpy(queries_bf16.data() + static_cast<size_t>(i) * group * head_dim,
+                      static_cast<const uint16_t*>(query) + query_offset(w.token + i, w.kv_head), sizeof(uint16_t) * group * head_dim);
+        with_kv_dtype(kv_dtype, [&](auto dtype) {
+          constexpr int DT = decltype(dtype)::value;
+          if constexpr (DT == kBFloat16 || DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2)
+            attend_tile_bf16<DT>(result.data(), lse.data(), queries_bf16.data(), tile, kv, table, w.kv_head, scale, scratch);
+          return true;
+        });
+        return;
       }
+#endif
+      queries.resize(static_cast<size_t>(count) * head_dim);
+      for (int i = 0; i < w.tokens; ++i)
+        load_row(query, query_dtype, query_offset(w.token + i, w.kv_head), group * head_dim, queries.data() + static_cast<size_t>(i) * group * head_dim);
+      if (float_tiles) {
+        with_kv_dtype(kv_dtype, [&](auto dtype) {
+          attend_tile_float<decltype(dtype)::value>(result.data(), lse.data(), queries.data(), tile, kv, table, w.kv_head, scale, scratch);
+          return true;
+        });
+        return;
+      }
+      // one token (tile_tokens is 1 here): KIVI records take their own loops, other shapes a row at a time
+      const int64_t first = firsts[0], count_slots = ends[0] - firsts[0];
+#if KVSERVE_DECODE_BF16_DOT
       if (query_dtype == kBFloat16 && (kv_dtype == kInt4 || kv_dtype == kInt2)) {
-        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + (seq * num_heads + kv_head * group) * head_dim;
-        if (decode_task_kivi_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count, kv_head, scale, scores, probs,
-                                           acc, lse.data()))
+        const uint16_t* group_queries = static_cast<const uint16_t*>(query) + query_offset(w.token, w.kv_head);
+        if (decode_task_kivi_bf16_dispatch(group, group_queries, result.data(), kv, table, first, count_slots, w.kv_head, scale,
+                                           scratch.scores, scratch.probs, scratch.acc, lse.data()))
           return;
       }
 #endif
-      for (int g = 0; g < group; ++g) {
-        const int64_t q_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-        load_row(query, query_dtype, q_offset, head_dim, queries.data() + static_cast<size_t>(g) * head_dim);
-      }
-      // int8 / fp8 records take the float path's vectorized loop, KIVI records their own; other shapes a row at a time
-      if (((plain_float_view(kv) || is_scaled_format(kv_dtype)) &&
-           decode_task_fast_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc,
-                                     lse.data())) ||
-          decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count, kv_head, scale, scores, acc, lse.data()))
+      if (decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count_slots, w.kv_head, scale, scratch.scores,
+                                    scratch.acc, lse.data()))
         return;
-      if (!plain_float_view(kv)) {
-        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count, kv_head, scale, scores, acc, row, lse.data());
+      if (!plain) {
+        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count_slots, w.kv_head, scale, scratch.scores, scratch.acc,
+                         row, lse.data());
         return;
       }
-      scores.resize(static_cast<size_t>(group) * count);
-      for (int64_t i = 0; i < count; ++i) {
-        load_row(kv.key, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
+      std::vector<float>& scores = scratch.scores;
+      std::vector<float>& acc = scratch.acc;
+      scores.resize(static_cast<size_t>(group) * count_slots);
+      for (int64_t i = 0; i < count_slots; ++i) {
+        load_row(kv.key, kv_dtype, kv_offset(kv, table, first + i, w.kv_head), head_dim, row.data());
         for (int g = 0; g < group; ++g)
-          scores[g * count + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
+          scores[g * count_slots + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
       }
-      softmax_rows(scores.data(), group, count, inv_sum.data(), lse.data());
+      softmax_rows(scores.data(), group, count_slots, inv_sum.data(), lse.data());
       acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
-      for (int64_t i = 0; i < count; ++i) {
-        load_row(kv.value, kv_dtype, kv_offset(kv, table, first + i, kv_head), head_dim, row.data());
+      for (int64_t i = 0; i < count_slots; ++i) {
+        load_row(kv.value, kv_dtype, kv_offset(kv, table, first + i, w.kv_head), head_dim, row.data());
         for (int g = 0; g < group; ++g) {
-          const float weight = scores[g * count + i];
+          const float weight = scores[g * count_slots + i];
           float* acc_row = acc.data() + static_cast<size_t>(g) * head_dim;
 #pragma omp simd
           for (int d = 0; d < head_dim; ++d) acc_row[d] += weight * row[d];
@@ -1473,107 +1238,78 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
       for (int g = 0; g < group; ++g)
         for (int d = 0; d < head_dim; ++d) result[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
     };
-    auto store_rows = [&](int64_t seq, int kv_head, const float* rows) {
-      for (int g = 0; g < group; ++g) {
-        const int64_t o_offset = (seq * num_heads + kv_head * group + g) * head_dim;
-        store_row(out, query_dtype, o_offset, head_dim, rows + static_cast<size_t>(g) * head_dim, 1.f);
-      }
-    };
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < static_cast<int64_t>(work.size()); ++w) {
-      const Part& part = work[w];
-      const int64_t seq = part.task / num_kv_heads;
-      const int kv_head = static_cast<int>(part.task % num_kv_heads);
-      attend(seq, kv_head, a.block_tables + seq * a.max_blocks, part.first, part.count);
-      if (part.parts == 1) {
-        store_rows(seq, kv_head, result.data());
-        continue;
+    for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i) {
+      const Work& w = work[i];
+      attend(w);
+      for (int t = 0; t < w.tokens; ++t) {
+        const float* values = result.data() + static_cast<size_t>(t) * group * head_dim;
+        if (part_base[w.token + t] < 0) {
+          store_rows(w.token + t, w.kv_head, values);
+          continue;
+        }
+        const int64_t at = (part_base[w.token + t] + w.part) * part_rows + static_cast<int64_t>(w.kv_head) * group;
+        std::memcpy(part_out.data() + at * head_dim, values, sizeof(float) * group * head_dim);
+        std::memcpy(part_lse.data() + at, lse.data() + t * group, sizeof(float) * group);
       }
-      const int64_t at = part_base[part.task] + part.index;
-      std::memcpy(part_out.data() + at * group * head_dim, result.data(), sizeof(float) * group * head_dim);
-      std::memcpy(part_lse.data() + at * group, lse.data(), sizeof(float) * group);
     }
 
     // merge: out = sum over parts of exp(lse_p - total) * out_p, total the log of the whole sum
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      if (part_base[task] < 0) continue;
-      const int64_t base = part_base[task];
-      const int parts = part_count[task];
+    for (int64_t task = 0; task < rows.count * num_kv_heads; ++task) {
+      const int64_t token = task / num_kv_heads;
+      const int kv_head = static_cast<int>(task % num_kv_heads);
+      if (part_base[token] < 0) continue;
+      const int parts = spans[token].parts();
+      auto at = [&](int p, int g) { return (part_base[token] + p) * part_rows + static_cast<int64_t>(kv_head) * group + g; };
+      result.resize(static_cast<size_t>(group) * head_dim);
       for (int g = 0; g < group; ++g) {
         float peak = -INFINITY;
-        for (int p = 0; p < parts; ++p) peak = std::max(peak, part_lse[(base + p) * group + g]);
+        for (int p = 0; p < parts; ++p) peak = std::max(peak, part_lse[at(p, g)]);
         float total = 0.f;
-        for (int p = 0; p < parts; ++p) total += std::exp(part_lse[(base + p) * group + g] - peak);
+        for (int p = 0; p < parts; ++p) total += std::exp(part_lse[at(p, g)] - peak);
         float* merged = result.data() + static_cast<size_t>(g) * head_dim;
         std::fill(merged, merged + head_dim, 0.f);
         for (int p = 0; p < parts; ++p) {
-          const float weight = std::exp(part_lse[(base + p) * group + g] - peak) / total;
-          const float* rows = part_out.data() + ((base + p) * group + g) * head_dim;
-          for (int d = 0; d < head_dim; ++d) merged[d] += weight * rows[d];
+          const float weight = std::exp(part_lse[at(p, g)] - peak) / total;
+          const float* values = part_out.data() + at(p, g) * head_dim;
+          for (int d = 0; d < head_dim; ++d) merged[d] += weight * values[d];
         }
       }
-      store_rows(task / num_kv_heads, static_cast<int>(task % num_kv_heads), result.data());
+      store_rows(token, kv_head, result.data());
     }
   }
-  return status;
+  return 0;
 }
 
+}  // namespace
 
-// One prefill chunk of one sequence: see PrefillAttentionArgs.
+extern "C" {
+
+// Decode: see DecodeAttentionArgs.
+int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
+  const DecodeAttentionArgs& a = *args;
+  const QueryRows rows{a.num_seqs, a.block_tables, a.max_blocks, a.max_blocks, a.kv_lens, 0};
+  return attend_rows(rows, *a.kv, a.out, a.query, a.query_dtype, a.num_heads, a.window, a.scale, 1);
+}
+
+// One prefill chunk of one sequence (see PrefillAttentionArgs): each token attends exactly as it
+// would decode, in batches of kPrefillRows tokens (which bounds the split contexts' part buffers).
 int kvserve_paged_prefill_attention(const PrefillAttentionArgs* args) {
+  constexpr int64_t kPrefillRows = 256;
+  constexpr int kTileRows = 64;  // query rows (tokens x group) that share each key and value load
   const PrefillAttentionArgs& a = *args;
   const KVView& kv = *a.kv;
-  const int num_heads = a.num_heads, num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim, window = a.window;
-  const int query_dtype = a.query_dtype;
-  const int64_t num_tokens = a.num_tokens, context_start = a.kv_start;
-  const float scale = a.scale;
-  void* out = a.out;
-  const void* query = a.query;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_tokens <= 0 || kv.dtype < 0 || kv.dtype > 7 || kv.block_size <= 0 ||
-      head_dim > 512) return 1;
-  if ((context_start + num_tokens + kv.block_size - 1) / kv.block_size > a.num_blocks) return 2;
-  const int group = num_heads / num_kv_heads;
-  const int64_t context_end = context_start + num_tokens;
-  const int64_t oldest = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
-  const int64_t key_base = oldest - oldest % kKeyTile;
-  const int64_t tiles = (context_end - key_base + kKeyTile - 1) / kKeyTile;
-  thread_local PrefillBuffers caller_buffers;  // reused across calls; grown, never shrunk
-  PrefillBuffers& buf = caller_buffers;  // a plain reference, so the worker threads share the caller's buffers
-  const int64_t rows_per_head = num_tokens * group;
-#if KVSERVE_DECODE_BF16_DOT
-  if (query_dtype == kBFloat16 && kv.dtype == kBFloat16 && head_dim % 32 == 0 && plain_float_view(kv)) {
-    unpack_context_bf16(buf, kv, a.block_table, key_base, context_end);
-    for_each_query_tile<kRowTileBf16>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
-      thread_local std::vector<uint16_t> queries;
-      thread_local std::vector<float> result;
-      queries.assign(static_cast<size_t>(kRowTileBf16) * head_dim, 0);
-      result.resize(static_cast<size_t>(kRowTileBf16) * head_dim);
-      for (int r = 0; r < rows; ++r)
-        std::memcpy(queries.data() + static_cast<size_t>(r) * head_dim, static_cast<const uint16_t*>(query) + offsets[r], sizeof(uint16_t) * head_dim);
-      prefill_rows_bf16(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head,
-                        head_dim, window, scale);
-      for (int r = 0; r < rows; ++r) store_row(out, query_dtype, offsets[r], head_dim, result.data() + static_cast<size_t>(r) * head_dim, 1.f);
-    });
-    return 0;
+  if (a.num_tokens <= 0 || a.kv_start < 0 || a.num_heads <= 0 || kv.num_kv_heads <= 0 || a.query_dtype < 0 || a.query_dtype > 2 || kv.block_size <= 0) return 1;
+  if ((a.kv_start + a.num_tokens + kv.block_size - 1) / kv.block_size > a.num_blocks) return 2;
+  const int64_t row_bytes = static_cast<int64_t>(a.num_heads) * kv.head_dim * (a.query_dtype == kFloat32 ? 4 : 2);
+  for (int64_t start = 0; start < a.num_tokens; start += kPrefillRows) {
+    const QueryRows rows{std::min(kPrefillRows, a.num_tokens - start), a.block_table, 0, a.num_blocks, nullptr, a.kv_start + start + 1};
+    const int status = attend_rows(rows, kv, static_cast<char*>(a.out) + start * row_bytes,
+                                   static_cast<const char*>(a.query) + start * row_bytes, a.query_dtype, a.num_heads, a.window, a.scale, kTileRows * kv.num_kv_heads / a.num_heads);
+    if (status) return status;
   }
-#endif
-  const int head_pad = (head_dim + 15) / 16 * 16;
-  unpack_context(buf, kv, a.block_table, key_base, context_end, head_pad);
-  for_each_query_tile<kRowTile>(rows_per_head, group, num_heads, num_kv_heads, head_dim, [&](int kv_head, int64_t row_base, int rows, const int64_t* offsets) {
-    thread_local std::vector<float> queries;
-    thread_local std::vector<float> result;
-    queries.assign(static_cast<size_t>(kRowTile) * head_pad, 0.f);
-    result.resize(static_cast<size_t>(kRowTile) * head_pad);
-    for (int r = 0; r < rows; ++r) {
-      float* q = queries.data() + static_cast<size_t>(r) * head_pad;
-      load_row(query, query_dtype, offsets[r], head_dim, q);
-      for (int d = 0; d < head_dim; ++d) q[d] *= scale;
-    }
-    prefill_rows(buf, result.data(), queries.data(), rows, group, context_start, row_base, key_base, tiles, kv_head, head_pad, window);
-    for (int r = 0; r < rows; ++r) store_row(out, query_dtype, offsets[r], head_dim, result.data() + static_cast<size_t>(r) * head_pad, 1.f);
-  });
   return 0;
 }
 
