@@ -115,3 +115,27 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
         results[march] = torch.load(path)
     for avx2, native in zip(results["haswell"], results[None]):
         assert torch.equal(avx2, native)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_runs_every_row_count_on_the_float_kernel(dtype, monkeypatch):
+    """A float32 weight, or a bf16 one on a CPU without AVX512-BF16, is packed for float_matmul and its
+    row-major copy freed; inputs the kernel does not take unpack it on demand."""
+    import torch.nn.functional as F
+
+    from kvserve.model.layers import Linear
+
+    monkeypatch.setattr(kernels, "bf16_dot_available", lambda: False)
+    torch.manual_seed(0)
+    layer = Linear(40, 70, bias=True).to(dtype)
+    x = torch.randn(33, 40).to(dtype)
+    with torch.no_grad():
+        ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        layer.enable_native()
+        assert layer.packed is None and layer.float_packed is not None and layer.weight.numel() == 0
+        out = layer(x)
+        assert torch.equal(layer(x[5:6]), out[5:6]) and torch.equal(layer(x[:9]), out[:9])
+        fallback = layer(x[None])[0]  # 3-D: the unpacked weight through F.linear
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    assert out.dtype == dtype and (out.double() - ref).abs().max().item() < tolerance
+    assert (fallback.double() - ref).abs().max().item() < tolerance
