@@ -37,11 +37,11 @@ class SkinnyMatmulArgs(ctypes.Structure):
 
 def old_skinny(commit: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """The deleted skinny kernel built from `commit`, called as its wrapper did (x staged into zero-padded float32 rows)."""
-    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip())
+    root = Path(__file__).resolve().parent.parent
     build = Path(tempfile.mkdtemp())
     for name in ("skinny_matmul.cpp", "args.h", "simd.h"):
-        text = subprocess.run(["git", "-C", str(root), "show", f"{commit}:kvserve/kernels/{name}"], capture_output=True, text=True, check=True)
-        (build / name).write_text(text.stdout)
+        source = f"{commit}:kvserve/kernels/{name}"
+        (build / name).write_text(subprocess.run(["git", "-C", str(root), "show", source], capture_output=True, text=True, check=True).stdout)
     flags = ["-march=native", "-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
     subprocess.run(["g++", *flags, str(build / "skinny_matmul.cpp"), "-o", str(build / "skinny.so")], check=True)
     library = ctypes.CDLL(str(build / "skinny.so"))

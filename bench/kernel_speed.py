@@ -5,7 +5,8 @@
 Prints milliseconds per call and the speed-up. Decode attention: 64 sequences whose contexts
 (64..640 tokens) sit in scattered blocks of a pool larger than the caches, one KV head, group 4,
 head_dim 256. Prefill attention: one prompt, causal. float_matmul (float32, or bf16 without
-AVX512-BF16): the greedy 262K x 640 lm_head with 1-8 rows. On a CPU with AVX512-BF16 (bf16 only): the packed bf16 GEMM on the layer shapes at 64
+AVX512-BF16): the greedy 262K x 640 lm_head with 1-8 rows.
+On a CPU with AVX512-BF16 (bf16 only): the packed bf16 GEMM on the layer shapes at 64
 and 2,048 rows, and the greedy lm_head of a 64-row batch, packed and int8-screened. Fused ops:
 a 2,048-token prefill chunk and a 64-row decode batch.
 """

@@ -152,7 +152,9 @@ class FloatPackedWeight:
 
 
 def can_pack_float(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.dtype in FLOAT_PACK_DTYPES and weight.device.type == "cpu" and weight.numel() > 0 and cpu_kernels_available()
+    if weight.dim() != 2 or weight.dtype not in FLOAT_PACK_DTYPES or weight.device.type != "cpu" or weight.numel() == 0:
+        return False
+    return cpu_kernels_available()
 
 
 def pack_float_weight(weight: torch.Tensor) -> FloatPackedWeight:
@@ -163,7 +165,8 @@ def pack_float_weight(weight: torch.Tensor) -> FloatPackedWeight:
     weight = weight.detach().contiguous()
     n, k = weight.shape
     data = torch.empty(-(-n // 16) * 16 * k, dtype=weight.dtype)
-    _check(library.kvserve_pack_float_weight(weight.data_ptr(), _DTYPE_CODES[weight.dtype], n, k, data.data_ptr()), "pack_float_weight")
+    status = library.kvserve_pack_float_weight(weight.data_ptr(), _DTYPE_CODES[weight.dtype], n, k, data.data_ptr())
+    _check(status, "pack_float_weight")
     return FloatPackedWeight(data, n, k, weight.dtype)
 
 

@@ -20,7 +20,9 @@ def packs_as_float(weight: torch.Tensor) -> bool:
 
 
 def fits_float_matmul(x: torch.Tensor, weight: kernels.FloatPackedWeight) -> bool:
-    return x.dim() == 2 and x.dtype in kernels.FLOAT_PACK_DTYPES and x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
+    if x.dim() != 2 or x.dtype not in kernels.FLOAT_PACK_DTYPES:
+        return False
+    return x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
 
 
 class Linear(nn.Linear):
