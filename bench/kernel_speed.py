@@ -4,8 +4,9 @@
 
 Prints milliseconds per call and the speed-up. Decode attention: 64 sequences whose contexts
 (64..640 tokens) sit in scattered blocks of a pool larger than the caches, one KV head, group 4,
-head_dim 256. Prefill attention: one prompt, causal. Skinny matmul: the 262K x 640 lm_head with
-1-8 rows. On a CPU with AVX512-BF16 (bf16 only): the packed bf16 GEMM on the layer shapes at 64
+head_dim 256. Prefill attention: one prompt, causal. float_matmul (float32, or bf16 without
+AVX512-BF16): the greedy 262K x 640 lm_head with 1-8 rows.
+On a CPU with AVX512-BF16 (bf16 only): the packed bf16 GEMM on the layer shapes at 64
 and 2,048 rows, and the greedy lm_head of a 64-row batch, packed and int8-screened. Fused ops:
 a 2,048-token prefill chunk and a 64-row decode batch.
 """
@@ -80,11 +81,14 @@ def main() -> None:
         row(f"prefill attention, {n}-token prompt", ours, theirs, "causal flash SDPA")
 
     lm_head = torch.randn(262144, 640, generator=g).to(dtype)
-    for rows in (1, 4, 8):
-        hidden = torch.randn(rows, 640, generator=g).to(dtype)
-        ours = per_call_ms(lambda: kernels.skinny_matmul(hidden, lm_head, want_output=False, want_argmax=True), 10)
-        theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 10)
-        row(f"skinny lm_head argmax, {rows} row(s)", ours, theirs, "matmul + argmax")
+    if dtype == torch.float32 or not kernels.bf16_dot_available():
+        float_packed = kernels.pack_float_weight(lm_head)
+        for rows in (1, 4, 8):
+            hidden = torch.randn(rows, 640, generator=g).to(dtype)
+            ours = per_call_ms(lambda: kernels.float_matmul(hidden, float_packed, want_output=False, want_argmax=True), 10)
+            theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 10)
+            row(f"float_matmul lm_head argmax, {rows} row(s)", ours, theirs, "matmul + argmax")
+        del float_packed
 
     if dtype == torch.bfloat16 and kernels.bf16_dot_available():
         # AVX512-BF16 packed GEMM: the projections at decode (64 rows) and prefill (2,048 rows) size

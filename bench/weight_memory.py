@@ -3,7 +3,9 @@
     .venv/bin/python bench/weight_memory.py [--model gemma-3-270m]
 
 With AVX512-BF16 the projections are held once (packed), the tied embedding/lm_head three times
-(row-major for the embedding lookup, packed bf16, int8 for the screened greedy argmax).
+(row-major for the embedding lookup, packed bf16, int8 for the screened greedy argmax). Float32
+weights (bf16 without AVX512-BF16) are packed for float_matmul: the projections held once, the
+lm_head twice (row-major, packed).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from kvserve import LLM
 
 def weight_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters())
-    tensors += [m.packed.data for m in model.modules() if getattr(m, "packed", None) is not None]
-    if model.packed_lm_head is not None:
-        tensors.append(model.packed_lm_head.data)
+    for name in ("packed", "float_packed"):
+        tensors += [getattr(m, name).data for m in model.modules() if getattr(m, name, None) is not None]
+    for packed in (model.packed_lm_head, model.float_lm_head):
+        if packed is not None:
+            tensors.append(packed.data)
     screened = model.screened_lm_head
     if screened is not None:
         tensors += [screened.int8, screened.row_scale, screened.row_error, screened.row_abs_q, screened.tile_abs_q, screened.tile_error]

@@ -123,27 +123,6 @@ def test_kernels_read_any_layout_the_view_describes(dtype):
     assert (out.float() - ref).abs().max().item() < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-def test_skinny_matmul_matches_torch(dtype, rows):
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(1000, 96, generator=g).to(dtype)
-    x = torch.randn(rows, 96, generator=g).to(dtype)
-    out, argmax = kernels.skinny_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
-    ref = x.float() @ weight.float().t()
-    assert (out - ref).abs().max().item() < 1e-4
-    assert torch.equal(argmax, ref.argmax(dim=1))
-    same_dtype, _ = kernels.skinny_matmul(x, weight)
-    assert same_dtype.dtype == dtype and (same_dtype.float() - ref).abs().max().item() < TOLERANCE[dtype] * 10
-
-
-def test_skinny_argmax_breaks_ties_toward_the_lowest_index():
-    weight = torch.zeros(5000, 32)
-    weight[[70, 4100, 4999]] = 1.0  # equal logits, in different threads' slices
-    _, argmax = kernels.skinny_matmul(torch.ones(2, 32), weight, want_output=False, want_argmax=True)
-    assert argmax.tolist() == [70, 70]
-
-
 def test_backend_resolution():
     assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "cpu_paged"
     assert resolve_attention_backend("auto", torch.device("meta"), torch.float32) == "torch_sdpa"

@@ -137,27 +137,65 @@ def paged_prefill_attention(
     return out
 
 
-SKINNY_MAX_ROWS = 16
+FLOAT_PACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def skinny_matmul(
-    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
+@dataclass(frozen=True)
+class FloatPackedWeight:
+    """A float32 or bf16 weight [n, k] re-laid for kvserve_float_matmul: tiles of 16 rows, k-major
+    inside a tile ([n/16][k][16]), in the weight's own dtype."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    dtype: torch.dtype
+
+
+def can_pack_float(weight: torch.Tensor) -> bool:
+    if weight.dim() != 2 or weight.dtype not in FLOAT_PACK_DTYPES or weight.device.type != "cpu" or weight.numel() == 0:
+        return False
+    return cpu_kernels_available()
+
+
+def pack_float_weight(weight: torch.Tensor) -> FloatPackedWeight:
+    """Pack a float32 or bf16 [n, k] weight once (the same bytes again, padded to 16 rows)."""
+    library = _require()
+    if not can_pack_float(weight):
+        raise ValueError("pack_float_weight: a non-empty 2-D float32 or bf16 CPU weight")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    data = torch.empty(-(-n // 16) * 16 * k, dtype=weight.dtype)
+    status = library.kvserve_pack_float_weight(weight.data_ptr(), _DTYPE_CODES[weight.dtype], n, k, data.data_ptr())
+    _check(status, "pack_float_weight")
+    return FloatPackedWeight(data, n, k, weight.dtype)
+
+
+def unpack_float_weight(weight: FloatPackedWeight) -> torch.Tensor:
+    """The [n, k] weight back from its packed layout (for a torch fallback)."""
+    tiles = weight.data.numel() // (16 * weight.k)
+    return weight.data.view(tiles, weight.k, 16).transpose(1, 2).reshape(tiles * 16, weight.k)[: weight.n]
+
+
+def float_matmul(
+    x: torch.Tensor, weight: FloatPackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """x [R, K] @ weight[N, K]^T for 1..16 rows: (output [R, N] in out_dtype (x's by default), written
-    into `out` when given, or None; row-wise argmax [R] or None). Accumulates in float32."""
+    """x [R, k] (float32 or bf16) @ weight^T with one float32 FMA chain per output, in k order, so a
+    row's result does not depend on the other rows: (output [R, n] in out_dtype (x's by default),
+    written into `out` when given, or None; row-wise argmax [R] or None)."""
     library = _require()
-    rows, dim = x.shape
-    if not 0 < rows <= SKINNY_MAX_ROWS or dim % 16 or not weight.is_contiguous() or weight.shape[1] != dim:
-        raise ValueError("skinny_matmul: 1..16 rows, an inner size that is a multiple of 16 and a contiguous weight")
-    padded = 1 << (rows - 1).bit_length()
-    staged = torch.zeros(padded, dim, dtype=torch.float32)
-    staged[:rows] = x
-    n = weight.shape[0]
-    out, argmax, out_args, out_dtype_code = _product_outputs(rows, n, out_dtype or x.dtype, want_output, want_argmax, out)
-    call = args.SkinnyMatmulArgs(weight.data_ptr(), staged.data_ptr(), *out_args, n, _DTYPE_CODES[weight.dtype], rows, dim, out_dtype_code)
-    status = library.kvserve_skinny_matmul(ctypes.byref(call))
-    _check(status, "skinny_matmul")
+    if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
+        raise ValueError(f"float_matmul: x must be float32 or bf16 [rows > 0, {weight.k}] with unit inner stride")
+    if x.device.type != "cpu":
+        raise ValueError("float_matmul: x must be on the CPU")
+    rows = x.shape[0]
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or x.dtype, want_output, want_argmax, out)
+    ldx = x.stride(0) if rows > 1 else weight.k  # a single row's stride can be anything
+    call = args.FloatMatmulArgs(
+        weight.data.data_ptr(), x.data_ptr(), *out_args, weight.n, ldx, weight.k, rows, _DTYPE_CODES[weight.dtype], _DTYPE_CODES[x.dtype],
+        out_dtype_code, 0,
+    )  # fmt: skip
+    _check(library.kvserve_float_matmul(ctypes.byref(call)), "float_matmul")
     return out, argmax
 
 

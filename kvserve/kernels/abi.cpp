@@ -37,8 +37,8 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
-  if (!std::strcmp(name, "SkinnyMatmulArgs")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(SkinnyMatmulArgs)), KVSERVE_FIELD(SkinnyMatmulArgs, weight), KVSERVE_FIELD(SkinnyMatmulArgs, x), KVSERVE_FIELD(SkinnyMatmulArgs, out), KVSERVE_FIELD(SkinnyMatmulArgs, argmax), KVSERVE_FIELD(SkinnyMatmulArgs, n), KVSERVE_FIELD(SkinnyMatmulArgs, weight_dtype), KVSERVE_FIELD(SkinnyMatmulArgs, rows), KVSERVE_FIELD(SkinnyMatmulArgs, dim), KVSERVE_FIELD(SkinnyMatmulArgs, out_dtype)};
+  if (!std::strcmp(name, "FloatMatmulArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(FloatMatmulArgs)), KVSERVE_FIELD(FloatMatmulArgs, packed), KVSERVE_FIELD(FloatMatmulArgs, x), KVSERVE_FIELD(FloatMatmulArgs, out), KVSERVE_FIELD(FloatMatmulArgs, argmax), KVSERVE_FIELD(FloatMatmulArgs, n), KVSERVE_FIELD(FloatMatmulArgs, ldx), KVSERVE_FIELD(FloatMatmulArgs, k), KVSERVE_FIELD(FloatMatmulArgs, rows), KVSERVE_FIELD(FloatMatmulArgs, weight_dtype), KVSERVE_FIELD(FloatMatmulArgs, x_dtype), KVSERVE_FIELD(FloatMatmulArgs, out_dtype), KVSERVE_FIELD(FloatMatmulArgs, pad_)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

@@ -69,17 +69,20 @@ struct PrefillAttentionArgs {
   float scale;
 };
 
-// x @ weight^T for 1..16 rows (skinny_matmul.cpp)
-struct SkinnyMatmulArgs {
-  const void* weight;  // [n, dim] in weight_dtype
-  const float* x;      // float32 [rows rounded up to 1, 2, 4, 8 or 16, dim], extra rows zero
+// x @ weight^T in float32 on a weight packed by kvserve_pack_float_weight (float_matmul.cpp)
+struct FloatMatmulArgs {
+  const void* packed;  // [ceil(n/16)][k][16] in weight_dtype (float32 or bf16)
+  const void* x;       // [rows, k] in x_dtype (float32 or bf16), row stride ldx
   void* out;           // [rows, n] in out_dtype, or null
   int64_t* argmax;     // [rows], or null
   int64_t n;
-  int32_t weight_dtype;
+  int64_t ldx;
+  int32_t k;
   int32_t rows;
-  int32_t dim;
+  int32_t weight_dtype;
+  int32_t x_dtype;
   int32_t out_dtype;
+  int32_t pad_;
 };
 
 // x @ weight^T on a weight packed by kvserve_pack_bf16_weight (packed_matmul.cpp)

@@ -37,10 +37,10 @@ class PrefillAttentionArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
-class SkinnyMatmulArgs(ctypes.Structure):
+class FloatMatmulArgs(ctypes.Structure):
     _fields_ = [
-        ("weight", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("weight_dtype", _i32), ("rows", _i32), ("dim", _i32),
-        ("out_dtype", _i32),
+        ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
+        ("weight_dtype", _i32), ("x_dtype", _i32), ("out_dtype", _i32), ("pad_", _i32),
     ]  # fmt: skip
 
 
@@ -118,7 +118,7 @@ class KVStoreArgs(ctypes.Structure):
 
 
 STRUCTS = (
-    KVView, DecodeAttentionArgs, PrefillAttentionArgs, SkinnyMatmulArgs, PackedMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
+    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, PackedMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
     AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
 )  # fmt: skip
 

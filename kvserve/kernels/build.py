@@ -25,7 +25,7 @@ from kvserve.kernels.args import layout_mismatches
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    "paged_attention.cpp", "skinny_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
+    "paged_attention.cpp", "float_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
     "sampler.cpp", "kv_store.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h"]
@@ -94,7 +94,7 @@ def load_kernels() -> ctypes.CDLL | None:
     signatures = {
         # the compute kernels take one pointer to their argument struct (args.h / args.py)
         **{name: [ptr] for name in (
-            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_skinny_matmul", "kvserve_packed_matmul",
+            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_packed_matmul",
             "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
             "kvserve_sample", "kvserve_kv_store",
         )},  # fmt: skip
@@ -103,6 +103,8 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_has_int8_screen": [],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
+        # weight, weight dtype, n, k, packed
+        "kvserve_pack_float_weight": [ptr, c_int, c_int64, c_int, ptr],
         # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
         "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
         # the screen's arguments, the sampler's

@@ -11,23 +11,31 @@ from torch import nn
 from kvserve import kernels
 from kvserve.model.config import RopeConfig
 
-NATIVE_MAX_ROWS = 8  # measured here: up to 8 rows the native kernel beats oneDNN's bf16 GEMM from DRAM
+def packs_as_float(weight: torch.Tensor) -> bool:
+    """The native kernels run this weight through float_matmul: float32, or bf16 where the CPU has no
+    AVX512-BF16 dot products (those take the packed bf16 kernel instead)."""
+    if weight.dtype == torch.bfloat16 and kernels.bf16_dot_available():
+        return False
+    return kernels.can_pack_float(weight)
 
 
-def fits_skinny_matmul(x: torch.Tensor) -> bool:
-    """A few rows (a small decode batch) with an inner size the native skinny kernel takes."""
-    return x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.shape[1] % 16 == 0
+def fits_float_matmul(x: torch.Tensor, weight: kernels.FloatPackedWeight) -> bool:
+    if x.dim() != 2 or x.dtype not in kernels.FLOAT_PACK_DTYPES:
+        return False
+    return x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
 
 
 class Linear(nn.Linear):
     """nn.Linear that runs on the native kernels once enable_native() ran: on a CPU with AVX512-BF16
     a bf16 weight is packed for bf16 dot products (any number of rows) and its row-major copy is
     freed, except on a CPU with AMX, where it is kept for torch's oneDNN GEMM to take batches of
-    kernels.amx_gemm_min_rows() rows or more; otherwise a few rows (a small decode batch) take the
-    skinny kernel."""
+    kernels.amx_gemm_min_rows() rows or more. A float32 weight (or bf16 without AVX512-BF16) is
+    packed for float_matmul, which takes every number of rows, so a row's output never depends on
+    the batch it rides in; its row-major copy is freed too."""
 
     native = False
     packed: kernels.PackedWeight | None = None
+    float_packed: kernels.FloatPackedWeight | None = None
     amx_min_rows: int | None = None
 
     def enable_native(self) -> None:
@@ -37,6 +45,9 @@ class Linear(nn.Linear):
             self.amx_min_rows = kernels.amx_gemm_min_rows()
             if self.amx_min_rows is None:
                 self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        elif packs_as_float(self.weight):
+            self.float_packed = kernels.pack_float_weight(self.weight)
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -48,9 +59,12 @@ class Linear(nn.Linear):
             bias = self.bias.to(x.dtype) if self.bias is not None else None
             weight = self.weight if self.weight.numel() else kernels.unpack_weight(self.packed)  # kept on AMX CPUs
             return F.linear(x, weight.to(x.dtype), bias)
-        if self.native and fits_skinny_matmul(x):
-            out, _ = kernels.skinny_matmul(x, self.weight)
-            return out if self.bias is None else out + self.bias
+        if self.float_packed is not None:
+            if fits_float_matmul(x, self.float_packed):
+                out, _ = kernels.float_matmul(x, self.float_packed)
+                return out if self.bias is None else out + self.bias
+            bias = self.bias.to(x.dtype) if self.bias is not None else None
+            return F.linear(x, kernels.unpack_float_weight(self.float_packed).to(x.dtype), bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -14,7 +14,7 @@ from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_skinny_matmul, residual_add_norm
+from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm
 
 
 LOGITS_CHUNK = 16384
@@ -131,8 +131,8 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
-        self.native_lm_head = False  # enable_native_kernels() turns this on where the CPU kernels are built
         self.packed_lm_head: kernels.PackedWeight | None = None
+        self.float_lm_head: kernels.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
         self.screened_lm_head: kernels.ScreenedWeight | None = None
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
@@ -140,12 +140,14 @@ class CausalLM(nn.Module):
         self._screen_scratch: torch.Tensor | None = None  # screened_sample's approximations, reused
 
     def enable_native_kernels(self) -> None:
-        """Route small-batch products (projections and lm_head) to the native CPU kernels."""
-        self.native_lm_head = True
+        """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
+        row-major weight stays: it may be the tied embedding, and the torch fallbacks read it."""
         if kernels.can_pack(self.lm_head.weight):
             self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
             if kernels.int8_screen_available() and kernels.screen_group(self.config.hidden_size):
                 self.screened_lm_head = kernels.screen_weight(self.packed_lm_head, self.lm_head.weight)
+        elif packs_as_float(self.lm_head.weight):
+            self.float_lm_head = kernels.pack_float_weight(self.lm_head.weight)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.enable_native()
@@ -180,9 +182,9 @@ class CausalLM(nn.Module):
         if self._use_packed_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32, out=out)[0])
-        if self._use_native_lm_head(normed):
-            logits, _ = kernels.skinny_matmul(normed, self.lm_head.weight, out_dtype=torch.float32, out=self._native_logits_buffer(normed.shape[0]))
-            return self._softcap(logits)
+        if self._use_float_lm_head(normed):
+            out = self._native_logits_buffer(normed.shape[0])
+            return self._softcap(kernels.float_matmul(normed, self.float_lm_head, out_dtype=torch.float32, out=out)[0])
         hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]
@@ -216,9 +218,9 @@ class CausalLM(nn.Module):
     def _use_packed_lm_head(self, normed: torch.Tensor) -> bool:
         return self.packed_lm_head is not None and normed.dtype == torch.bfloat16 and normed.dim() == 2 and normed.stride(1) == 1
 
-    def _use_native_lm_head(self, normed: torch.Tensor) -> bool:
-        """A few rows make a memory-bound product that the native kernel streams at full bandwidth."""
-        return self.native_lm_head and fits_skinny_matmul(normed)
+    def _use_float_lm_head(self, normed: torch.Tensor) -> bool:
+        """Every number of rows takes float_matmul, so a row's logits do not depend on its batch."""
+        return self.float_lm_head is not None and fits_float_matmul(normed, self.float_lm_head)
 
     def screened_sample(self, hidden: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> torch.Tensor | None:
         """The tokens the sampler would draw from these rows' full logits, drawn from the int8-screened
@@ -243,8 +245,8 @@ class CausalLM(nn.Module):
             if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
                 return kernels.screened_argmax(normed, self.screened_lm_head)[0]
             return kernels.packed_matmul(normed, self.packed_lm_head, want_output=False, want_argmax=True)[1]
-        if self._use_native_lm_head(normed):
-            return kernels.skinny_matmul(normed, self.lm_head.weight, want_output=False, want_argmax=True)[1]
+        if self._use_float_lm_head(normed):
+            return kernels.float_matmul(normed, self.float_lm_head, want_output=False, want_argmax=True)[1]
         hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]

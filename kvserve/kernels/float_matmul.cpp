@@ -1,0 +1,288 @@
+// x @ weight^T in float32 arithmetic, on a float32 or bf16 weight packed once at load time, with
+// results that do not depend on the batch.
+//
+// Layout: tiles of 16 output rows, k-major inside a tile ([n/16][k][16], rows past n zero), in the
+// weight's own dtype (bf16 is widened to float in registers by a 16-bit shift). One 16-float
+// load at step kk feeds 16 outputs, and x[row][kk] is a broadcast.
+//
+// Invariance: every output element has exactly one float32 accumulator, started at 0 and updated
+// by a fused multiply-add acc = fma(x[kk], w[kk], acc) for kk = 0, 1, ..., k-1, in that order.
+// Each FMA rounds once, so the value depends only on that row of x and that row of the weight:
+// not on how many rows ride along, how rows and tiles are blocked into registers, how threads
+// split the tiles, or whether a vector is one AVX-512 register or two AVX2 ones. The FMAs are
+// intrinsics (fma16), never a multiply and an add the compiler may or may not contract.
+//
+// A register block of MR rows by NT tiles keeps MR*NT accumulators. Outputs go to a
+// float32/bf16/fp16 matrix (rounded to nearest even, like torch) and/or a running argmax per row
+// (ties to the lowest index, like torch.argmax; padded rows never win).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+#include "args.h"
+#include "simd.h"
+
+namespace {
+
+using namespace kvserve;
+
+constexpr int kTile = 16;  // output rows per packed tile (one f32x16)
+
+#if defined(__AVX512F__)
+// 24 accumulators, 3 weight vectors and a broadcast fit the 32 zmm registers
+constexpr int kMaxRows = 8;
+constexpr int kTiles = 3;
+#else
+// an f32x16 is two ymm registers: 8 accumulators, a weight vector and a broadcast fit 16
+constexpr int kMaxRows = 4;
+constexpr int kTiles = 1;
+#endif
+
+// c + a * b per lane, rounded once
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float f32x8 __attribute__((vector_size(32)));
+  const f32x8 lo = (f32x8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                          (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                          (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const f32x8 hi = (f32x8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  for (int i = 0; i < kTile; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
+inline f32x16 broadcast16(float v) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_set1_ps(v);
+#else
+  return f32x16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+#endif
+}
+
+// 16 packed weights as float (bf16: the bits shifted up by 16, exact)
+template <int DT>
+inline f32x16 load_weight(const void* packed, int64_t offset) {
+#if defined(__AVX512F__)
+  if constexpr (DT == kBFloat16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(packed) + offset));
+    return (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+#endif
+  return load16<DT>(packed, offset);
+}
+
+struct RowBest {
+  f32x16 value;
+  i32x16 index;
+};
+
+// the packed weight, its element type, and what a product writes
+struct Problem {
+  const void* packed;
+  int weight_dtype;
+  int64_t n;
+  int k;
+  const float* x;  // float rows, row stride ldx
+  int64_t ldx;
+  void* out;       // [rows, n] in out_dtype, or null
+  int out_dtype;
+};
+
+template <int DT, int MR, int NT>
+inline void micro_kernel(const void* packed, int64_t first, int k, const float* x, int64_t ldx, f32x16 (&acc)[MR][NT]) {
+  const int64_t tile_stride = static_cast<int64_t>(k) * kTile;
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = f32x16{};
+  for (int kk = 0; kk < k; ++kk) {
+    f32x16 w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = load_weight<DT>(packed, (first + t) * tile_stride + static_cast<int64_t>(kk) * kTile);
+    for (int m = 0; m < MR; ++m) {
+      const f32x16 a = broadcast16(x[m * ldx + kk]);
+      for (int t = 0; t < NT; ++t) acc[m][t] = fma16(a, w[t], acc[m][t]);
+    }
+  }
+}
+
+inline void store_tile(void* out, int out_dtype, int64_t offset, f32x16 values, int valid) {
+  if (out_dtype == kFloat32) {
+    std::memcpy(static_cast<float*>(out) + offset, &values, valid * sizeof(float));
+  } else if (out_dtype == kBFloat16) {
+    u32x16 bits;
+    std::memcpy(&bits, &values, sizeof(bits));
+    // round to nearest even like torch (and bf16_bits); NaN stays NaN
+    u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    rounded = (bits & 0x7fffffffu) > 0x7f800000u ? u32x16{} + 0x7fc0u : rounded;
+    const u16x16 half = __builtin_convertvector(rounded, u16x16);
+    std::memcpy(static_cast<uint16_t*>(out) + offset, &half, valid * sizeof(uint16_t));
+  } else {
+    const f16x16 half = __builtin_convertvector(values, f16x16);
+    std::memcpy(static_cast<_Float16*>(out) + offset, &half, valid * sizeof(_Float16));
+  }
+}
+
+// one block of NT tiles (from tile `first`) against MR rows from `row`
+template <int DT, int MR, int NT>
+void block(const Problem& p, int64_t first, const float* x, int row, void* out, RowBest* best) {
+  f32x16 acc[MR][NT];
+  micro_kernel<DT, MR, NT>(p.packed, first, p.k, x + row * p.ldx, p.ldx, acc);
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int t = 0; t < NT; ++t) {
+    const int64_t column = (first + t) * kTile;
+    const int valid = static_cast<int>(std::min<int64_t>(kTile, p.n - column));
+    const i32x16 index = lane + static_cast<int32_t>(column);
+    for (int m = 0; m < MR; ++m) {
+      if (out) store_tile(out, p.out_dtype, static_cast<int64_t>(row + m) * p.n + column, acc[m][t], valid);
+      if (best) {
+        RowBest& b = best[row + m];
+        const i32x16 better = (acc[m][t] > b.value) & (lane < valid);
+        b.value = better ? acc[m][t] : b.value;
+        b.index = better ? index : b.index;
+      }
+    }
+  }
+}
+
+// the last rows - row (< MR) rows of a chunk: the largest block that fits, then smaller ones
+template <int DT, int MR, int NT>
+void remainder(const Problem& p, int64_t first, const float* x, int row, int rows, void* out, RowBest* best) {
+  if constexpr (MR > 0) {
+    if (rows - row >= MR) {
+      block<DT, MR, NT>(p, first, x, row, out, best);
+      row += MR;
+    }
+    remainder<DT, MR - 1, NT>(p, first, x, row, rows, out, best);
+  }
+}
+
+template <int DT, int NT>
+void rows_block(const Problem& p, int64_t first, const float* x, int rows, void* out, RowBest* best) {
+  int row = 0;
+  for (; row + kMaxRows <= rows; row += kMaxRows) block<DT, kMaxRows, NT>(p, first, x, row, out, best);
+  remainder<DT, kMaxRows - 1, NT>(p, first, x, row, rows, out, best);
+}
+
+template <int DT>
+void tiles_block(const Problem& p, int64_t first, int64_t count, const float* x, int rows, void* out, RowBest* best) {
+  if constexpr (kTiles >= 3) {
+    if (count >= 3) return rows_block<DT, 3>(p, first, x, rows, out, best);
+  }
+  if constexpr (kTiles >= 2) {
+    if (count == 2) return rows_block<DT, 2>(p, first, x, rows, out, best);
+  }
+  rows_block<DT, 1>(p, first, x, rows, out, best);
+}
+
+// best[] (one per row, 16 lanes) folded into merged_value / merged_index, lowest index on ties
+void merge_best(const std::vector<RowBest>& best, std::vector<float>& merged_value, std::vector<int64_t>& merged_index) {
+  for (size_t r = 0; r < best.size(); ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t at = -1;
+    for (int i = 0; i < kTile; ++i) {
+      const float value = best[r].value[i];
+      const int64_t index = best[r].index[i];
+      if (index >= 0 && (at < 0 || value > top || (value == top && index < at))) {
+        top = value;
+        at = index;
+      }
+    }
+#pragma omp critical
+    if (at >= 0 && (merged_index[r] < 0 || top > merged_value[r] || (top == merged_value[r] && at < merged_index[r]))) {
+      merged_value[r] = top;
+      merged_index[r] = at;
+    }
+  }
+}
+
+template <int DT>
+void run(const Problem& p, int rows, int64_t* argmax) {
+  const int64_t tiles = (p.n + kTile - 1) / kTile;
+  const int64_t blocks = (tiles + kTiles - 1) / kTiles;
+  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> merged_index(rows, -1);
+#pragma omp parallel
+  {
+    std::vector<RowBest> best;
+    if (argmax) best.assign(rows, RowBest{f32x16{} - std::numeric_limits<float>::infinity(), i32x16{} - 1});
+    // each thread takes a contiguous range of weight blocks and walks it once per chunk of rows
+    // small enough to stay in L2, instead of streaming all of x again for every block
+    const int threads = omp_get_num_threads();
+    const int me = omp_get_thread_num();
+    const int64_t block_begin = blocks * me / threads;
+    const int64_t block_end = blocks * (me + 1) / threads;
+    const int chunk_rows = std::max(kMaxRows, static_cast<int>((256 << 10) / (static_cast<int64_t>(p.k) * 4)) / kMaxRows * kMaxRows);
+    const int64_t out_bytes = p.out_dtype == kFloat32 ? 4 : 2;
+    for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
+      const int chunk = std::min(chunk_rows, rows - r0);
+      const float* xc = p.x + r0 * p.ldx;
+      void* oc = p.out ? static_cast<void*>(static_cast<char*>(p.out) + static_cast<int64_t>(r0) * p.n * out_bytes) : nullptr;
+      RowBest* bc = argmax ? best.data() + r0 : nullptr;
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        const int64_t first = b * kTiles;
+        tiles_block<DT>(p, first, std::min<int64_t>(kTiles, tiles - first), xc, chunk, oc, bc);
+      }
+    }
+    if (argmax) merge_best(best, merged_value, merged_index);
+  }
+  if (argmax)
+    for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
+}
+
+}  // namespace
+
+extern "C" {
+
+// weight: float32 or bf16 [n, k] (row stride k). packed: the same dtype, [ceil(n/16)][k][16], zero-padded.
+int kvserve_pack_float_weight(const void* weight, int weight_dtype, int64_t n, int k, void* packed) {
+  if (n <= 0 || k <= 0 || (weight_dtype != kFloat32 && weight_dtype != kBFloat16)) return 1;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const size_t bytes = weight_dtype == kFloat32 ? 4 : 2;
+  const char* src = static_cast<const char*>(weight);
+  char* dst = static_cast<char*>(packed);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int kk = 0; kk < k; ++kk)
+      for (int i = 0; i < kTile; ++i) {
+        const int64_t r = t * kTile + i;
+        char* to = dst + ((t * k + kk) * kTile + i) * bytes;
+        if (r < n) std::memcpy(to, src + (r * k + kk) * bytes, bytes);
+        else std::memset(to, 0, bytes);
+      }
+  return 0;
+}
+
+// x: float32 or bf16 [rows, k] (row stride ldx). out ([rows, n] in out_dtype) and argmax (int64
+// [rows]) may each be null.
+int kvserve_float_matmul(const kvserve::FloatMatmulArgs* a) {
+  const int64_t n = a->n, ldx = a->ldx;
+  const int k = a->k, rows = a->rows;
+  const bool float_dtypes = (a->weight_dtype == kFloat32 || a->weight_dtype == kBFloat16) && (a->x_dtype == kFloat32 || a->x_dtype == kBFloat16);
+  if (n <= 0 || k <= 0 || rows <= 0 || ldx < k || !float_dtypes || a->out_dtype < 0 || a->out_dtype > 2) return 1;
+  Problem p{a->packed, a->weight_dtype, n, k, static_cast<const float*>(a->x), ldx, a->out, a->out_dtype};
+  std::vector<float> widened;
+  if (a->x_dtype == kBFloat16) {
+    // bf16 -> float is exact: widen once, so the kernel broadcasts floats either way
+    widened.resize(static_cast<size_t>(rows) * k);
+    const uint16_t* x = static_cast<const uint16_t*>(a->x);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; ++r)
+      for (int kk = 0; kk < k; ++kk) widened[static_cast<size_t>(r) * k + kk] = Elem<kBFloat16>::load(x[r * ldx + kk]);
+    p.x = widened.data();
+    p.ldx = k;
+  }
+  if (p.weight_dtype == kFloat32) run<kFloat32>(p, rows, a->argmax);
+  else run<kBFloat16>(p, rows, a->argmax);
+  return 0;
+}
+
+}  // extern "C"
