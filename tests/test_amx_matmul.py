@@ -79,7 +79,8 @@ def check_ties_go_to_the_lowest_index(library):
     weight = -random_bf16(100, 64).abs() - 1
     weight[[20, 22, 70, 99]] = 1  # ties inside a column block and across blocks
     packed = kernels.amx_pack_weight(weight, library=library)
-    out, argmax = kernels.amx_matmul(torch.ones(17, 64, dtype=torch.bfloat16), packed, want_output=False, want_argmax=True, library=library)
+    x = torch.ones(17, 64, dtype=torch.bfloat16)
+    out, argmax = kernels.amx_matmul(x, packed, want_output=False, want_argmax=True, library=library)
     assert out is None and argmax.tolist() == [20] * 17
 
 

@@ -275,7 +275,8 @@ def amx_matmul(
     (float32 or bf16, bf16 by default), written into `out` when given, or None; row-wise argmax [R]
     or None). A row's result does not depend on the other rows (amx_matmul.cpp)."""
     library = library if library is not None else _require()
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
+    shape_ok = x.dim() == 2 and x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
+    if not shape_ok or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError(f"amx_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
     out_dtype = out_dtype or torch.bfloat16
     if out_dtype not in (torch.float32, torch.bfloat16):
