@@ -274,6 +274,63 @@ def packed_matmul(
 
 
 @dataclass(frozen=True)
+class AmxWeight:
+    """A bf16 weight [n, k] re-laid for kvserve_amx_matmul: AMX B tiles (amx_matmul.cpp),
+    [ceil(n/16)][ceil(k/32)][16 k-pairs][16 columns][2], zero-padded."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
+def amx_available(library=None) -> bool:
+    """The AMX kernel can run: the library was built with it, the CPU has AMX-BF16 and Linux granted
+    this process tile data (kvserve_amx_available), and KVSERVE_DISABLE_AMX is not "1". `library`:
+    the kernel library to ask (the production one by default; tests pass the emulated build)."""
+    if os.environ.get("KVSERVE_DISABLE_AMX") == "1":
+        return False
+    library = library if library is not None else load_kernels()
+    return library is not None and bool(library.kvserve_amx_compiled()) and bool(library.kvserve_amx_available())
+
+
+def amx_pack_weight(weight: torch.Tensor, library=None) -> AmxWeight:
+    """Pack a bf16 [n, k] weight once into AMX B tiles (plain C++: runs on any CPU)."""
+    library = library if library is not None else _require()
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or 0 in weight.shape:
+        raise ValueError("amx_pack_weight: a non-empty 2-D bf16 CPU weight")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    data = torch.empty(-(-n // 16) * -(-k // 32) * 16 * 32, dtype=torch.bfloat16)
+    _check(library.kvserve_amx_pack_weight(weight.data_ptr(), n, k, data.data_ptr()), "amx_pack_weight")
+    return AmxWeight(data, n, k)
+
+
+def amx_matmul(
+    x: torch.Tensor, weight: AmxWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
+    out: torch.Tensor | None = None, library=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """x [R, k] (bf16) @ weight^T on AMX tiles, accumulated in float32: (output [R, n] in out_dtype
+    (float32 or bf16, bf16 by default), written into `out` when given, or None; row-wise argmax [R]
+    or None). A row's result does not depend on the other rows (amx_matmul.cpp)."""
+    library = library if library is not None else _require()
+    shape_ok = x.dim() == 2 and x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
+    if not shape_ok or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"amx_matmul: x must be bf16 [rows > 0, {weight.k}] with unit inner stride")
+    out_dtype = out_dtype or torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("amx_matmul: the output is float32 or bf16")
+    rows = x.shape[0]
+    out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype, want_output, want_argmax, out)
+    ldx = x.stride(0) if rows > 1 else weight.k  # one row's stride can be anything
+    call = args.AmxMatmulArgs(weight.data.data_ptr(), x.data_ptr(), *out_args, weight.n, ldx, weight.k, rows, out_dtype_code, 0)
+    status = library.kvserve_amx_matmul(ctypes.byref(call))
+    if status == 2:
+        raise RuntimeError("amx_matmul: AMX tiles are not available here (see amx_available())")
+    _check(status, "amx_matmul")
+    return out, argmax
+
+
+@dataclass(frozen=True)
 class ScreenedWeight:
     """An lm_head kept for exact greedy argmax by int8 screening (see screened_argmax.cpp): the bf16
     packed weight for the exact rescoring plus int8 rows with their scales and error bounds."""

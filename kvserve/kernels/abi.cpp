@@ -51,6 +51,13 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "AmxMatmulArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(AmxMatmulArgs)), KVSERVE_FIELD(AmxMatmulArgs, packed), KVSERVE_FIELD(AmxMatmulArgs, x), KVSERVE_FIELD(AmxMatmulArgs, out), KVSERVE_FIELD(AmxMatmulArgs, argmax), KVSERVE_FIELD(AmxMatmulArgs, n), KVSERVE_FIELD(AmxMatmulArgs, ldx), KVSERVE_FIELD(AmxMatmulArgs, k), KVSERVE_FIELD(AmxMatmulArgs, rows), KVSERVE_FIELD(AmxMatmulArgs, out_dtype), KVSERVE_FIELD(AmxMatmulArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   if (!std::strcmp(name, "ScreenedArgmaxArgs")) {
     const int64_t layout[] = {static_cast<int64_t>(sizeof(ScreenedArgmaxArgs)), KVSERVE_FIELD(ScreenedArgmaxArgs, qpacked), KVSERVE_FIELD(ScreenedArgmaxArgs, row_scale), KVSERVE_FIELD(ScreenedArgmaxArgs, row_error), KVSERVE_FIELD(ScreenedArgmaxArgs, row_abs_q), KVSERVE_FIELD(ScreenedArgmaxArgs, bf16_packed), KVSERVE_FIELD(ScreenedArgmaxArgs, xq), KVSERVE_FIELD(ScreenedArgmaxArgs, group_scale), KVSERVE_FIELD(ScreenedArgmaxArgs, group_delta), KVSERVE_FIELD(ScreenedArgmaxArgs, correction), KVSERVE_FIELD(ScreenedArgmaxArgs, x_l1), KVSERVE_FIELD(ScreenedArgmaxArgs, slack), KVSERVE_FIELD(ScreenedArgmaxArgs, tile_bound), KVSERVE_FIELD(ScreenedArgmaxArgs, x), KVSERVE_FIELD(ScreenedArgmaxArgs, argmax), KVSERVE_FIELD(ScreenedArgmaxArgs, rescored), KVSERVE_FIELD(ScreenedArgmaxArgs, n), KVSERVE_FIELD(ScreenedArgmaxArgs, ldxq), KVSERVE_FIELD(ScreenedArgmaxArgs, ldx), KVSERVE_FIELD(ScreenedArgmaxArgs, k), KVSERVE_FIELD(ScreenedArgmaxArgs, group), KVSERVE_FIELD(ScreenedArgmaxArgs, rows), KVSERVE_FIELD(ScreenedArgmaxArgs, pad_)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));

@@ -99,6 +99,20 @@ struct PackedMatmulArgs {
   int32_t pad_;
 };
 
+// x @ weight^T on AMX tiles, on a weight packed by kvserve_amx_pack_weight (amx_matmul.cpp)
+struct AmxMatmulArgs {
+  const uint16_t* packed;  // bf16 [ceil(n/16)][ceil(k/32)][16][16][2]
+  const uint16_t* x;       // bf16 [rows, k], row stride ldx
+  void* out;               // [rows, n] in out_dtype (0 float32, 1 bf16), or null
+  int64_t* argmax;         // [rows], or null
+  int64_t n;
+  int64_t ldx;
+  int32_t k;
+  int32_t rows;
+  int32_t out_dtype;
+  int32_t pad_;
+};
+
 // The int8-screened exact greedy argmax (screened_argmax.cpp)
 struct ScreenedArgmaxArgs {
   const uint8_t* qpacked;    // int8 weight, + 128, [tiles][k/4][16][4]

@@ -51,6 +51,13 @@ class PackedMatmulArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class AmxMatmulArgs(ctypes.Structure):
+    _fields_ = [
+        ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
+        ("out_dtype", _i32), ("pad_", _i32),
+    ]  # fmt: skip
+
+
 class ScreenedArgmaxArgs(ctypes.Structure):
     _fields_ = [
         ("qpacked", _p), ("row_scale", _p), ("row_error", _p), ("row_abs_q", _p), ("bf16_packed", _p), ("xq", _p), ("group_scale", _p),
@@ -118,7 +125,7 @@ class KVStoreArgs(ctypes.Structure):
 
 
 STRUCTS = (
-    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, PackedMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
+    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
     AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
 )  # fmt: skip
 

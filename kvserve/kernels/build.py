@@ -26,9 +26,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     "paged_attention.cpp", "float_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
-    "sampler.cpp", "kv_store.cpp", "abi.cpp",
+    "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "abi.cpp",
 ]  # fmt: skip
-HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h"]
+HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h"]
+# test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
+AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]
+AMX_EMULATION_FLAGS = ["-DKVSERVE_AMX_EMULATE", "-ffp-contract=off"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -62,56 +65,46 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-@functools.lru_cache(maxsize=None)
-def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here (logged once)."""
-    if os.environ.get("KVSERVE_DISABLE_KERNELS"):
-        return None
+def _build(sources: list[str], flags: list[str], stem: str) -> tuple[Path | None, str]:
+    """The shared object for these sources and flags, compiled into the cache unless already there:
+    (its path, or None when it cannot be built, and the compiler's complaint)."""
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C++ compiler found: CPU attention kernels disabled, using torch ops")
-        return None
+        return None, "no C++ compiler found"
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in sources + HEADERS:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update("\0".join([compiler, version, *_flags(), _cpu_identity()]).encode())
-    target = cache_root() / "kernels" / f"kvserve_kernels-{digest.hexdigest()[:16]}.so"
+    digest.update("\0".join([compiler, version, *flags, _cpu_identity()]).encode())
+    target = cache_root() / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             partial = Path(tmp) / target.name
-            cmd = [compiler, *_flags(), *(str(here / name) for name in SOURCES), "-o", str(partial)]
+            cmd = [compiler, *flags, *(str(here / name) for name in sources), "-o", str(partial)]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                logger.warning("building the CPU kernels failed, using torch ops:\n%s", result.stderr[-2000:])
-                return None
+                return None, result.stderr[-2000:]
             os.replace(partial, target)  # atomic: concurrent builders never see half a file
+    return target, ""
+
+
+_c_int, _c_int64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+# the AMX kernel's entry points, in the production library and the emulated one alike
+_AMX_SIGNATURES = {
+    "kvserve_amx_matmul": [_ptr],
+    "kvserve_amx_compiled": [],
+    "kvserve_amx_available": [],
+    # weight, n, k, packed
+    "kvserve_amx_pack_weight": [_ptr, _c_int64, _c_int, _ptr],
+    "kvserve_struct_layout": [ctypes.c_char_p, _ptr, _c_int],
+}
+
+
+def _open(target: Path, signatures: dict[str, list]) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     library.path = target
-    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    signatures = {
-        # the compute kernels take one pointer to their argument struct (args.h / args.py)
-        **{name: [ptr] for name in (
-            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_packed_matmul",
-            "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
-            "kvserve_sample", "kvserve_kv_store",
-        )},  # fmt: skip
-        "kvserve_struct_layout": [ctypes.c_char_p, ptr, c_int],
-        "kvserve_has_bf16_dot": [],
-        "kvserve_has_int8_screen": [],
-        # weight, n, k, packed
-        "kvserve_pack_bf16_weight": [ptr, c_int64, c_int, ptr],
-        # weight, weight dtype, n, k, packed
-        "kvserve_pack_float_weight": [ptr, c_int, c_int64, c_int, ptr],
-        # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
-        "kvserve_pack_int8_weight": [ptr, c_int64, c_int, c_int, ptr, ptr, ptr, ptr],
-        # the screen's arguments, the sampler's
-        "kvserve_screened_sample": [ptr, ptr],
-        # seed, position, n, out
-        "kvserve_token_uniforms": [ctypes.c_uint64, ctypes.c_uint64, c_int64, ptr],
-    }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
         fn.restype = ctypes.c_int
@@ -120,6 +113,51 @@ def load_kernels() -> ctypes.CDLL | None:
     if mismatches:
         raise RuntimeError("the kernels' argument structs and their Python mirrors disagree: " + "; ".join(mismatches))
     return library
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here (logged once)."""
+    if os.environ.get("KVSERVE_DISABLE_KERNELS"):
+        return None
+    target, complaint = _build(SOURCES, _flags(), "kvserve_kernels")
+    if target is None:
+        logger.warning("building the CPU kernels failed, using torch ops:\n%s", complaint)
+        return None
+    signatures = {
+        # the compute kernels take one pointer to their argument struct (args.h / args.py)
+        **{name: [_ptr] for name in (
+            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_packed_matmul",
+            "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
+            "kvserve_sample", "kvserve_kv_store",
+        )},  # fmt: skip
+        **_AMX_SIGNATURES,
+        "kvserve_has_bf16_dot": [],
+        "kvserve_has_int8_screen": [],
+        # weight, n, k, packed
+        "kvserve_pack_bf16_weight": [_ptr, _c_int64, _c_int, _ptr],
+        # weight, weight dtype, n, k, packed
+        "kvserve_pack_float_weight": [_ptr, _c_int, _c_int64, _c_int, _ptr],
+        # weight, n, k, group, int8 packed, row scale, row error, row |q| per group
+        "kvserve_pack_int8_weight": [_ptr, _c_int64, _c_int, _c_int, _ptr, _ptr, _ptr, _ptr],
+        # the screen's arguments, the sampler's
+        "kvserve_screened_sample": [_ptr, _ptr],
+        # seed, position, n, out
+        "kvserve_token_uniforms": [ctypes.c_uint64, ctypes.c_uint64, _c_int64, _ptr],
+    }
+    return _open(target, signatures)
+
+
+@functools.lru_cache(maxsize=None)
+def build_amx_emulation() -> ctypes.CDLL:
+    """Test only: amx_matmul.cpp alone with its tile instructions emulated in scalar C++
+    (-DKVSERVE_AMX_EMULATE, see amx_tiles.h), exposing the AMX entry points of the production
+    library (kvserve_amx_available is 1), so the kernel's layouts and staging can be checked on a
+    CPU without AMX. Never loaded by the engine."""
+    target, complaint = _build(AMX_EMULATION_SOURCES, [*_flags(), *AMX_EMULATION_FLAGS], "kvserve_amx_emulated")
+    if target is None:
+        raise RuntimeError(f"building the emulated AMX kernel failed:\n{complaint}")
+    return _open(target, _AMX_SIGNATURES)
 
 
 def report() -> None:
