@@ -317,14 +317,13 @@ def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("amx_rows", [None, 8])
 @pytest.mark.parametrize("rows", [1, 7, 8, 40])
-def test_linear_on_packed_weights_matches_f_linear(rows, amx_rows, monkeypatch):
-    """Packed weights take every product (the row-major copy freed) without AMX; with it, products of
-    amx_rows rows or more go to oneDNN on the row-major weight, kept for them."""
+def test_linear_on_packed_weights_matches_f_linear(rows, monkeypatch):
+    """Without AMX a bf16 weight is packed for packed_matmul, which takes every product (the
+    row-major copy freed); what it does not take unpacks on demand."""
     from kvserve.model.layers import Linear
 
-    monkeypatch.setattr(kernels, "amx_gemm_min_rows", lambda: amx_rows)
+    monkeypatch.setattr(kernels, "amx_ready", lambda: False)
     packed_calls = []
     real_packed_matmul = kernels.packed_matmul
     monkeypatch.setattr(kernels, "packed_matmul", lambda *a, **k: packed_calls.append(a[0].shape) or real_packed_matmul(*a, **k))
@@ -335,22 +334,49 @@ def test_linear_on_packed_weights_matches_f_linear(rows, amx_rows, monkeypatch):
         ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         weight = layer.weight.clone()
         layer.enable_native()
-        assert layer.packed is not None and (layer.weight.numel() == 0) == (amx_rows is None)
+        assert layer.packed is not None and layer.amx is None and layer.weight.numel() == 0
         assert torch.equal(kernels.unpack_weight(layer.packed), weight)
         out = layer(x)
-        assert bool(packed_calls) == (amx_rows is None or rows < amx_rows)
+        assert packed_calls == [x.shape]
         fallback = layer(x.float()[None])[0]  # what the packed kernel does not take unpacks on demand
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05
     assert (fallback - ref).abs().max().item() < 1e-3
 
 
-def test_the_amx_dispatch_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
-    assert kernels.amx_gemm_min_rows() is None
-    monkeypatch.delenv("KVSERVE_DISABLE_AMX")
-    expected = kernels.AMX_GEMM_MIN_ROWS if kernels.cpu_has_amx_bf16() and torch.backends.mkldnn.is_available() else None
-    assert kernels.amx_gemm_min_rows() == expected
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows, monkeypatch):
+    """On an AMX CPU (forced here, the tile instructions emulated) a bf16 weight is packed once in
+    AMX tiles and every product, whatever its rows, runs on amx_matmul; bits equal row by row."""
+    from kvserve.kernels.build import build_amx_emulation
+    from kvserve.model.layers import Linear
 
+    emulated = build_amx_emulation()
+    real_pack, real_matmul = kernels.amx_pack_weight, kernels.amx_matmul
+    calls = []
+    monkeypatch.setattr(kernels, "amx_ready", lambda: True)
+    monkeypatch.setattr(kernels, "amx_pack_weight", lambda w: real_pack(w, library=emulated))
+    monkeypatch.setattr(kernels, "amx_matmul", lambda x, w, **k: calls.append(x.shape[0]) or real_matmul(x, w, library=emulated, **k))
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.no_grad():
+        ref = F.linear(x.float(), layer.weight.float())
+        weight = layer.weight.clone()
+        layer.enable_native()
+        assert layer.amx is not None and layer.packed is None and layer.weight.numel() == 0
+        assert torch.equal(kernels.amx_unpack_weight(layer.amx), weight)
+        out = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert calls == [rows] + [1] * rows
+    assert torch.equal(out, alone)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05
+
+
+def test_the_amx_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
+    assert not kernels.amx_available()
+    monkeypatch.delenv("KVSERVE_DISABLE_AMX")
+    assert kernels.amx_available() == (kernels.cpu_has_amx_bf16() and kernels.load_kernels().kvserve_amx_available() == 1)
 
 
 @pytest.mark.parametrize("flags,expected", [

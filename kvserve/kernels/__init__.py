@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -11,6 +13,8 @@ import torch
 
 from kvserve.kernels import args
 from kvserve.kernels.build import cpu_flags, load_kernels
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -214,24 +218,9 @@ def bf16_dot_available() -> bool:
     return library is not None and bool(library.kvserve_has_bf16_dot())
 
 
-# measured on a 2-core Xeon with AMX (bench/amx_gemm.py): from 8 rows torch's oneDNN GEMM, on AMX
-# tiles, beats the packed AVX512-BF16 kernel (1.0-1.6x at 8 rows, 3.7-5.6x at 64, 5-9x at 2,048);
-# below, the packed kernel streams the weight faster (1.25-5.9x at 1-4 rows)
-AMX_GEMM_MIN_ROWS = 8
-
-
 def cpu_has_amx_bf16() -> bool:
     """The CPU reports AMX bf16 tiles."""
     return "amx_bf16" in cpu_flags()
-
-
-def amx_gemm_min_rows() -> int | None:
-    """The rows from which a bf16 product runs on torch's oneDNN GEMM (AMX) rather than the packed
-    kernel; None without AMX, or with KVSERVE_DISABLE_AMX=1 (every product then takes the packed
-    kernel, whose result for a row does not depend on the other rows of its batch)."""
-    if os.environ.get("KVSERVE_DISABLE_AMX") == "1" or not torch.backends.mkldnn.is_available() or not cpu_has_amx_bf16():
-        return None
-    return AMX_GEMM_MIN_ROWS
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -291,6 +280,32 @@ def amx_available(library=None) -> bool:
         return False
     library = library if library is not None else load_kernels()
     return library is not None and bool(library.kvserve_amx_compiled()) and bool(library.kvserve_amx_available())
+
+
+@functools.lru_cache(maxsize=None)
+def amx_ready() -> bool:
+    """amx_available(), and the kernel's product of a small awkward shape matches a float64
+    reference here (checked once per process): the engine's projections then run on AMX tiles.
+    Otherwise they take the packed AVX512-BF16 kernel, with one log line saying why."""
+    if not amx_available():
+        if cpu_has_amx_bf16() and os.environ.get("KVSERVE_DISABLE_AMX") != "1":
+            logger.warning("this CPU has AMX but its tiles cannot be used here; projections take the packed AVX512-BF16 kernel")
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(19, 72, generator=g).bfloat16(), torch.randn(37, 72, generator=g).bfloat16()
+    out, argmax = amx_matmul(x, amx_pack_weight(weight), out_dtype=torch.float32, want_argmax=True)
+    expected = x.double() @ weight.double().t()
+    if (out.double() - expected).abs().max().item() > 1e-3 * expected.abs().max().item() or not torch.equal(argmax, out.argmax(1)):
+        logger.warning("the AMX kernel's self-check failed on this CPU; projections take the packed AVX512-BF16 kernel")
+        return False
+    return True
+
+
+def amx_unpack_weight(weight: AmxWeight) -> torch.Tensor:
+    """The bf16 [n, k] weight back from its AMX layout (for a torch fallback)."""
+    col_tiles, k_tiles = -(-weight.n // 16), -(-weight.k // 32)
+    tiles = weight.data.view(col_tiles, k_tiles, 16, 16, 2).permute(0, 3, 1, 2, 4)
+    return tiles.reshape(col_tiles * 16, k_tiles * 32)[: weight.n, : weight.k]
 
 
 def amx_pack_weight(weight: torch.Tensor, library=None) -> AmxWeight:

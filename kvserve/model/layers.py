@@ -26,46 +26,55 @@ def fits_float_matmul(x: torch.Tensor, weight: kernels.FloatPackedWeight) -> boo
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs on the native kernels once enable_native() ran: on a CPU with AVX512-BF16
-    a bf16 weight is packed for bf16 dot products (any number of rows) and its row-major copy is
-    freed, except on a CPU with AMX, where it is kept for torch's oneDNN GEMM to take batches of
-    kernels.amx_gemm_min_rows() rows or more. A float32 weight (or bf16 without AVX512-BF16) is
-    packed for float_matmul, which takes every number of rows, so a row's output never depends on
-    the batch it rides in; its row-major copy is freed too."""
+    """nn.Linear that runs on the native kernels once enable_native() ran. Every kernel it takes
+    computes a row's output in one fixed order whatever rows ride with it (so a token's projections
+    have the same bits alone, batched or in any prefill chunk), and the weight is held once, packed:
+    a bf16 weight on AMX tiles where the CPU has them (amx_matmul), else with AVX512-BF16 dot
+    products (packed_matmul); a float32 weight, or bf16 without AVX512-BF16, for float_matmul."""
 
     native = False
+    amx: kernels.AmxWeight | None = None
     packed: kernels.PackedWeight | None = None
     float_packed: kernels.FloatPackedWeight | None = None
-    amx_min_rows: int | None = None
 
     def enable_native(self) -> None:
         self.native = True
-        if kernels.can_pack(self.weight):
+        if kernels.can_pack(self.weight) and kernels.amx_ready():
+            self.amx = kernels.amx_pack_weight(self.weight)
+        elif kernels.can_pack(self.weight):
             self.packed = kernels.pack_weight(self.weight)
-            self.amx_min_rows = kernels.amx_gemm_min_rows()
-            if self.amx_min_rows is None:
-                self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         elif packs_as_float(self.weight):
             self.float_packed = kernels.pack_float_weight(self.weight)
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        else:
+            return
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._native_product(x)
+        if out is not None:
+            return out if self.bias is None else out + self.bias
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.dense_weight().to(x.dtype), bias)
+
+    def _native_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        rows_ok = x.dim() == 2 and x.shape[0] > 0 and x.stride(1) == 1
+        if self.amx is not None and rows_ok and x.dtype == torch.bfloat16:
+            return kernels.amx_matmul(x, self.amx)[0]
+        if self.packed is not None and rows_ok and x.dtype == torch.bfloat16:
+            return kernels.packed_matmul(x, self.packed)[0]
+        if self.float_packed is not None and fits_float_matmul(x, self.float_packed):
+            return kernels.float_matmul(x, self.float_packed)[0]
+        return None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight, rebuilt from its packed copy where the row-major one was freed."""
+        if self.amx is not None:
+            return kernels.amx_unpack_weight(self.amx)
         if self.packed is not None:
-            if self.amx_min_rows is not None and x.dtype == torch.bfloat16 and x.numel() >= self.amx_min_rows * x.shape[-1]:
-                return F.linear(x, self.weight, self.bias)
-            if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:
-                out, _ = kernels.packed_matmul(x, self.packed)
-                return out if self.bias is None else out + self.bias
-            bias = self.bias.to(x.dtype) if self.bias is not None else None
-            weight = self.weight if self.weight.numel() else kernels.unpack_weight(self.packed)  # kept on AMX CPUs
-            return F.linear(x, weight.to(x.dtype), bias)
+            return kernels.unpack_weight(self.packed)
         if self.float_packed is not None:
-            if fits_float_matmul(x, self.float_packed):
-                out, _ = kernels.float_matmul(x, self.float_packed)
-                return out if self.bias is None else out + self.bias
-            bias = self.bias.to(x.dtype) if self.bias is not None else None
-            return F.linear(x, kernels.unpack_float_weight(self.float_packed).to(x.dtype), bias)
-        return F.linear(x, self.weight, self.bias)
+            return kernels.unpack_float_weight(self.float_packed)
+        return self.weight
 
 
 class RMSNorm(nn.Module):

@@ -1,12 +1,11 @@
-"""Where a bf16 prefill chunk that follows cached slots should run: the native paged prefill kernel
-against torch's flash SDPA over the gathered blocks (attention/torch_sdpa.py's
-cached_prefill_attention, AMX tiles on CPUs that have them), at 1 to 2,048 rows over 1K-8K
-cached slots, full attention and a 512-slot sliding window.
+"""A bf16 prefill chunk that follows cached slots: the native paged kernel (which the engine runs for
+every chunk, the same per-row code as decode) against torch's flash SDPA over the gathered blocks
+(attention/torch_sdpa.py's cached_prefill_attention, oneDNN's AMX tiles on CPUs that have them),
+at 1 to 2,048 rows over 1K-8K cached slots, full attention and a 512-slot sliding window.
 
-    .venv/bin/python bench/amx_prefill.py [--rows 1,8,16,64,512,2048] [--contexts 1024,8192]
+    .venv/bin/python bench/prefill_attention.py [--rows 1,8,16,64,512,2048] [--contexts 1024,8192]
 
-Prints milliseconds per layer call and SDPA's speed-up; the engine sends a chunk of
-cpu_paged.CACHED_PREFILL_MIN_ROWS rows or more to SDPA when the CPU has AMX, fewer to the native kernel.
+Prints milliseconds per layer call and SDPA's speed-up (above 1: SDPA is faster).
 """
 
 from __future__ import annotations
