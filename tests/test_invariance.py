@@ -1,0 +1,115 @@
+"""The same bits every way a request runs: a request's greedy tokens, and a seeded request's sampled
+tokens, with their logprobs, are identical alone, batched with 1, 7, 8 or 63 others, after a prefix
+hit (hash or radix, one ending mid-block), prefilled in chunks of 1, 16, 17 or 256 tokens, and
+after a forced preemption, in float32 and bf16, on every model family, with the kernels built for
+this CPU and for an AVX2-only one (KVSERVE_MARCH=haswell)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_prompts
+from kvserve import LLM, SamplingParams, kernels
+from kvserve.kernels.build import load_kernels
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+PLAIN_GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # the lm_head's argmax, no logits
+PROMPT_COUNT = 3
+SHARED = random_prompts(1, 37, 37, seed=41)[0]  # 37 tokens: a prefix hit ends mid-block (block size 16)
+PROMPTS = [SHARED + tail for tail in random_prompts(PROMPT_COUNT, 5, 30, seed=42)]
+OTHERS = random_prompts(63, 5, 60, seed=43)
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=1000 + i, ignore_eos=True, logprobs=2)
+
+
+def requests() -> list[tuple[list[int], SamplingParams]]:
+    """Each prompt greedy with logprobs, plain greedy, and seeded."""
+    return [(p, params) for i, p in enumerate(PROMPTS) for params in (GREEDY, PLAIN_GREEDY, seeded(i))]
+
+
+def trace(output) -> tuple:
+    """Token ids with the logprob of each and the top-2 (compared exactly)."""
+    return tuple(output.token_ids), tuple((lp.logprob, tuple(sorted(lp.top.items()))) for lp in output.logprobs or ())
+
+
+def engine(tiny_dir, family: str, dtype: str, **overrides) -> LLM:
+    settings = dict(dtype=dtype, kv_cache_memory=0.02, max_num_seqs=64, enable_prefix_caching=False) | overrides
+    return LLM(str(tiny_dir(family)), **settings)
+
+
+def run(llm: LLM, batch: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
+    outs = llm.generate([p for p, _ in batch], [params for _, params in batch], use_tqdm=False)
+    return [trace(o) for o in outs]
+
+
+@pytest.fixture(params=["native", "haswell"])
+def isa(request, monkeypatch):
+    """The kernels built for this CPU, or for an AVX2-only one (no AVX-512, no bf16 dot products)."""
+    if request.param == "haswell":
+        monkeypatch.setenv("KVSERVE_MARCH", "haswell")
+    load_kernels.cache_clear()
+    kernels.amx_ready.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    load_kernels.cache_clear()
+    kernels.amx_ready.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_every_way_a_request_runs_gives_the_same_bits(tiny_dir, family, dtype, isa):
+    batch = requests()
+    alone_llm = engine(tiny_dir, family, dtype)
+    alone = [run(alone_llm, [request])[0] for request in batch]
+    del alone_llm
+
+    def check(name: str, got: list[tuple]) -> None:
+        differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
+        assert not differ, f"{name}: requests {differ} differ from their runs alone"
+
+    for others in (1, 7, 8, 63):
+        llm = engine(tiny_dir, family, dtype)
+        fillers = [(p, PLAIN_GREEDY) for p in OTHERS[:others]]
+        got = [run(llm, [request, *fillers])[0] for request in batch[:3]]  # the first prompt's three requests
+        check(f"batched with {others} others", got + alone[3:])
+    check("all batched together", run(engine(tiny_dir, family, dtype), batch + [(p, PLAIN_GREEDY) for p in OTHERS])[: len(batch)])
+    for cache in ("hash", "radix"):
+        llm = engine(tiny_dir, family, dtype, enable_prefix_caching=True, prefix_cache=cache)
+        run(llm, [(SHARED + [7, 8, 9], PLAIN_GREEDY)])  # caches the shared prefix
+        got = [run(llm, [request])[0] for request in batch]
+        assert llm.stats()["prefix_cache_hits_total"] > 0, f"{cache}: no prefix hit"
+        check(f"{cache} prefix hit", got)
+    for chunk in (1, 16, 17, 256):
+        llm = engine(tiny_dir, family, dtype, max_num_batched_tokens=chunk)
+        check(f"chunks of {chunk}", [run(llm, [request])[0] for request in batch])
+    # the bytes of 128 tokens of every layer: the batch and eight long-running others cannot run at once
+    probe = engine(tiny_dir, family, dtype, kv_cache_memory=0.001)
+    memory = 128 * probe.stats()["bytes_per_token"] / 1024**3
+    llm = engine(tiny_dir, family, dtype, kv_cache_memory=memory, max_model_len=128)
+    long_runs = [(p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)) for p in OTHERS[:8]]
+    got = run(llm, batch + long_runs)[: len(batch)]
+    assert llm.stats()["num_preemptions"] > 0
+    check("preempted", got)
+
+
+def test_the_matrix_catches_a_product_that_depends_on_the_batch(tiny_dir, monkeypatch):
+    """The mutation the contract forbids (a row's projections summing over the inner size in another
+    order from 8 rows on: two halves added) must fail the comparison above."""
+    import torch.nn.functional as F
+
+    from kvserve.model import layers
+
+    def split_inner(self, x):
+        weight, half = self.dense_weight(), x.shape[1] // 2
+        return F.linear(x[:, :half], weight[:, :half]) + F.linear(x[:, half:], weight[:, half:])
+
+    native = layers.Linear.forward
+    monkeypatch.setattr(layers.Linear, "forward", lambda self, x: native(self, x) if x.shape[0] < 8 else split_inner(self, x))
+    request = (PROMPTS[0], GREEDY)
+    alone = run(engine(tiny_dir, "llama", "float32"), [request])[0]
+    batched = run(engine(tiny_dir, "llama", "float32"), [request, *[(p, PLAIN_GREEDY) for p in OTHERS[:7]]])[0]
+    assert batched != alone
