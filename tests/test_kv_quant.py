@@ -602,3 +602,31 @@ def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
         LLM(path, dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales), kv_hadamard=True)
     with pytest.raises(ValueError, match="calibrates fp8"):  # the scales' own error comes first
         LLM(path, dtype="float32", kv_cache_dtype="int4", kv_cache_scales=str(scales), kv_hadamard=True)
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", *QUANTIZED])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40, 700])
+def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, window):
+    """The contract's attention half: a token's output is the same bits prefilled in a chunk of any
+    size (after cached slots or not) as decoded alone, for every KV format and window, and across
+    the split of a 1,024+-slot context into 512-slot parts (the chunk spans it)."""
+    kivi = KV_FORMATS[kv_dtype].kind == "kivi" if kv_dtype in KV_FORMATS else False
+    bs, dim = (32 if kivi else 16), 64
+    blocks = 1152 // bs
+    spec = KVCacheSpec(1, 2, dim, kv_dtype, bs, residual_dtype="bfloat16" if query_dtype == torch.bfloat16 else "float32")
+    pool = PagedKVPool(spec, blocks + 4, torch.device("cpu"), num_residual_blocks=blocks if kivi else 0)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(blocks * bs, 2, dim, generator=g), torch.randn(blocks * bs, 2, dim, generator=g)
+    table = fill(pool, k.to(query_dtype), v.to(query_dtype), residual_blocks=2)
+    view = pool.layers[0].view
+    length = blocks * bs - 3
+    start = 1000  # the chunk's rows see 1,001 .. length slots: unsplit, then split into parts
+    q = torch.randn(length - start, 6, dim, generator=g).to(query_dtype)
+    decoded = kernels.paged_decode_attention(q, view, table[None].repeat(len(q), 1), torch.arange(start + 1, length + 1), dim**-0.5, window)
+    for chunk in (len(q), 17, 1):
+        for first in range(0, len(q), chunk):
+            rows = slice(first, min(len(q), first + chunk))
+            out = kernels.paged_prefill_attention(q[rows], view, table, start + first, dim**-0.5, window)
+            assert torch.equal(out, decoded[rows]), (chunk, first)
