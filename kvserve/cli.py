@@ -89,14 +89,26 @@ def configure_logging(level: str) -> None:
     logging.getLogger("kvserve").setLevel(kvserve_level)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help once: not when the help already says its default, nor for a
+    default of None or False (an unset option, an off switch), which would print "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "default" in help or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return help
+        return help + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.engine_args import add_engine_args
 
-    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine and server built around the KV cache.")
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine and server built around the KV cache.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts offline and print tokens/s",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -112,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.server.args import add_server_args
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     add_server_args(serve)
     add_engine_args(serve)
     _add_log_level(serve)
@@ -121,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.plan.cli import add_plan_args
 
     plan = sub.add_parser("plan", help="KV capacity planner: bytes per token, capacity, limits, trace replay",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=HelpFormatter)
     add_plan_args(plan)
     _add_log_level(plan)
     plan.set_defaults(func=_plan)
@@ -130,15 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="quality of KV configurations (quantization, eviction, ...) against the lossless run: "
                         "perplexity, KL, top-1, greedy agreement, needle in a haystack",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                        formatter_class=HelpFormatter)  # fmt: skip
     add_eval_args(ev)
     _add_log_level(ev)
     ev.set_defaults(func=_eval)
 
-    top = sub.add_parser("top", help="live terminal view of a running server's KV metrics")
+    top = sub.add_parser("top", help="live terminal view of a running server's KV metrics", formatter_class=HelpFormatter)
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.add_argument("--once", action="store_true", help="print one snapshot (two samples --interval apart, for the rates) and exit")
     _add_log_level(top)
     top.set_defaults(func=_top)
     return parser

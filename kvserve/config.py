@@ -152,7 +152,7 @@ class EngineConfig:
     def rotates_kv(self, head_dim: int) -> bool:
         """Whether K/V are stored Hadamard-rotated (kv/rotation.py): as asked, or by default for int8,
         where it lowered the cost on every model measured, when the head dim is a power of two. fp8
-        and int4 gain on some models and lose badly on others (README), so they rotate only when asked."""
+        and int4 gain on some models and lose badly on others (docs/kv-quantization.md), so they rotate only when asked."""
         if self.kv_hadamard is not None:
             return self.kv_hadamard
         return normalize_kv_dtype(self.kv_cache_dtype) == "int8" and is_power_of_two(head_dim)

@@ -15,11 +15,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     aliases = ", ".join(PACKAGED_MODELS)
     group.add_argument("--model", default=DEFAULT_MODEL, help=f"alias ({aliases}), a .gguf file, or an HF directory (default: %(default)s)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and activations; auto times fp32 against bf16 matmuls on this machine and takes the faster")
+                       help="weights and activations; auto: bfloat16 on CUDA and on x86 CPUs with avx512_bf16 or amx_bf16 (the CPU "
+                       "multiplies bf16 natively), float32 on other x86 CPUs (bf16 GEMMs are emulated there and ran 3-5x slower); "
+                       "on other CPUs the faster of the two in a timed matmul")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES, "fp8"],
                        help="KV cache format; auto follows --dtype. int8 and fp8 (fp8 = fp8_e4m3) keep one scale per token and "
                        "head; int4 and int2 are KIVI-style (keys per channel, values per token, in groups), the most recent "
-                       "tokens kept in full precision. See the README's KV cache quantization")
+                       "tokens kept in full precision. See docs/kv-quantization.md")
     group.add_argument("--kv-quant-group-size", type=int, default=32,
                        help="int4/int2: tokens per key-channel scale and channels per value scale (default: %(default)s)")
     group.add_argument("--kv-quant-residual", type=int, default=128,
@@ -27,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
                        help="int4/int2: keep each sequence's first block (--block-size tokens) in full precision too: the "
                        "first token is the attention sink most heads look at, and its outlier keys would set the scales of "
-                       "its whole key group (on SmolLM2 int4 it cuts the mean KL 2.5x; see the README). Costs one "
+                       "its whole key group (on SmolLM2 int4 it cuts the mean KL 2.5x; see docs/kv-quantization.md). Costs one "
                        "full-precision block per running sequence, set apart for --max-num-seqs")
     group.add_argument("--kv-cache-scales", default=None, metavar="FILE",
                        help='fp8: a JSON file of calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, '
@@ -41,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "before attention and the output back after it (a fast Walsh-Hadamard transform), so attention is "
                        "unchanged while the quantization scales no longer follow a vector's largest channel; needs a "
                        "power-of-two head dim. Default: on for int8 (it lowered its cost on every model measured), off "
-                       "otherwise: fp8 and int4 gain on SmolLM2 but lose on Gemma 3 and badly on Qwen2.5 (README), int2 "
+                       "otherwise: fp8 and int4 gain on SmolLM2 but lose on Gemma 3 and badly on Qwen2.5 (docs/kv-quantization.md), int2 "
                        "loses, a 16-bit cache gains nothing")
     group.add_argument("--block-size", type=int, default=None,
                        help="tokens per KV block (default: 16; for int4/int2 a multiple of --kv-quant-group-size, 32)")
@@ -74,7 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
                        "--snapkv-window queries and a generic question attend to most (per layer and KV head; see "
                        "--snapkv-query); streaming keeps --sink-tokens first tokens and the most recent ones, evicting as "
-                       "decode proceeds; random is a baseline. Needs --kv-keep-ratio or --kv-budget. See the README's KV eviction")
+                       "decode proceeds; random is a baseline. Needs --kv-keep-ratio or --kv-budget. See docs/kv-eviction.md")
     group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]; with --kv-compression none, the budget of "
                        "requests that ask for compression themselves (the API's kv_compression field)")
     group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio); with --kv-compression none, as --kv-keep-ratio")

@@ -201,7 +201,7 @@ def test_text_output_fits_the_terminal(columns):
     assert proc.stderr == ""
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= columns, proc.stdout
-    for name in ("float32", "bfloat16", "float16 *", "fp8_e4m3", "int8", "int4", "int2"):
+    for name in ("float32", "bfloat16 *", "float16", "fp8_e4m3", "int8", "int4", "int2"):  # auto: --dtype, bfloat16
         assert any(line.startswith(name) for line in lines), name
 
 

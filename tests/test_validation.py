@@ -74,3 +74,66 @@ def test_bad_cache_salts_are_refused_before_anything_is_queued(llm, salt):
 def test_a_prompt_that_is_not_unicode_is_refused(llm):
     with pytest.raises(ValueError, match="unpaired surrogate"):
         llm.generate("hi \ud800 there", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+# ---------------------------------------------------------------- the API's messages, as a newcomer reads them
+def _api_message(model, body: dict) -> tuple[str, str | None]:
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from kvserve.server.api import _validation_message
+
+    with pytest.raises(ValidationError) as info:
+        model(**body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    return _validation_message(RequestValidationError(errors))
+
+
+def test_api_errors_name_the_field_once_and_never_say_body():
+    from kvserve.server.protocol import CompletionRequest
+
+    message, param = _api_message(CompletionRequest, {"prompt": "hi", "cache_salt": ""})
+    assert param == "cache_salt" and message.startswith("cache_salt must") and message.count("cache_salt") == 1, message
+    message, param = _api_message(CompletionRequest, {"prompt": "hi", "cache_salt": "\ud800"})
+    assert param == "cache_salt" and not message.startswith("body"), message
+    message, param = _api_message(CompletionRequest, {"prompt": "hi", "temperature": "hot"})
+    assert (message, param) == ("temperature: Input should be a number", "temperature")
+
+
+def test_integral_floats_are_integers_as_openai_takes_them():
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest(prompt="hi", max_tokens=3.0, n=2.0, top_k=40.0, logprobs=1.0)
+    assert (body.max_tokens, body.n, body.top_k, body.logprobs) == (3, 2, 40, 1) and isinstance(body.max_tokens, int)
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=8.0).max_completion_tokens == 8
+    for bad in (3.5, "3", True, float("inf")):
+        message, param = _api_message(CompletionRequest, {"prompt": "hi", "max_tokens": bad})
+        assert param == "max_tokens", (bad, message)
+
+
+def test_too_many_prompts_blame_the_prompt_not_n():
+    from types import SimpleNamespace
+
+    from kvserve.server.api import APIError, OpenAIServer
+
+    server = SimpleNamespace(config=SimpleNamespace(max_waiting_requests=256))
+    with pytest.raises(APIError) as info:
+        OpenAIServer._check_choices(server, 300, 1)
+    assert info.value.param == "prompt" and "300 prompts" in info.value.message and "n=" not in info.value.message
+    with pytest.raises(APIError) as info:
+        OpenAIServer._check_choices(server, 100, 3)
+    assert info.value.param == "n" and "100 prompts x n=3" in info.value.message
+    OpenAIServer._check_choices(server, 256, 1)
+
+
+def test_a_truncated_gguf_header_is_one_plain_line(tmp_path):
+    from kvserve.model.errors import ModelLoadError
+    from kvserve.model.loader import open_gguf
+
+    path = tmp_path / "short.gguf"
+    path.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + bytes(9))  # a header cut inside its counts
+    with pytest.raises(ModelLoadError) as info:
+        open_gguf(path)
+    message = str(info.value)
+    assert "truncated or corrupt GGUF file" in message and "header" in message
+    assert not any(word in message for word in ("numpy", "dtype", "buffer", "Error:")), message

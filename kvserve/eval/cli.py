@@ -34,8 +34,8 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                        help='engine flags of a configuration to compare with the reference (the engine flags given to this '
                        'command), e.g. --config "--kv-cache-dtype int8"; repeat for several')  # fmt: skip
     group.add_argument("--text", type=Path, default=None,
-                       help="text file for perplexity, KL, greedy prompts and needle haystacks; None: argparse.py of Python's "
-                       "standard library (default: %(default)s)")
+                       help="text file for perplexity, KL, greedy prompts and needle haystacks (default: argparse.py of Python's "
+                       "standard library)")
     group.add_argument("--context", type=int, default=2048, help="tokens per perplexity window")
     group.add_argument("--score-chunk", type=int, default=32,
                        help="tokens of a window computed per step: each step reads the cache of the ones before, so small "

@@ -5,7 +5,7 @@ shift common to a row. The quantization does change: one scale per token and hea
 levels on the token's largest channel, and the largest key channels of many models carry a large
 constant (Qwen2's k_proj bias, the massive channels of small Llamas) rather than information.
 With that constant removed, the informative channels get the levels: on Qwen2.5-Coder-0.5B int8's
-mean KL against the 16-bit cache falls 5x, fp8's 3x (README, KV cache quantization).
+mean KL against the 16-bit cache falls 5x, fp8's 3x (docs/kv-quantization.md).
 
 c comes from the mean key of each layer and head over a short calibration text (the first
 CALIBRATION_TOKENS tokens of textwrap.py from Python's standard library), computed once at start

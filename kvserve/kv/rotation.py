@@ -9,7 +9,7 @@ real keys and values have a few large channels; R spreads each vector's energy e
 channels, so the scale follows the vector's norm rather than its worst channel. It lowers int8's
 cost on every model measured (the default there, EngineConfig.rotates_kv); fp8 and int4 gain on
 SmolLM2-135M (fp8_e4m3 +1.34% -> +0.34% perplexity) but lose on Gemma 3 and Qwen2.5, whose leftover
-key constants it spreads over every channel (README, KV cache quantization).
+key constants it spreads over every channel (docs/kv-quantization.md).
 """
 
 from __future__ import annotations

@@ -103,8 +103,10 @@ def open_gguf(path: Path):
     except _TruncatedGGUF as exc:
         raise ModelLoadError(path, f"truncated GGUF file: its tensors end at byte {exc.end:,} but the file has {size:,} bytes") from None
     except Exception as exc:  # noqa: BLE001 - whatever the reader trips on, the header is short or garbled
-        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({size:,} bytes): its header cannot be read "
-                             f"({describe(exc)})") from None  # fmt: skip
+        # what the reader tripped on is numpy's business (dtypes, buffer sizes), not the user's: debug log only
+        log.debug("GGUF header of %s: %s", path, describe(exc))
+        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({size:,} bytes): its header (metadata and tensor "
+                             "list) cannot be read; download the file again") from None  # fmt: skip
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise ModelLoadError(path, f"truncated GGUF file: its tensors end at byte {end:,} but the file has {size:,} bytes")

@@ -28,7 +28,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--head-dim", type=int, default=None, help="dimension of one head")
     shape.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="plan as the engine runs with this flag: sliding-window layers hold every block, as full layers do")
-    shape.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="float16", help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32)")
+    shape.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="auto",
+                       help=f"KV element type: {', '.join(KV_DTYPES)} (aliases fp16, bf16, fp32); auto (the default): "
+                       "--dtype, as the engine's --kv-cache-dtype auto stores K/V in the model's dtype")
     shape.add_argument("--kv-quant-residual", type=int, default=DEFAULT_QUANT_RESIDUAL,
                        help="int4/int2: recent tokens each sequence keeps in full-precision residual blocks, as the engine's flag (default: %(default)s)")
     shape.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
@@ -42,7 +44,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mem = parser.add_argument_group("memory budget")
     mem.add_argument("--memory-gib", type=float, default=None, help="device memory for weights + KV + workspace")
     mem.add_argument("--weights-gib", type=float, default=None, help="weights; default: computed from --model at --dtype")
-    mem.add_argument("--dtype", default="bfloat16", choices=list(_DTYPE_BYTES), help="the model's dtype: its weights when they come from --model, and int4/int2's full-precision residual blocks")
+    mem.add_argument("--dtype", default="bfloat16", choices=list(_DTYPE_BYTES), help="the model's dtype (the engine's --dtype auto takes bfloat16 on CPUs with AVX512-BF16 or AMX, float32 on other "
+                     "x86 CPUs): its weights when they come from --model, the KV dtype with --kv-dtype auto, and int4/int2's "
+                     "full-precision residual blocks (default: %(default)s)")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
     rep = parser.add_argument_group("replay (runs the real scheduler and block manager, no model)")
     rep.add_argument("--replay", default=None, metavar="TRACE", help="JSONL trace to replay through the scheduler")
@@ -142,6 +146,10 @@ def _dtype_table(result: dict, console: Console) -> Table | Text:
     return Text("\n".join(lines))
 
 
+MAX_LEN_NOTE = ("max len: the longest sequence the budget admits, the engine's default --max-model-len; the suggested "
+                "--max-model-len below is the workload's longest sequence.")
+
+
 def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     kv_dtype, required = result["kv_dtype"], result["required_kv_bytes"]
     lines = [
@@ -211,6 +219,7 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         )
     console.print(_dtype_table(result, console))
     if budget is not None:
+        console.print(MAX_LEN_NOTE, highlight=False, markup=False)
         for line in _advice(result, budget, longest):
             console.print(line, highlight=False, markup=False)
     if "replay" in result:
@@ -226,7 +235,7 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Exit status 1 when a memory budget is given and the workload does not fit in it at once."""
-    kv_dtype = normalize_kv_dtype(args.kv_dtype)
+    kv_dtype = normalize_kv_dtype(args.dtype if args.kv_dtype == "auto" else args.kv_dtype)
     shape, model_config = _shape(args)
     if args.replay and not (args.seq_lens or args.trace):
         args.trace = args.replay

@@ -79,12 +79,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or "body"
+        field = ".".join(loc)
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('msg')}", None
         cause = err.get("ctx", {}).get("error")
         param = param or (loc[0] if loc else getattr(cause, "param", None))
-        parts.append(f"{field}: {err.get('msg').removeprefix('Value error, ')}")
+        msg = err.get("msg").removeprefix("Value error, ")
+        # a message that already names its field (or one about the whole body) is not prefixed again
+        named = not loc or msg.startswith((f"{field} ", f"{loc[-1]} ", f"{loc[0]} "))
+        parts.append(msg if named else f"{field}: {msg}")
     return "; ".join(parts) or "invalid request", param
 
 
@@ -149,8 +152,10 @@ class OpenAIServer:
 
     def _check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.config.max_waiting_requests:
-            raise APIError(400, f"this request has {num_prompts * n} choices ({num_prompts} prompts x n={n}); at most "
-                           f"--max-waiting-requests {self.config.max_waiting_requests} can wait at once", "n")  # fmt: skip
+            limit = f"at most --max-waiting-requests {self.config.max_waiting_requests} can wait at once"
+            if n == 1:  # the prompts alone are too many: the field at fault is prompt
+                raise APIError(400, f"this request has {num_prompts} prompts; {limit}", "prompt")
+            raise APIError(400, f"this request has {num_prompts * n} choices ({num_prompts} prompts x n={n}); {limit}", "n")
 
     def _check_text_length(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:

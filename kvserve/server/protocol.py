@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, WrapValidator, field_validator,
-    model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, WrapValidator,
+    field_validator, model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -24,6 +24,14 @@ def _one_number_error(value, handler):
 
 
 Number = Annotated[StrictInt | StrictFloat, WrapValidator(_one_number_error)]
+
+
+def _integral_float_as_int(value):
+    """OpenAI accepts a float with no fractional part (`"max_tokens": 3.0`) where it wants an integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Count = Annotated[StrictInt, BeforeValidator(_integral_float_as_int)]  # an integer; 3.0 too, never 3.5, "3" or true
 
 
 def _float(name: str, value: int | float) -> float:
@@ -65,11 +73,11 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    n: StrictInt = Field(1, ge=1, le=16)
-    max_tokens: StrictInt | None = None
+    n: Count = Field(1, ge=1, le=16)
+    max_tokens: Count | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
-    top_k: StrictInt = 0
+    top_k: Count = 0
     min_p: Number = 0.0
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -152,7 +160,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    logprobs: Count | None = None
     echo: StrictBool = False
 
     @field_validator("echo")
@@ -184,7 +192,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Count | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Count | None = None
     chat_template: StrictStr | None = None

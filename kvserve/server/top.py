@@ -35,7 +35,20 @@ def advice(m: dict[str, float]) -> list[str]:
         tips.append("KV usage below 50% with requests waiting: raise concurrency (--max-num-seqs, --max-num-batched-tokens)")
     if waiting > 10:
         tips.append(f"{int(waiting)} requests waiting: the server is saturated; add capacity or shed load")
+    queries = m.get("kvserve:prefix_cache_queries_total", 0.0)
+    if queries > 0 and m.get("kvserve:prefix_cache_hits_total", 0.0) == 0 and m.get("kvserve:prefix_cache_requests_total", 0.0) >= 10:
+        tips.append("no prefix cache hits in 10+ requests: prompts share no prefix of a whole block; put the shared part "
+                    "(system prompt, document) first, or try --prefix-cache radix for shorter shared runs")
     return tips
+
+
+def rates_between(previous: dict[str, float], current: dict[str, float], seconds: float) -> dict[str, float]:
+    """Tokens per second between two samples of the counters."""
+    dt = max(seconds, 1e-6)
+    return {
+        key: (current.get(f"kvserve:{name}", 0.0) - previous.get(f"kvserve:{name}", 0.0)) / dt
+        for key, name in (("gen", "generation_tokens_total"), ("prompt", "prompt_tokens_total"))
+    }
 
 
 def _mean(m: dict[str, float], name: str) -> str:
@@ -56,8 +69,8 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
         ("requests running", f"{int(m.get('kvserve:num_requests_running', 0))}"),
         ("requests waiting", f"{int(m.get('kvserve:num_requests_waiting', 0))}"),
         ("preemptions", f"{int(m.get('kvserve:num_preemptions_total', 0))}"),
-        ("generation tokens/s", f"{rates.get('gen', 0.0):.1f}"),
-        ("prompt tokens/s", f"{rates.get('prompt', 0.0):.1f}"),
+        ("generation tokens/s", f"{rates['gen']:.1f}" if "gen" in rates else "- (needs two samples)"),
+        ("prompt tokens/s", f"{rates['prompt']:.1f}" if "prompt" in rates else "- (needs two samples)"),
         ("prefix cache hit rate (tokens)", _ratio(m, "prefix_cache_hits_total", "prefix_cache_queries_total")),
         ("prefix cache hit rate (requests)", _ratio(m, "prefix_cache_requests_hit_total", "prefix_cache_requests_total")),
         ("prefix cache reused / reusable", _ratio(m, "prefix_cache_hits_total", "prefix_cache_eligible_tokens_total")),
@@ -67,7 +80,12 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
     for name, value in rows:
         table.add_row(name, value)
     tips = advice(m)
-    return Group(table, *(Text("• " + t, style="yellow") for t in tips) or [Text("no advice: the cache is healthy", style="green")])
+    if tips:
+        return Group(table, *(Text("• " + t, style="yellow") for t in tips))
+    if m.get("kvserve:num_requests_running", 0.0) == 0 and m.get("kvserve:num_requests_waiting", 0.0) == 0:
+        return Group(table, Text("idle: no request running or waiting; advice appears under load (KV usage, queue, prefix hits)",
+                                 style="green"))
+    return Group(table, Text("no advice: KV usage and the queue are healthy", style="green"))
 
 
 def _ratio(m: dict[str, float], part: str, whole: str) -> str:
@@ -82,8 +100,14 @@ def run_top(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         console.print(f"[red]cannot read {args.url}/metrics: {exc}[/red]")
         return 1
-    if args.once:
-        console.print(render(args.url, previous, {}))
+    if args.once:  # two samples --interval apart, so the rates are measured rather than shown as 0
+        time.sleep(args.interval)
+        try:
+            current = scrape(args.url)
+        except httpx.HTTPError as exc:
+            console.print(f"[red]cannot read {args.url}/metrics: {exc}[/red]")
+            return 1
+        console.print(render(args.url, current, rates_between(previous, current, time.monotonic() - last_time)))
         return 0
     with Live(render(args.url, previous, {}), console=console, refresh_per_second=4) as live:
         while True:
@@ -94,10 +118,5 @@ def run_top(args: argparse.Namespace) -> int:
                 live.update(Text(f"cannot read {args.url}/metrics: {exc}", style="red"))
                 continue
             now = time.monotonic()
-            dt = max(now - last_time, 1e-6)
-            rates = {
-                "gen": (current.get("kvserve:generation_tokens_total", 0) - previous.get("kvserve:generation_tokens_total", 0)) / dt,
-                "prompt": (current.get("kvserve:prompt_tokens_total", 0) - previous.get("kvserve:prompt_tokens_total", 0)) / dt,
-            }
-            live.update(render(args.url, current, rates))
+            live.update(render(args.url, current, rates_between(previous, current, now - last_time)))
             previous, last_time = current, now
