@@ -107,3 +107,13 @@ def test_runnable_blocks_run(lang, code):
         cmd = ["bash", "-euc", code.replace("kvserve ", f"{sys.executable} -m kvserve.cli ")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_readmes_examples_are_the_ones_test_readme_examples_checks():
+    readme = (ROOT / "README.md").read_text()
+    # tests/test_readme_examples.py sends these bodies to a `make serve` server; every curl sets max_tokens
+    assert '{"messages": [{"role": "user", "content": "Name three planets."}], "stream": true, "max_tokens": 32}' in readme
+    assert '"prompt": "The KV cache of a transformer", "max_tokens": 32, "temperature": 0}' in readme
+    for line in readme.splitlines():
+        if line.strip().startswith("-d '{"):
+            assert "max_tokens" in line, line
