@@ -480,7 +480,7 @@ void attend_tile_float(float* out_rows, float* lse, const float* queries, const 
   const int row_bytes = head_dim * kElemBytes;
   const int64_t lo = rows.lo(), hi = rows.hi();
   const int64_t base = lo - lo % kv.block_size, span = hi - base + 1;  // + 1: the pair past the last slot
-  scratch.scores.assign(static_cast<size_t>(rows.count) * span, 0.f);
+  scratch.scores.resize(static_cast<size_t>(rows.count) * span);  // tile_softmax zeroes all but each row's range
   float* s = scratch.scores.data();
 
   for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
@@ -637,7 +637,7 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
   const int row_bytes = head_dim * kElemBytes;
   const int64_t lo = rows.lo(), hi = rows.hi();
   const int64_t base = lo - lo % kv.block_size, span = hi - base;
-  scratch.scores.assign(static_cast<size_t>(count) * span, 0.f);
+  scratch.scores.resize(static_cast<size_t>(count) * span);  // every row's range is written before it is read
   float* s = scratch.scores.data();
 
   // scores, 16 keys at a time from each block's start
@@ -677,13 +677,15 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
     });
   }
   const int64_t pitch = span + 2;
-  scratch.probs.assign(static_cast<size_t>(count) * pitch, 0);
+  scratch.probs.resize(static_cast<size_t>(count) * pitch);
   std::vector<float> inv_sum(count);
   for (int r = 0; r < count; ++r) {
     const int64_t from = rows.first[r] - base, length = rows.end[r] - rows.first[r];
     const float* row = s + r * span + from;
     uint16_t* p = scratch.probs.data() + r * pitch + from;
     const float* row_scales = kScaled ? value_scales.data() + from : nullptr;
+    std::fill(p - from, p, uint16_t{0});  // outside the row's range, and the pad slots: weight 0
+    std::fill(p + length, p - from + pitch, uint16_t{0});
     const float peak = row_max(row, length);
     f32x16 total = f32x16{};
     int64_t i = 0;
