@@ -11,6 +11,7 @@ from torch import nn
 from kvserve import kernels
 from kvserve.model.config import RopeConfig
 
+
 def packs_as_float(weight: torch.Tensor) -> bool:
     """The native kernels run this weight through float_matmul: float32, or bf16 where the CPU has no
     AVX512-BF16 dot products (those take the packed bf16 kernel instead)."""
