@@ -1,0 +1,79 @@
+"""llama.cpp's `llama-batched-bench` workload on kvserve, and on llama.cpp itself when given its binary:
+N parallel prompts of `--prompt-len` random tokens, `--new-tokens` greedy tokens each, for each N in
+`--parallel`; prints generated tokens per second over the whole job (prefill included) and the
+ratio to llama.cpp's in the same run, on the same GGUF file.
+
+    .venv/bin/python bench/batched_bench.py [--model gemma-3-270m] [--parallel 1,16,64]
+        [--llama-batched-bench PATH/llama-batched-bench] [--threads 2]
+
+llama.cpp is run as `llama-batched-bench -m GGUF -c C -b 2048 -ub 512 -npp P -ntg T -npl N -t THREADS`;
+its "T s" column (the whole job) gives its rate. Build it as ../shared/FACTS.md says (AMX off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import subprocess
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.registry import resolve_model_path  # noqa: E402
+
+
+def kvserve_rate(llm: LLM, parallel: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> float:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(parallel)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return parallel * new_tokens / (time.perf_counter() - start)
+
+
+def llama_cpp_rates(binary: str, gguf: str, parallel: list[int], prompt_len: int, new_tokens: int, threads: int) -> dict[int, float]:
+    """{N: generated tok/s over the whole job} from llama-batched-bench's table."""
+    context = max(parallel) * (prompt_len + new_tokens) + 64
+    cmd = [binary, "-m", gguf, "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, parallel)), "-t", str(threads)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rates = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 9 and re.fullmatch(r"\d+", cells[0] or "") and int(cells[1]) == new_tokens:
+            rates[int(cells[2])] = int(cells[2]) * new_tokens / float(cells[8])
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--parallel", default="1,16,64", help="parallel sequences per job")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--llama-batched-bench", default=None, help="path to llama.cpp's llama-batched-bench binary")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
+    args = parser.parse_args()
+    parallel = [int(n) for n in args.parallel.split(",")]
+    llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False)
+    vocab = llm.engine.model.config.vocab_size
+    kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up
+    ours = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
+    theirs = {}
+    if args.llama_batched_bench:
+        gguf = str(resolve_model_path(args.model))
+        theirs = llama_cpp_rates(args.llama_batched_bench, gguf, parallel, args.prompt_len, args.new_tokens, args.threads)
+    print(f"{args.model} ({llm.engine.config.dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
+          "generated tok/s over the whole job")  # fmt: skip
+    print("| parallel | kvserve | llama.cpp | kvserve / llama.cpp |")
+    print("|---:|---:|---:|---:|")
+    for n in parallel:
+        other = theirs.get(n)
+        print(f"| {n} | {ours[n]:.1f} | {f'{other:.1f}' if other else '-'} | {f'{ours[n] / other:.2f}x' if other else '-'} |")
+
+
+if __name__ == "__main__":
+    main()
