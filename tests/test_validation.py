@@ -106,6 +106,10 @@ def test_integral_floats_are_integers_as_openai_takes_them():
     body = CompletionRequest(prompt="hi", max_tokens=3.0, n=2.0, top_k=40.0, logprobs=1.0)
     assert (body.max_tokens, body.n, body.top_k, body.logprobs) == (3, 2, 40, 1) and isinstance(body.max_tokens, int)
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=8.0).max_completion_tokens == 8
+    seeded = CompletionRequest(prompt="hi", seed=7.0, stop_token_ids=[2.0, 5])
+    assert (seeded.seed, seeded.stop_token_ids) == (7, [2, 5]) and isinstance(seeded.seed, int)
+    for bad in (3.5, "3", True):
+        assert _api_message(CompletionRequest, {"prompt": "hi", "seed": bad})[1] == "seed", bad
     for bad in (3.5, "3", True, float("inf")):
         message, param = _api_message(CompletionRequest, {"prompt": "hi", "max_tokens": bad})
         assert param == "max_tokens", (bad, message)

@@ -79,9 +79,9 @@ class _SamplingFields(BaseModel):
     top_p: Number = 1.0
     top_k: Count = 0
     min_p: Number = 0.0
-    seed: StrictInt | None = None
+    seed: Count | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[Count] | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     repetition_penalty: Number = 1.0
