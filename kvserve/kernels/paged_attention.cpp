@@ -1157,7 +1157,7 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
 #pragma omp parallel
   {
     TileScratch scratch;
-    std::vector<float> queries, result, lse, row(head_dim), inv_sum(group);
+    std::vector<float> queries, result, lse, row(head_dim);
     std::vector<uint16_t> queries_bf16;
     std::vector<int64_t> firsts, ends;
 
@@ -1200,7 +1200,7 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
         });
         return;
       }
-      // one token (tile_tokens is 1 here): KIVI records take their own loops, other shapes a row at a time
+      // one token (tile_tokens is 1 here): KIVI records take their own loops, any other shape a row at a time
       const int64_t first = firsts[0], count_slots = ends[0] - firsts[0];
 #if KVSERVE_DECODE_BF16_DOT
       if (query_dtype == kBFloat16 && (kv_dtype == kInt4 || kv_dtype == kInt2)) {
@@ -1213,32 +1213,8 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
       if (decode_task_kivi_dispatch(group, result.data(), queries.data(), kv, table, first, count_slots, w.kv_head, scale, scratch.scores,
                                     scratch.acc, lse.data()))
         return;
-      if (!plain) {
-        decode_task_rows(result.data(), queries.data(), group, kv, table, first, count_slots, w.kv_head, scale, scratch.scores, scratch.acc,
-                         row, lse.data());
-        return;
-      }
-      std::vector<float>& scores = scratch.scores;
-      std::vector<float>& acc = scratch.acc;
-      scores.resize(static_cast<size_t>(group) * count_slots);
-      for (int64_t i = 0; i < count_slots; ++i) {
-        load_row(kv.key, kv_dtype, kv_offset(kv, table, first + i, w.kv_head), head_dim, row.data());
-        for (int g = 0; g < group; ++g)
-          scores[g * count_slots + i] = dot(queries.data() + static_cast<size_t>(g) * head_dim, row.data(), head_dim) * scale;
-      }
-      softmax_rows(scores.data(), group, count_slots, inv_sum.data(), lse.data());
-      acc.assign(static_cast<size_t>(group) * head_dim, 0.f);
-      for (int64_t i = 0; i < count_slots; ++i) {
-        load_row(kv.value, kv_dtype, kv_offset(kv, table, first + i, w.kv_head), head_dim, row.data());
-        for (int g = 0; g < group; ++g) {
-          const float weight = scores[g * count_slots + i];
-          float* acc_row = acc.data() + static_cast<size_t>(g) * head_dim;
-#pragma omp simd
-          for (int d = 0; d < head_dim; ++d) acc_row[d] += weight * row[d];
-        }
-      }
-      for (int g = 0; g < group; ++g)
-        for (int d = 0; d < head_dim; ++d) result[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+      decode_task_rows(result.data(), queries.data(), group, kv, table, first, count_slots, w.kv_head, scale, scratch.scores, scratch.acc,
+                       row, lse.data());
     };
 
 #pragma omp for schedule(dynamic, 1)
