@@ -146,8 +146,8 @@ def _dtype_table(result: dict, console: Console) -> Table | Text:
     return Text("\n".join(lines))
 
 
-MAX_LEN_NOTE = ("max len: the longest sequence the budget admits, the engine's default --max-model-len; the suggested "
-                "--max-model-len below is the workload's longest sequence.")
+MAX_LEN_NOTE = "max len: the longest sequence the budget admits, the engine's default maximum model length"
+SUGGESTED_LEN_NOTE = "; the suggested --max-model-len below is the workload's longest sequence."
 
 
 def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
@@ -219,7 +219,8 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         )
     console.print(_dtype_table(result, console))
     if budget is not None:
-        console.print(MAX_LEN_NOTE, highlight=False, markup=False)
+        suggests = result.get("recommended") is not None
+        console.print(MAX_LEN_NOTE + (SUGGESTED_LEN_NOTE if suggests else "."), highlight=False, markup=False)
         for line in _advice(result, budget, longest):
             console.print(line, highlight=False, markup=False)
     if "replay" in result:
