@@ -348,12 +348,6 @@ struct TileScratch {
   }
 };
 
-// Element offset of slot `position` of a sequence (block table `table`), kv head `kv_head`.
-inline int64_t kv_offset(const KVView& kv, const int64_t* table, int64_t position, int kv_head) {
-  return table[position / kv.block_size] * kv.block_stride + (position % kv.block_size) * kv.token_stride +
-         static_cast<int64_t>(kv_head) * kv.head_dim;
-}
-
 // Element offset of the block of slot `position` (its first row, kv head kv_head).
 inline int64_t block_offset(const KVView& kv, const int64_t* table, int64_t position, int kv_head) {
   return table[position / kv.block_size] * kv.block_stride + static_cast<int64_t>(kv_head) * kv.head_dim;
