@@ -46,17 +46,23 @@ def run(llm: LLM, batch: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
     return [trace(o) for o in outs]
 
 
-@pytest.fixture(params=["native", "haswell"])
+@pytest.fixture(params=["native", "no-amx", "haswell"])
 def isa(request, monkeypatch):
-    """The kernels built for this CPU, or for an AVX2-only one (no AVX-512, no bf16 dot products)."""
+    """The kernels built for this CPU; the same without AMX tiles (KVSERVE_DISABLE_AMX=1: the
+    AVX512-BF16 products and attention, on a CPU that has them); or built for an AVX2-only one
+    (no AVX-512, no bf16 dot products)."""
     if request.param == "haswell":
         monkeypatch.setenv("KVSERVE_MARCH", "haswell")
+    if request.param == "no-amx":
+        monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
     load_kernels.cache_clear()
     kernels.amx_ready.cache_clear()
+    kernels.amx_ready()
     yield request.param
     monkeypatch.undo()
     load_kernels.cache_clear()
     kernels.amx_ready.cache_clear()
+    kernels.amx_ready()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -604,14 +604,27 @@ def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
         LLM(path, dtype="float32", kv_cache_dtype="int4", kv_cache_scales=str(scales), kv_hadamard=True)
 
 
+@pytest.fixture(params=["amx", "vector"])
+def attention_tiles(request):
+    """bf16 attention on AMX tiles (skipped on a CPU without them), or on the vector paths."""
+    library = kernels.load_kernels()
+    if request.param == "amx" and not library.kvserve_set_attention_amx(1):
+        pytest.skip("no AMX tiles on this CPU (the vector paths are the 'vector' cases)")
+    if request.param == "vector":
+        library.kvserve_set_attention_amx(0)
+    yield request.param
+    library.kvserve_set_attention_amx(int(kernels.amx_ready()))
+
+
 @pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", *QUANTIZED])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40, 700])
-def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, window):
+def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, window, attention_tiles):
     """The contract's attention half: a token's output is the same bits prefilled in a chunk of any
     size (after cached slots or not) as decoded alone, for every KV format and window, and across
-    the split of a 1,024+-slot context into 512-slot parts (the chunk spans it)."""
+    the split of a 1,024+-slot context into 512-slot parts (the chunk spans it); on AMX tiles and
+    on the vector paths. The outputs are close to a float64 reference."""
     kivi = KV_FORMATS[kv_dtype].kind == "kivi" if kv_dtype in KV_FORMATS else False
     bs, dim = (32 if kivi else 16), 64
     blocks = 1152 // bs
@@ -630,3 +643,13 @@ def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, wind
             rows = slice(first, min(len(q), first + chunk))
             out = kernels.paged_prefill_attention(q[rows], view, table, start + first, dim**-0.5, window)
             assert torch.equal(out, decoded[rows]), (chunk, first)
+    if not kivi and kv_dtype in ("float32", "bfloat16"):
+        keys, values = k.to(query_dtype).double(), v.to(query_dtype).double()
+        for row in (0, len(q) // 2, len(q) - 1):
+            context = start + 1 + row
+            lo = 0 if window is None else max(0, context - window)
+            for head in range(6):
+                kv_head = head // 3
+                scores = keys[lo:context, kv_head] @ q[row, head].double() * dim**-0.5
+                expected = torch.softmax(scores, 0) @ values[lo:context, kv_head]
+                torch.testing.assert_close(decoded[row, head].double(), expected, atol=2e-2, rtol=2e-2)

@@ -285,18 +285,27 @@ def amx_available(library=None) -> bool:
 @functools.lru_cache(maxsize=None)
 def amx_ready() -> bool:
     """amx_available(), and the kernel's product of a small awkward shape matches a float64
-    reference here (checked once per process): the engine's projections then run on AMX tiles.
-    Otherwise they take the packed AVX512-BF16 kernel, with one log line saying why."""
+    reference here (checked once per process): the engine's projections and bf16 attention then
+    run on AMX tiles (the attention kernel is told the outcome). Otherwise they take the
+    AVX512-BF16 kernels, with one log line saying why."""
+    ready = _amx_self_check()
+    library = load_kernels()
+    if library is not None:
+        library.kvserve_set_attention_amx(int(ready))
+    return ready
+
+
+def _amx_self_check() -> bool:
     if not amx_available():
         if cpu_has_amx_bf16() and os.environ.get("KVSERVE_DISABLE_AMX") != "1":
-            logger.warning("this CPU has AMX but its tiles cannot be used here; projections take the packed AVX512-BF16 kernel")
+            logger.warning("this CPU has AMX but its tiles cannot be used here; projections and attention take the AVX512-BF16 kernels")
         return False
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(19, 72, generator=g).bfloat16(), torch.randn(37, 72, generator=g).bfloat16()
     out, argmax = amx_matmul(x, amx_pack_weight(weight), out_dtype=torch.float32, want_argmax=True)
     expected = x.double() @ weight.double().t()
     if (out.double() - expected).abs().max().item() > 1e-3 * expected.abs().max().item() or not torch.equal(argmax, out.argmax(1)):
-        logger.warning("the AMX kernel's self-check failed on this CPU; projections take the packed AVX512-BF16 kernel")
+        logger.warning("the AMX kernel's self-check failed on this CPU; projections and attention take the AVX512-BF16 kernels")
         return False
     return True
 

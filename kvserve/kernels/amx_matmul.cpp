@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include "amx_tiles.h"
@@ -139,19 +140,23 @@ KVSERVE_AMX_TARGET void tile_product(const RowBlock* rows, const uint16_t* b0, i
   if (NT == 2) KVSERVE_TILE_ZERO(1);
   if (MT == 2) KVSERVE_TILE_ZERO(2);
   if (MT == 2 && NT == 2) KVSERVE_TILE_ZERO(3);
+  // tiles are not renamed: each load waits for the products that read its register, so loads and
+  // products interleave (a product issues as soon as its two operands are in)
   for (int s = 0; s < steps; ++s) {
     const ASource a0 = a_tile(rows[0], s);
     KVSERVE_TILE_LOADD(4, a0.base, a0.stride);
+    KVSERVE_TILE_LOADD(6, b0 + static_cast<int64_t>(s) * kBTileElems, kTileBytes);
+    KVSERVE_TILE_DPBF16PS(0, 4, 6);
+    if (NT == 2) {
+      KVSERVE_TILE_LOADD(7, b1 + static_cast<int64_t>(s) * kBTileElems, kTileBytes);
+      KVSERVE_TILE_DPBF16PS(1, 4, 7);
+    }
     if (MT == 2) {
       const ASource a1 = a_tile(rows[1], s);
       KVSERVE_TILE_LOADD(5, a1.base, a1.stride);
+      KVSERVE_TILE_DPBF16PS(2, 5, 6);
+      if (NT == 2) KVSERVE_TILE_DPBF16PS(3, 5, 7);
     }
-    KVSERVE_TILE_LOADD(6, b0 + static_cast<int64_t>(s) * kBTileElems, kTileBytes);
-    if (NT == 2) KVSERVE_TILE_LOADD(7, b1 + static_cast<int64_t>(s) * kBTileElems, kTileBytes);
-    KVSERVE_TILE_DPBF16PS(0, 4, 6);
-    if (NT == 2) KVSERVE_TILE_DPBF16PS(1, 4, 7);
-    if (MT == 2) KVSERVE_TILE_DPBF16PS(2, 5, 6);
-    if (MT == 2 && NT == 2) KVSERVE_TILE_DPBF16PS(3, 5, 7);
   }
   KVSERVE_TILE_STORED(0, c[0], kTileBytes);
   if (NT == 2) KVSERVE_TILE_STORED(1, c[1], kTileBytes);
@@ -166,6 +171,17 @@ inline uint16_t to_bf16(float value) {
   std::memcpy(&bits, &value, 4);
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// to_bf16 on 16 lanes, the same bits (integer rounding, not VCVTNEPS2BF16, which flushes denormals)
+inline __m256i to_bf16x16(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+}
+#endif
 
 struct Outputs {
   void* out;  // [rows, n] float32 or bf16, or null
@@ -183,7 +199,11 @@ void emit(const float (&c)[kBlock][kBlock], int64_t row0, int valid_rows, int64_
       std::memcpy(static_cast<float*>(o.out) + row * o.n + col0, c[m], valid_cols * sizeof(float));
     } else if (o.out) {
       uint16_t* dst = static_cast<uint16_t*>(o.out) + row * o.n + col0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+      _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << valid_cols) - 1), to_bf16x16(_mm512_loadu_ps(c[m])));
+#else
       for (int j = 0; j < valid_cols; ++j) dst[j] = to_bf16(c[m][j]);
+#endif
     }
     if (o.best_value) {
       for (int j = 0; j < valid_cols; ++j)

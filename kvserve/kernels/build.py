@@ -134,6 +134,7 @@ def load_kernels() -> ctypes.CDLL | None:
         **_AMX_SIGNATURES,
         "kvserve_has_bf16_dot": [],
         "kvserve_has_int8_screen": [],
+        "kvserve_set_attention_amx": [_c_int],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [_ptr, _c_int64, _c_int, _ptr],
         # weight, weight dtype, n, k, packed

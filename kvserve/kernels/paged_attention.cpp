@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "args.h"
 #include "kv_formats.h"
 #include "simd.h"
@@ -26,6 +28,14 @@
 #else
 #define KVSERVE_DECODE_BF16_DOT 0
 #endif
+
+#if KVSERVE_DECODE_BF16_DOT && KVSERVE_AMX_SUPPORTED && !defined(KVSERVE_AMX_EMULATE)
+#define KVSERVE_ATTENTION_AMX 1
+#else
+#define KVSERVE_ATTENTION_AMX 0
+#endif
+
+extern "C" int kvserve_amx_available();
 
 namespace {
 
@@ -338,6 +348,8 @@ struct TileScratch {
   std::vector<float> acc;      // [rows][head_dim]
   std::vector<float> value_scales;
   std::vector<float> vectors;  // 64-byte vectors for the bf16 path (partial sums, value pairs)
+  std::vector<uint16_t> staged_queries;  // the AMX path's B tiles of queries
+  std::vector<uint16_t> staged_values;   // the AMX path's B tiles of value pairs
 
   // n zeroed 64-byte vectors of type V, aligned
   template <typename V>
@@ -615,6 +627,71 @@ inline void bf16_values_block(float* acc, const uint16_t* p, int64_t pitch, int 
   }
 }
 
+// Softmax in float over each row's range of scores s [rows][span] (slot base + i at column i);
+// the probabilities rounded to bf16 into probs [rows][pitch] (after the value rows' scales, which
+// the normalization leaves out: kScaled), 0 outside the range up to pitch. inv_sum[r] = 1 / the sum
+// of what each row's values are weighed by; lse[r] where given.
+template <bool kScaled>
+void bf16_probabilities(const float* s, int64_t span, int64_t base, const TileRows& rows, const float* value_scales, uint16_t* probs,
+                        int64_t pitch, float* inv_sum, float* lse) {
+  const int count = rows.count;
+  for (int r = 0; r < count; ++r) {
+    const int64_t from = rows.first[r] - base, length = rows.end[r] - rows.first[r];
+    const float* row = s + r * span + from;
+    uint16_t* p = probs + r * pitch + from;
+    const float* row_scales = kScaled ? value_scales + from : nullptr;
+    std::fill(p - from, p, uint16_t{0});  // outside the row's range, and the pad slots: weight 0
+    std::fill(p + length, p - from + pitch, uint16_t{0});
+    const float peak = row_max(row, length);
+    f32x16 total = f32x16{};
+    int64_t i = 0;
+    for (; i + 16 <= length; i += 16) {
+      f32x16 v;
+      std::memcpy(&v, row + i, sizeof(v));
+      v = exp16(v - peak);
+      f32x16 weight = v;
+      if constexpr (kScaled) {
+        f32x16 value_scale;
+        std::memcpy(&value_scale, row_scales + i, sizeof(value_scale));
+        weight = v * value_scale;
+      }
+      const __m512i bits = _mm512_castps_si512((__m512)weight);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm512_cvtepi32_epi16(rounded));
+      total += kScaled ? v : (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
+    }
+    float tail = hsum(total);
+    for (; i < length; ++i) {
+      const float prob = fast_exp(row[i] - peak);
+      p[i] = bf16_bits(kScaled ? prob * row_scales[i] : prob);
+      uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+      float value;
+      std::memcpy(&value, &bits, sizeof(value));
+      tail += kScaled ? prob : value;
+    }
+    inv_sum[r] = 1.f / tail;
+    if (lse) lse[r] = peak + std::log(tail);
+  }
+}
+
+// acc [rows][chunks][2][16] in unpack order -> out_rows [rows][chunks * 32] in dim order, times inv_sum
+inline void write_unpacked(float* out_rows, const float* acc, int count, int chunks, const float* inv_sum) {
+  const int head_dim = chunks * 32;
+  // natural dim order: lo holds dims {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}
+  const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int r = 0; r < count; ++r) {
+    const __m512 norm = _mm512_set1_ps(inv_sum[r]);
+    for (int c = 0; c < chunks; ++c) {
+      const __m512 l = _mm512_loadu_ps(acc + (r * chunks + c) * 32);
+      const __m512 h = _mm512_loadu_ps(acc + (r * chunks + c) * 32 + 16);
+      _mm512_storeu_ps(out_rows + r * head_dim + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(l, first_half, h), norm));
+      _mm512_storeu_ps(out_rows + r * head_dim + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second_half, h), norm));
+    }
+  }
+}
+
 template <int DT>
 void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, const TileRows& rows, const KVView& kv, const int64_t* table,
                       int kv_head, float scale, TileScratch& scratch) {
@@ -673,44 +750,7 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
   const int64_t pitch = span + 2;
   scratch.probs.resize(static_cast<size_t>(count) * pitch);
   std::vector<float> inv_sum(count);
-  for (int r = 0; r < count; ++r) {
-    const int64_t from = rows.first[r] - base, length = rows.end[r] - rows.first[r];
-    const float* row = s + r * span + from;
-    uint16_t* p = scratch.probs.data() + r * pitch + from;
-    const float* row_scales = kScaled ? value_scales.data() + from : nullptr;
-    std::fill(p - from, p, uint16_t{0});  // outside the row's range, and the pad slots: weight 0
-    std::fill(p + length, p - from + pitch, uint16_t{0});
-    const float peak = row_max(row, length);
-    f32x16 total = f32x16{};
-    int64_t i = 0;
-    for (; i + 16 <= length; i += 16) {
-      f32x16 v;
-      std::memcpy(&v, row + i, sizeof(v));
-      v = exp16(v - peak);
-      f32x16 weight = v;
-      if constexpr (kScaled) {
-        f32x16 value_scale;
-        std::memcpy(&value_scale, row_scales + i, sizeof(value_scale));
-        weight = v * value_scale;
-      }
-      const __m512i bits = _mm512_castps_si512((__m512)weight);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm512_cvtepi32_epi16(rounded));
-      total += kScaled ? v : (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
-    }
-    float tail = hsum(total);
-    for (; i < length; ++i) {
-      const float prob = fast_exp(row[i] - peak);
-      p[i] = bf16_bits(kScaled ? prob * row_scales[i] : prob);
-      uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-      float value;
-      std::memcpy(&value, &bits, sizeof(value));
-      tail += kScaled ? prob : value;
-    }
-    inv_sum[r] = 1.f / tail;
-    if (lse) lse[r] = peak + std::log(tail);
-  }
+  bf16_probabilities<kScaled>(s, span, base, rows, value_scales.data(), scratch.probs.data(), pitch, inv_sum.data(), lse);
 
   // values: acc [rows][chunks][2][16] float, dims in unpack order; slots paired at even offsets of
   // a block, a slot outside [lo, hi) read as zeros
@@ -740,19 +780,188 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
       });
     }
   });
-  // back to natural dim order: lo holds dims {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}
-  const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int r = 0; r < count; ++r) {
-    const __m512 norm = _mm512_set1_ps(inv_sum[r]);
-    for (int c = 0; c < chunks; ++c) {
-      const __m512 l = _mm512_loadu_ps(acc + (r * chunks + c) * 32);
-      const __m512 h = _mm512_loadu_ps(acc + (r * chunks + c) * 32 + 16);
-      _mm512_storeu_ps(out_rows + r * head_dim + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(l, first_half, h), norm));
-      _mm512_storeu_ps(out_rows + r * head_dim + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second_half, h), norm));
+  write_unpacked(out_rows, acc, count, chunks, inv_sum.data());
+}
+
+#if KVSERVE_ATTENTION_AMX
+// ---- bf16 K/V and queries on AMX tiles ----------------------------------------------------------
+// The per-row contract of the tile paths above, on TDPBF16PS. Scores: C[key][row] = K x Q^T, the
+// A tile 16 consecutive slots of one block straight from the pool (32 dims), the B tile 32 dims of
+// 16 query rows as VNNI pairs, accumulated over head_dim in increasing order; a score depends on
+// its key row and query row alone, whatever else shares the tiles. Softmax as the AVX512-BF16 path
+// (bf16_probabilities). Values: C[row][dim] += P x V over steps of 32 slots that begin at
+// multiples of 32 of the position, the A tile 16 rows' bf16 probabilities, the B tile the step's
+// value rows paired (unpack order, as the AVX512-BF16 path's accumulator). A step before a row's
+// range adds exact zeros to a zero accumulator, and one after it exact zeros, so where a tile
+// starts (a decode row's own range, a prefill tile's first row's) never changes a row's bits.
+// Needs head_dim a multiple of 32, block_size a multiple of 16 and at most 64 rows per tile.
+
+constexpr int kAmxTileRowsMax = 64;
+
+// scores of one 16-key A tile against QB query blocks: C tiles 0..QB-1, A in 4, B in 5..7
+template <int QB>
+KVSERVE_AMX_TARGET inline void amx_key_scores(const uint16_t* keys, int64_t key_stride_bytes, const uint16_t* staged_queries, int steps,
+                                              float (*c)[16][16]) {
+  KVSERVE_TILE_ZERO(0);
+  if constexpr (QB > 1) KVSERVE_TILE_ZERO(1);
+  if constexpr (QB > 2) KVSERVE_TILE_ZERO(2);
+  if constexpr (QB > 3) KVSERVE_TILE_ZERO(3);
+  const int64_t block_elems = static_cast<int64_t>(steps) * 512;
+  for (int s = 0; s < steps; ++s) {
+    KVSERVE_TILE_LOADD(4, keys + s * 32, key_stride_bytes);
+    KVSERVE_TILE_LOADD(5, staged_queries + s * 512, 64);
+    KVSERVE_TILE_DPBF16PS(0, 4, 5);
+    if constexpr (QB > 1) {
+      KVSERVE_TILE_LOADD(6, staged_queries + block_elems + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(1, 4, 6);
+    }
+    if constexpr (QB > 2) {
+      KVSERVE_TILE_LOADD(7, staged_queries + 2 * block_elems + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(2, 4, 7);
+    }
+    if constexpr (QB > 3) {
+      KVSERVE_TILE_LOADD(5, staged_queries + 3 * block_elems + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(3, 4, 5);
     }
   }
+  KVSERVE_TILE_STORED(0, c[0], 64);
+  if constexpr (QB > 1) KVSERVE_TILE_STORED(1, c[1], 64);
+  if constexpr (QB > 2) KVSERVE_TILE_STORED(2, c[2], 64);
+  if constexpr (QB > 3) KVSERVE_TILE_STORED(3, c[3], 64);
 }
+
+// P x V for query blocks (q0, q0 + 1 if MT == 2) and the value column blocks (lo, hi) of one
+// 32-dim chunk: C tiles 0..3, A in 4-5, B in 6-7
+template <int MT>
+KVSERVE_AMX_TARGET inline void amx_values(const uint16_t* probs, int64_t pitch, const uint16_t* staged_values, int64_t value_row_elems,
+                                          int key_steps, float (*c)[16][16]) {
+  KVSERVE_TILE_ZERO(0);
+  KVSERVE_TILE_ZERO(1);
+  if constexpr (MT == 2) {
+    KVSERVE_TILE_ZERO(2);
+    KVSERVE_TILE_ZERO(3);
+  }
+  for (int s = 0; s < key_steps; ++s) {
+    const uint16_t* b = staged_values + static_cast<int64_t>(s) * 16 * value_row_elems;
+    KVSERVE_TILE_LOADD(4, probs + s * 32, pitch * 2);
+    KVSERVE_TILE_LOADD(6, b, value_row_elems * 2);
+    KVSERVE_TILE_DPBF16PS(0, 4, 6);
+    KVSERVE_TILE_LOADD(7, b + 32, value_row_elems * 2);
+    KVSERVE_TILE_DPBF16PS(1, 4, 7);
+    if constexpr (MT == 2) {
+      KVSERVE_TILE_LOADD(5, probs + 16 * pitch + s * 32, pitch * 2);
+      KVSERVE_TILE_DPBF16PS(2, 5, 6);
+      KVSERVE_TILE_DPBF16PS(3, 5, 7);
+    }
+  }
+  KVSERVE_TILE_STORED(0, c[0], 64);
+  KVSERVE_TILE_STORED(1, c[1], 64);
+  if constexpr (MT == 2) {
+    KVSERVE_TILE_STORED(2, c[2], 64);
+    KVSERVE_TILE_STORED(3, c[3], 64);
+  }
+}
+
+KVSERVE_AMX_TARGET void attend_tile_amx(float* out_rows, float* lse, const uint16_t* queries, const TileRows& rows, const KVView& kv,
+                                        const int64_t* table, int kv_head, float scale, TileScratch& scratch) {
+  const int head_dim = kv.head_dim, steps = head_dim / 32, chunks = head_dim / 32, count = rows.count;
+  const int qblocks = (count + 15) / 16;
+  const int64_t row_stride = kv.token_stride;
+  const uint16_t* key_cache = static_cast<const uint16_t*>(kv.key);
+  const uint16_t* value_cache = static_cast<const uint16_t*>(kv.value);
+  const int64_t lo = rows.lo(), hi = rows.hi();
+  const int64_t base = lo - lo % 32, span = (hi - base + 31) / 32 * 32;
+  auto slot_row = [&](const uint16_t* cache, int64_t slot) {
+    return cache + block_offset(kv, table, slot, kv_head) + (slot % kv.block_size) * row_stride;
+  };
+  const amx::TileConfig config = amx::full_tiles();
+  KVSERVE_TILE_LOADCONFIG(&config);
+
+  // queries as B tiles [query block][step][16 dim pairs][16 rows][2]; rows past count are zeros
+  std::vector<uint16_t>& staged_queries = scratch.staged_queries;
+  staged_queries.assign(static_cast<size_t>(qblocks) * steps * 512, 0);
+  for (int r = 0; r < count; ++r)
+    for (int d = 0; d < head_dim; ++d)
+      staged_queries[((static_cast<size_t>(r / 16) * steps + d / 32) * 16 + (d % 32) / 2) * 32 + (r % 16) * 2 + d % 2] = queries[r * head_dim + d];
+
+  // scores [rows][span] from slot base, 16 keys of a block at a time
+  scratch.scores.resize(static_cast<size_t>(count) * span);
+  float* s = scratch.scores.data();
+  alignas(64) float c[4][16][16];
+  for (int64_t k0 = lo - lo % 16; k0 < hi; k0 += 16) {
+    const uint16_t* keys = slot_row(key_cache, k0);
+    switch (qblocks) {
+      case 1: amx_key_scores<1>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
+      case 2: amx_key_scores<2>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
+      case 3: amx_key_scores<3>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
+      default: amx_key_scores<4>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
+    }
+    for (int r = 0; r < count; ++r) {
+      float* row = s + r * span + (k0 - base);
+      const float(*tile)[16] = c[r / 16];
+      for (int j = 0; j < 16; ++j) row[j] = tile[j][r % 16] * scale;
+    }
+  }
+
+  // probabilities [qblocks * 16][pitch] bf16 (rows past count zero)
+  const int64_t pitch = span;
+  scratch.probs.assign(static_cast<size_t>(qblocks) * 16 * pitch, 0);
+  std::vector<float> inv_sum(count);
+  bf16_probabilities<false>(s, span, base, rows, nullptr, scratch.probs.data(), pitch, inv_sum.data(), lse);
+
+  // value pairs as B tiles: row i (slots base + 2i, base + 2i + 1) holds per 32-dim chunk its
+  // unpacklo then unpackhi (16 pairs each); slots outside [lo, hi) are zeros
+  const int64_t value_row_elems = 2 * static_cast<int64_t>(head_dim);
+  std::vector<uint16_t>& staged_values = scratch.staged_values;
+  staged_values.resize(static_cast<size_t>(span / 2) * value_row_elems);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < span / 2; ++i) {
+    const int64_t a = base + 2 * i, b = a + 1;
+    const uint16_t* va = a >= lo && a < hi ? slot_row(value_cache, a) : nullptr;
+    const uint16_t* vb = b >= lo && b < hi ? slot_row(value_cache, b) : nullptr;
+    uint16_t* dst = staged_values.data() + i * value_row_elems;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const __m512i v0 = va ? _mm512_loadu_si512(va + ch * 32) : zero;
+      const __m512i v1 = vb ? _mm512_loadu_si512(vb + ch * 32) : zero;
+      _mm512_storeu_si512(dst + ch * 64, _mm512_unpacklo_epi16(v0, v1));
+      _mm512_storeu_si512(dst + ch * 64 + 32, _mm512_unpackhi_epi16(v0, v1));
+    }
+  }
+
+  // acc [rows][chunks][2][16] in unpack order, as the AVX512-BF16 path's
+  scratch.acc.resize(static_cast<size_t>(count) * chunks * 32);
+  float* acc = scratch.acc.data();
+  const int key_steps = static_cast<int>(span / 32);
+  for (int ch = 0; ch < chunks; ++ch)
+    for (int qb = 0; qb < qblocks; qb += 2) {
+      const int mt = std::min(2, qblocks - qb);
+      const uint16_t* probs = scratch.probs.data() + static_cast<int64_t>(qb) * 16 * pitch;
+      if (mt == 2) amx_values<2>(probs, pitch, staged_values.data() + ch * 64, value_row_elems, key_steps, c);
+      else amx_values<1>(probs, pitch, staged_values.data() + ch * 64, value_row_elems, key_steps, c);
+      for (int m = 0; m < mt; ++m)
+        for (int i = 0; i < 16; ++i) {
+          const int r = (qb + m) * 16 + i;
+          if (r >= count) break;
+          std::memcpy(acc + (static_cast<size_t>(r) * chunks + ch) * 32, c[2 * m][i], 64);
+          std::memcpy(acc + (static_cast<size_t>(r) * chunks + ch) * 32 + 16, c[2 * m + 1][i], 64);
+        }
+    }
+  KVSERVE_TILE_RELEASE();
+  write_unpacked(out_rows, acc, count, chunks, inv_sum.data());
+}
+
+// AMX attention for bf16 K/V and queries: where the CPU's tiles can run and KVSERVE_DISABLE_AMX is
+// not "1" (decided once), unless the engine turned it off (its AMX self-check failed)
+int g_attention_amx = -1;
+
+bool attention_amx_enabled() {
+  if (g_attention_amx < 0) {
+    const char* off = std::getenv("KVSERVE_DISABLE_AMX");
+    g_attention_amx = kvserve_amx_available() && !(off && std::strcmp(off, "1") == 0) ? 1 : 0;
+  }
+  return g_attention_amx == 1;
+}
+#endif  // KVSERVE_ATTENTION_AMX
 
 // ---- KIVI (int4 / int2) records and bf16 queries on a CPU with AVX512-BF16 ----------------------
 // A code n < 16 is exact in bf16 as 128 + n, whose bits are 0x4300 | n: codes become bf16 with an
@@ -1100,7 +1309,12 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
   bf16_tiles = query_dtype == kBFloat16 && ((kv_dtype == kBFloat16 && plain) || is_scaled_format(kv_dtype)) && head_dim % 32 == 0;
 #endif
   const bool float_tiles = !bf16_tiles && (plain || is_scaled_format(kv_dtype)) && head_dim % 16 == 0;
-  const int tile_tokens = bf16_tiles || float_tiles ? std::max(1, max_tile_tokens) : 1;
+  int tile_tokens = bf16_tiles || float_tiles ? std::max(1, max_tile_tokens) : 1;
+  bool amx_tiles = false;
+#if KVSERVE_ATTENTION_AMX
+  amx_tiles = bf16_tiles && kv_dtype == kBFloat16 && kv.block_size % 16 == 0 && group <= kAmxTileRowsMax && attention_amx_enabled();
+  if (amx_tiles) tile_tokens = std::min(tile_tokens, kAmxTileRowsMax / group);
+#endif
 
   // each token's visible slots [first, context); one of at least 2 * kSplitTokens is split at the
   // multiples of kSplitTokens into parts (q0 .. q1), merged after by log-sum-exp
@@ -1175,6 +1389,12 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
         for (int i = 0; i < w.tokens; ++i)
           std::memcpy(queries_bf16.data() + static_cast<size_t>(i) * group * head_dim,
                       static_cast<const uint16_t*>(query) + query_offset(w.token + i, w.kv_head), sizeof(uint16_t) * group * head_dim);
+#if KVSERVE_ATTENTION_AMX
+        if (amx_tiles) {
+          attend_tile_amx(result.data(), lse.data(), queries_bf16.data(), tile, kv, table, w.kv_head, scale, scratch);
+          return;
+        }
+#endif
         with_kv_dtype(kv_dtype, [&](auto dtype) {
           constexpr int DT = decltype(dtype)::value;
           if constexpr (DT == kBFloat16 || DT == kInt8 || DT == kFp8E4m3 || DT == kFp8E5m2)
@@ -1258,6 +1478,19 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
 }  // namespace
 
 extern "C" {
+
+// 0: bf16 attention leaves AMX tiles for the AVX512-BF16 path (the engine's AMX self-check failed);
+// 1: back to the default. Returns whether AMX attention is on now.
+int kvserve_set_attention_amx(int on) {
+#if KVSERVE_ATTENTION_AMX
+  g_attention_amx = -1;
+  if (!on) g_attention_amx = 0;
+  return attention_amx_enabled() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
 
 // Decode: see DecodeAttentionArgs.
 int kvserve_paged_decode_attention(const DecodeAttentionArgs* args) {
