@@ -92,7 +92,7 @@ def main() -> None:
                 kernels.screened_argmax(x, model.screened_lm_head)
                 times["argmax"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                logits = kernels.packed_matmul(x, model.packed_lm_head, out_dtype=torch.float32, out=logits_out)[0]
+                logits = model._bf16_lm_head(x, out_dtype=torch.float32, out=logits_out)[0]
                 full = kernels.sample(logits, rows, *penalties).tokens
                 times["full"].append(time.perf_counter() - start)
                 total += 1

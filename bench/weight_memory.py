@@ -19,9 +19,9 @@ from kvserve import LLM
 
 def weight_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters())
-    for name in ("packed", "float_packed"):
+    for name in ("packed", "float_packed", "amx"):
         tensors += [getattr(m, name).data for m in model.modules() if getattr(m, name, None) is not None]
-    for packed in (model.packed_lm_head, model.float_lm_head):
+    for packed in (model.packed_lm_head, model.amx_lm_head, model.float_lm_head):
         if packed is not None:
             tensors.append(packed.data)
     screened = model.screened_lm_head

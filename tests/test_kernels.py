@@ -267,40 +267,55 @@ def lm_head_like(n: int, k: int, seed: int) -> torch.Tensor:
     return weight.bfloat16()
 
 
+def lm_head_product(weight: torch.Tensor, layout: str):
+    """The weight the full logits are computed with, and its argmax product: packed_matmul's, or
+    amx_matmul's (skipped without AMX tiles)."""
+    if layout == "amx":
+        if not kernels.amx_ready():
+            pytest.skip("no AMX tiles on this CPU (the packed cases cover the screen)")
+        packed = kernels.amx_pack_weight(weight)
+        return packed, lambda x: kernels.amx_matmul(x, packed, want_output=False, want_argmax=True)[1]
+    packed = kernels.pack_weight(weight)
+    return packed, lambda x: kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)[1]
+
+
 @needs_int8_screen
+@pytest.mark.parametrize("layout", ["packed", "amx"])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("n, k", [(20000, 640), (4099, 96), (3000, 36)])
-def test_screened_argmax_is_bit_identical_to_the_full_product(rows, n, k):
+def test_screened_argmax_is_bit_identical_to_the_full_product(rows, n, k, layout):
     weight = lm_head_like(n, k, seed=n + k)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     x[:, 5] *= 20  # an outlier channel in the hidden state
     x = x.bfloat16()
-    packed = kernels.pack_weight(weight)
+    if layout == "amx" and k % 32:
+        with pytest.raises(ValueError, match="k % 32"):
+            kernels.screen_weight(kernels.amx_pack_weight(weight), weight)
+        return
+    packed, full_argmax = lm_head_product(weight, layout)
     screened = kernels.screen_weight(packed, weight)
     argmax, rescored = kernels.screened_argmax(x, screened)
-    _, full = kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)
-    assert torch.equal(argmax, full)
+    assert torch.equal(argmax, full_argmax(x))
     tiles = -(-n // 16)
     assert (rescored >= 1).all() and rescored.float().mean() < tiles / 4, f"screening kept {rescored.tolist()} of {tiles} tiles"
 
 
 @needs_int8_screen
-def test_screened_argmax_on_near_ties_and_exact_ties():
+@pytest.mark.parametrize("layout", ["packed", "amx"])
+def test_screened_argmax_on_near_ties_and_exact_ties(layout):
     k = 64
     weight = lm_head_like(8192, k, seed=3)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     # rows 7000 and 123 become exact copies of the winner; 5000 differs from it by one bf16 ulp in one dim
-    _, full = kernels.packed_matmul(x, kernels.pack_weight(weight), want_output=False, want_argmax=True)
-    winner = int(full[0])
+    winner = int(lm_head_product(weight, layout)[1](x)[0])
     weight[7000] = weight[winner]
     weight[123] = weight[winner]
     weight[5000] = weight[winner]
     weight[5000, 0] = torch.nextafter(weight[5000, 0].float(), torch.tensor(float("inf"))).bfloat16()
-    packed = kernels.pack_weight(weight)
+    packed, full_argmax = lm_head_product(weight, layout)
     argmax, _ = kernels.screened_argmax(x, kernels.screen_weight(packed, weight))
-    _, full = kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)
-    assert torch.equal(argmax, full)
+    assert torch.equal(argmax, full_argmax(x))
 
 
 def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():

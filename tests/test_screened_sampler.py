@@ -20,20 +20,31 @@ needs_screen = pytest.mark.skipif(
 N, K = 5000, 128  # a vocabulary that does not fill its last tile of 16
 
 
-@pytest.fixture(scope="module", params=["gaussian", "outliers"])
+@pytest.fixture(scope="module", params=["gaussian-packed", "outliers-packed", "gaussian-amx", "outliers-amx"])
 def lm_head(request):
+    """(kind, screened weight, the weight the full logits are computed with): packed_matmul's layout,
+    or AMX tiles (what the engine holds on a CPU with them; the rescoring then runs on tiles too)."""
+    kind, layout = request.param.split("-")
+    if layout == "amx" and not kernels.amx_ready():
+        pytest.skip("no AMX tiles on this CPU (the packed cases cover the screen)")
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(N, K, generator=g) * 0.05
     weight[7] *= 4  # a few rows with larger norms: tokens that lead
     weight[4321] *= 3
-    if request.param == "outliers":
+    if kind == "outliers":
         # one large weight per row (in a dim the hidden rows barely use) makes its int8 step coarse:
         # the screen's approximations are then off by as much as the logits differ, and only its
         # proven bounds keep the draw exact
         weight[:, 5] = 2.0
     weight = weight.bfloat16()
-    packed = kernels.pack_weight(weight)
-    return request.param, kernels.screen_weight(packed, weight), packed
+    packed = kernels.amx_pack_weight(weight) if layout == "amx" else kernels.pack_weight(weight)
+    return kind, kernels.screen_weight(packed, weight), packed
+
+
+def full_logits(x, packed) -> torch.Tensor:
+    if isinstance(packed, kernels.AmxWeight):
+        return kernels.amx_matmul(x, packed, out_dtype=torch.float32)[0]
+    return kernels.packed_matmul(x, packed, out_dtype=torch.float32)[0]
 
 
 def hidden_rows(count: int, seed: int) -> torch.Tensor:
@@ -45,13 +56,13 @@ def hidden_rows(count: int, seed: int) -> torch.Tensor:
 
 
 def full_draw(x, packed, rows, ids, counts):
-    logits = kernels.packed_matmul(x, packed, out_dtype=torch.float32)[0]
+    logits = full_logits(x, packed)
     return kernels.sample(logits.contiguous(), rows, ids, counts).tokens
 
 
 def penalties_on_top_tokens(x, packed, count: int, per_row: int) -> tuple[np.ndarray, np.ndarray]:
     """Penalize each row's top tokens (where a penalty decides the draw) and a few random ones."""
-    logits = kernels.packed_matmul(x, packed, out_dtype=torch.float32)[0]
+    logits = full_logits(x, packed)
     rng = np.random.default_rng(1)
     ids, counts = [], []
     for r in range(count):

@@ -359,7 +359,7 @@ class ScreenedWeight:
     """An lm_head kept for exact greedy argmax by int8 screening (see screened_argmax.cpp): the bf16
     packed weight for the exact rescoring plus int8 rows with their scales and error bounds."""
 
-    bf16: PackedWeight
+    bf16: PackedWeight | AmxWeight  # what the full logits are computed with (the rescoring matches it bit for bit)
     int8: torch.Tensor  # uint8 (q + 128) [tiles * 16 * k], laid out [tile][k/4][16][4]
     row_scale: torch.Tensor  # [tiles * 16]
     row_error: torch.Tensor  # [tiles * 16]: max |w - s q| over the row
@@ -369,6 +369,11 @@ class ScreenedWeight:
     group: int
     max_scale: float
     max_abs: float
+
+    @property
+    def bf16_layout(self) -> int:
+        """ScreenedArgmaxArgs.bf16_layout: 1 for AMX B tiles, 0 for packed_matmul's layout."""
+        return 1 if isinstance(self.bf16, AmxWeight) else 0
 
 
 def int8_screen_available() -> bool:
@@ -381,12 +386,16 @@ def screen_group(k: int) -> int | None:
     return next((g for g in (64, 32, 16, 8, 4) if k % g == 0), None)
 
 
-def screen_weight(packed: PackedWeight, weight: torch.Tensor) -> ScreenedWeight:
-    """Quantize a bf16 [n, k] lm_head to int8 for screening (adds n * k bytes)."""
+def screen_weight(packed: PackedWeight | AmxWeight, weight: torch.Tensor) -> ScreenedWeight:
+    """Quantize a bf16 [n, k] lm_head to int8 for screening (adds n * k bytes). `packed` is what the
+    full logits are computed with (packed_matmul's weight, or amx_matmul's with k % 32 == 0): the
+    screen's exact rescoring gives its bits."""
     library = _require()
     group = screen_group(packed.k)
     if not int8_screen_available() or group is None or weight.dtype != torch.bfloat16 or tuple(weight.shape) != (packed.n, packed.k):
         raise ValueError("screen_weight: a bf16 [n, k] weight with k % 4 == 0, on a CPU with AVX512-VNNI and BF16")
+    if isinstance(packed, AmxWeight) and packed.k % 32:
+        raise ValueError("screen_weight: an AMX-packed weight needs k % 32 == 0")
     weight = weight.contiguous()
     n, k = weight.shape
     tiles = -(-n // 16)
@@ -453,7 +462,7 @@ def screened_sample(
     screen = args.ScreenedArgmaxArgs(
         weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
         weight.bf16.data.data_ptr(), xq.data_ptr(), group_scale.data_ptr(), delta.data_ptr(), correction.data_ptr(), l1.data_ptr(),
-        slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), None, rescored.data_ptr(), n, k, k, k, weight.group, count, 0,
+        slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), None, rescored.data_ptr(), n, k, k, k, weight.group, count, weight.bf16_layout,
     )  # fmt: skip
     sample_args = args.SamplerArgs(
         scratch.data_ptr(), width, n, count, rows.ctypes.data, penalty_ids.ctypes.data if penalty_ids.size else None,
@@ -464,7 +473,8 @@ def screened_sample(
 
 
 def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise argmax of x @ weight^T, bit-identical to packed_matmul's, from an int8 screen and an
+    """Row-wise argmax of x @ weight^T, bit-identical to packed_matmul's (amx_matmul's for an AMX-packed
+    weight), from an int8 screen and an
     exact bf16 rescoring of the tiles that can still win. Returns (argmax [R], tiles rescored per row [R]).
     x must be finite bf16 [R, k]."""
     library = _require()
@@ -480,7 +490,7 @@ def screened_argmax(x: torch.Tensor, weight: ScreenedWeight) -> tuple[torch.Tens
         weight.int8.data_ptr(), weight.row_scale.data_ptr(), weight.row_error.data_ptr(), weight.row_abs_q.data_ptr(),
         weight.bf16.data.data_ptr(), xq.data_ptr(), group_scale.data_ptr(), delta.data_ptr(), correction.data_ptr(), l1.data_ptr(),
         slack.data_ptr(), tile_bound.data_ptr(), x.data_ptr(), argmax.data_ptr(), rescored.data_ptr(), weight.bf16.n, k, k, k,
-        weight.group, rows, 0,
+        weight.group, rows, weight.bf16_layout,
     )  # fmt: skip
     status = library.kvserve_screened_argmax(ctypes.byref(call))
     _check(status, "screened_argmax")

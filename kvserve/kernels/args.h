@@ -136,7 +136,7 @@ struct ScreenedArgmaxArgs {
   int32_t k;
   int32_t group;
   int32_t rows;
-  int32_t pad_;
+  int32_t bf16_layout;       // bf16_packed is 0: packed_matmul's layout, 1: amx_matmul's B tiles
 };
 
 struct RmsNormArgs {

@@ -62,7 +62,8 @@ class ScreenedArgmaxArgs(ctypes.Structure):
     _fields_ = [
         ("qpacked", _p), ("row_scale", _p), ("row_error", _p), ("row_abs_q", _p), ("bf16_packed", _p), ("xq", _p), ("group_scale", _p),
         ("group_delta", _p), ("correction", _p), ("x_l1", _p), ("slack", _p), ("tile_bound", _p), ("x", _p), ("argmax", _p),
-        ("rescored", _p), ("n", _i64), ("ldxq", _i64), ("ldx", _i64), ("k", _i32), ("group", _i32), ("rows", _i32), ("pad_", _i32),
+        ("rescored", _p), ("n", _i64), ("ldxq", _i64), ("ldx", _i64), ("k", _i32), ("group", _i32), ("rows", _i32),
+        ("bf16_layout", _i32),
     ]  # fmt: skip
 
 

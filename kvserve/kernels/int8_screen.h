@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KVSERVE_HAS_SCREEN 1
@@ -15,10 +17,19 @@
 #define KVSERVE_HAS_SCREEN 0
 #endif
 
+#if KVSERVE_HAS_SCREEN && KVSERVE_AMX_SUPPORTED && !defined(KVSERVE_AMX_EMULATE)
+#define KVSERVE_SCREEN_AMX 1
+#else
+#define KVSERVE_SCREEN_AMX 0
+#endif
+
 namespace kvserve::screen {
 
 constexpr int kTile = 16;
 constexpr int kMaxGroups = 32;
+// ScreenedArgmaxArgs::bf16_layout: where the exact values come from
+constexpr int kPackedLayout = 0;  // packed_matmul.cpp's [tile][k][16] bf16
+constexpr int kAmxLayout = 1;     // amx_matmul.cpp's B tiles (k % 32 == 0)
 
 #if KVSERVE_HAS_SCREEN
 
@@ -68,6 +79,69 @@ inline void exact_tiles(const uint16_t* bf16_packed, const int64_t* tile, int k,
       out[c] = _mm512_dpbf16_ps(out[c], (__m512bh)_mm512_set1_epi32(pair),
                                 (__m512bh)_mm512_loadu_si512(static_cast<const void*>(w[c] + static_cast<int64_t>(p) * 32)));
     }
+}
+
+#if KVSERVE_SCREEN_AMX
+// The same on an lm_head packed in AMX B tiles (amx_matmul.cpp's layout, k % 32 == 0), as
+// amx_matmul computes those logits: each tile's product is zeroed, then takes TDPBF16PS over the
+// k steps in order with the row as its A tile (stride 0: the row in each of the tile's rows; an
+// element depends on its own A row and B column only), so bit-identical. Four tiles at a time.
+template <int C>
+KVSERVE_AMX_TARGET inline void exact_tiles_amx(const uint16_t* amx_packed, const int64_t* tile, int k, const uint16_t* const* x,
+                                               __m512* out) {
+  static_assert(C % 4 == 0, "four C tiles per pass");
+  const int steps = k / 32;
+  const amx::TileConfig config = amx::full_tiles();
+  KVSERVE_TILE_LOADCONFIG(&config);
+  alignas(64) float c_tiles[4][16][16];
+  for (int g = 0; g < C; g += 4) {
+    const uint16_t* b[4];
+    for (int c = 0; c < 4; ++c) b[c] = amx_packed + tile[g + c] * static_cast<int64_t>(steps) * 512;
+    KVSERVE_TILE_ZERO(0);
+    KVSERVE_TILE_ZERO(1);
+    KVSERVE_TILE_ZERO(2);
+    KVSERVE_TILE_ZERO(3);
+    for (int s = 0; s < steps; ++s) {
+      KVSERVE_TILE_LOADD(4, x[g] + s * 32, 0);
+      KVSERVE_TILE_LOADD(6, b[0] + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(0, 4, 6);
+      KVSERVE_TILE_LOADD(5, x[g + 1] + s * 32, 0);
+      KVSERVE_TILE_LOADD(7, b[1] + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(1, 5, 7);
+      KVSERVE_TILE_LOADD(4, x[g + 2] + s * 32, 0);
+      KVSERVE_TILE_LOADD(6, b[2] + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(2, 4, 6);
+      KVSERVE_TILE_LOADD(5, x[g + 3] + s * 32, 0);
+      KVSERVE_TILE_LOADD(7, b[3] + s * 512, 64);
+      KVSERVE_TILE_DPBF16PS(3, 5, 7);
+    }
+    KVSERVE_TILE_STORED(0, c_tiles[0], 64);
+    KVSERVE_TILE_STORED(1, c_tiles[1], 64);
+    KVSERVE_TILE_STORED(2, c_tiles[2], 64);
+    KVSERVE_TILE_STORED(3, c_tiles[3], 64);
+    for (int c = 0; c < 4; ++c) out[g + c] = _mm512_load_ps(c_tiles[c][0]);
+  }
+  KVSERVE_TILE_RELEASE();
+}
+#endif  // KVSERVE_SCREEN_AMX
+
+// exact_tiles or exact_tiles_amx, by the weight's layout
+template <int C>
+inline void exact_tiles_of(int layout, const uint16_t* bf16, const int64_t* tile, int k, const uint16_t* const* x, __m512* out) {
+#if KVSERVE_SCREEN_AMX
+  if (layout == kAmxLayout) {
+    exact_tiles_amx<C>(bf16, tile, k, x, out);
+    return;
+  }
+#endif
+  (void)layout;
+  exact_tiles<C>(bf16, tile, k, x, out);
+}
+
+// 0 when the screen can read a weight of this layout and k here
+inline int check_layout(int layout, int k) {
+  if (layout == kPackedLayout) return 0;
+  return KVSERVE_SCREEN_AMX && layout == kAmxLayout && k % 32 == 0 ? 0 : 1;
 }
 
 #endif  // KVSERVE_HAS_SCREEN

@@ -181,6 +181,7 @@ int kvserve_screened_argmax(const kvserve::ScreenedArgmaxArgs* a) {
   int64_t* argmax = a->argmax;
   int64_t* rescored = a->rescored;
   if (n <= 0 || k <= 0 || k % 4 || group <= 0 || group % 4 || rows <= 0 || ldxq < k || ldx < k) return 1;
+  if (check_layout(a->bf16_layout, k)) return 1;
   const int groups = (k + group - 1) / group;
   if (groups > kMaxGroups) return 1;
   const ScreenArgs args{qpacked, a->row_scale, a->row_error, a->row_abs_q, n, k, a->xq, ldxq, a->group_scale, a->group_delta, groups,
@@ -256,7 +257,7 @@ int kvserve_screened_argmax(const kvserve::ScreenedArgmaxArgs* a) {
         row_x[c] = x + cand.row * ldx;
       }
       __m512 exact[kChains];
-      exact_tiles<kChains>(bf16_packed, tile, k, row_x, exact);
+      exact_tiles_of<kChains>(a->bf16_layout, bf16_packed, tile, k, row_x, exact);
       const int used = static_cast<int>(std::min<int64_t>(kChains, total - batch * kChains));
       for (int c = 0; c < used; ++c) {
         const int r = row[c];

@@ -464,7 +464,7 @@ class ScreenedRow {
         row_x[c] = x_;
       }
       __m512 exact[kChains];
-      exact_tiles<kChains>(screen_.bf16_packed, tile, screen_.k, row_x, exact);
+      exact_tiles_of<kChains>(screen_.bf16_layout, screen_.bf16_packed, tile, screen_.k, row_x, exact);
       for (int c = 0; c < kChains && at + c < total; ++c) {
         const int64_t t = tile[c];
         const int64_t left = n_ - t * kTile;
@@ -527,6 +527,7 @@ int kvserve_screened_sample(const kvserve::ScreenedArgmaxArgs* screen, const kvs
   const kvserve::SamplerArgs& s = *sample;
   const int64_t tiles = (a.n + kTile - 1) / kTile;
   if (a.n <= 0 || a.k <= 0 || a.k % 4 || a.group <= 0 || a.group % 4 || a.rows <= 0 || a.ldxq < a.k || a.ldx < a.k) return 1;
+  if (check_layout(a.bf16_layout, a.k)) return 1;
   const int groups = (a.k + a.group - 1) / a.group;
   if (groups > kMaxGroups || s.rows != a.rows || s.vocab != a.n || s.stride < 2 * tiles * kTile || !s.logits || !s.tokens) return 1;
   for (int64_t r = 0; r < s.rows; ++r) {

@@ -132,6 +132,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
         self.packed_lm_head: kernels.PackedWeight | None = None
+        self.amx_lm_head: kernels.AmxWeight | None = None  # instead of packed_lm_head where AMX tiles run
         self.float_lm_head: kernels.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
         self.screened_lm_head: kernels.ScreenedWeight | None = None
         self._logits_key: tuple | None = None
@@ -143,9 +144,14 @@ class CausalLM(nn.Module):
         """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
         row-major weight stays: it may be the tied embedding, and the torch fallbacks read it."""
         if kernels.can_pack(self.lm_head.weight):
-            self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
+            # one bf16 copy: AMX tiles for every row count where they run (the screen's exact
+            # rescoring takes the same tiles, so screened and full logits agree bit for bit)
+            if kernels.amx_ready() and self.config.hidden_size % 32 == 0:
+                self.amx_lm_head = kernels.amx_pack_weight(self.lm_head.weight)
+            else:
+                self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
             if kernels.int8_screen_available() and kernels.screen_group(self.config.hidden_size):
-                self.screened_lm_head = kernels.screen_weight(self.packed_lm_head, self.lm_head.weight)
+                self.screened_lm_head = kernels.screen_weight(self.amx_lm_head or self.packed_lm_head, self.lm_head.weight)
         elif packs_as_float(self.lm_head.weight):
             self.float_lm_head = kernels.pack_float_weight(self.lm_head.weight)
         for module in self.modules():
@@ -179,9 +185,9 @@ class CausalLM(nn.Module):
         the result is only valid until the next call.
         """
         normed = self.norm(hidden)
-        if self._use_packed_lm_head(normed):
+        if self._use_bf16_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
-            return self._softcap(kernels.packed_matmul(normed, self.packed_lm_head, out_dtype=torch.float32, out=out)[0])
+            return self._softcap(self._bf16_lm_head(normed, out_dtype=torch.float32, out=out)[0])
         if self._use_float_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(kernels.float_matmul(normed, self.float_lm_head, out_dtype=torch.float32, out=out)[0])
@@ -215,8 +221,15 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _use_packed_lm_head(self, normed: torch.Tensor) -> bool:
-        return self.packed_lm_head is not None and normed.dtype == torch.bfloat16 and normed.dim() == 2 and normed.stride(1) == 1
+    def _use_bf16_lm_head(self, normed: torch.Tensor) -> bool:
+        packed = self.amx_lm_head is not None or self.packed_lm_head is not None
+        return packed and normed.dtype == torch.bfloat16 and normed.dim() == 2 and normed.stride(1) == 1
+
+    def _bf16_lm_head(self, normed: torch.Tensor, **kwargs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The lm_head product on its packed bf16 copy: AMX tiles, or the packed AVX512-BF16 kernel."""
+        if self.amx_lm_head is not None:
+            return kernels.amx_matmul(normed, self.amx_lm_head, **kwargs)
+        return kernels.packed_matmul(normed, self.packed_lm_head, **kwargs)
 
     def _use_float_lm_head(self, normed: torch.Tensor) -> bool:
         """Every number of rows takes float_matmul, so a row's logits do not depend on its batch."""
@@ -229,7 +242,7 @@ class CausalLM(nn.Module):
         if self.screened_lm_head is None or self.config.final_logit_softcapping:
             return None
         normed = self.norm(hidden)
-        if not self._use_packed_lm_head(normed) or not bool(torch.isfinite(normed).all()):
+        if not self._use_bf16_lm_head(normed) or not bool(torch.isfinite(normed).all()):
             return None
         width = 2 * -(-self.screened_lm_head.bf16.n // 16) * 16
         if self._screen_scratch is None or self._screen_scratch.shape[0] < normed.shape[0]:
@@ -241,10 +254,10 @@ class CausalLM(nn.Module):
         keeps only its per-row maximum and index. Ties go to the lowest token id, as argmax does.
         Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
         normed = self.norm(hidden)
-        if self._use_packed_lm_head(normed):
+        if self._use_bf16_lm_head(normed):
             if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
                 return kernels.screened_argmax(normed, self.screened_lm_head)[0]
-            return kernels.packed_matmul(normed, self.packed_lm_head, want_output=False, want_argmax=True)[1]
+            return self._bf16_lm_head(normed, want_output=False, want_argmax=True)[1]
         if self._use_float_lm_head(normed):
             return kernels.float_matmul(normed, self.float_lm_head, want_output=False, want_argmax=True)[1]
         hidden_t = normed.t().contiguous()
