@@ -122,7 +122,10 @@ def load_kernels() -> ctypes.CDLL | None:
         return None
     target, complaint = _build(SOURCES, _flags(), "kvserve_kernels")
     if target is None:
-        logger.warning("building the CPU kernels failed, using torch ops:\n%s", complaint)
+        logger.warning(
+            "building the CPU kernels failed, using torch ops (slower, and a request's tokens may then differ "
+            "alone and batched):\n%s", complaint,
+        )
         return None
     signatures = {
         # the compute kernels take one pointer to their argument struct (args.h / args.py)
