@@ -798,6 +798,33 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
 
 constexpr int kAmxTileRowsMax = 64;
 
+// a 16 x 16 matrix of 32-bit elements, rows 64 bytes apart: out[j] = column j of in
+inline void transpose16x16(const __m512* in, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(_mm512_castps_si512(in[2 * i]), _mm512_castps_si512(in[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_epi32(_mm512_castps_si512(in[2 * i]), _mm512_castps_si512(in[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + h] = _mm512_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+      u[4 * i + 2 + h] = _mm512_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+    }
+  // u[4i + m] holds, per 128-bit lane l, the 4 elements of column 4l + kColumn[m] from rows 4i .. 4i + 3
+  constexpr int kColumn[4] = {0, 2, 1, 3};
+  const __m512i lo_pairs = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi_pairs = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const __m512i lo_halves = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), hi_halves = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+  for (int m = 0; m < 4; ++m) {
+    // rows 0-7 (a) and 8-15 (b) of the columns in lanes 0, 1 (a0, b0) and 2, 3 (a1, b1)
+    const __m512i a0 = _mm512_permutex2var_epi64(u[m], lo_pairs, u[4 + m]), a1 = _mm512_permutex2var_epi64(u[m], hi_pairs, u[4 + m]);
+    const __m512i b0 = _mm512_permutex2var_epi64(u[8 + m], lo_pairs, u[12 + m]), b1 = _mm512_permutex2var_epi64(u[8 + m], hi_pairs, u[12 + m]);
+    out[kColumn[m]] = _mm512_permutex2var_epi64(a0, lo_halves, b0);
+    out[4 + kColumn[m]] = _mm512_permutex2var_epi64(a0, hi_halves, b0);
+    out[8 + kColumn[m]] = _mm512_permutex2var_epi64(a1, lo_halves, b1);
+    out[12 + kColumn[m]] = _mm512_permutex2var_epi64(a1, hi_halves, b1);
+  }
+}
+
 // scores of one 16-key A tile against QB query blocks: C tiles 0..QB-1, A in 4, B in 5..7
 template <int QB>
 KVSERVE_AMX_TARGET inline void amx_key_scores(const uint16_t* keys, int64_t key_stride_bytes, const uint16_t* staged_queries, int steps,
@@ -879,10 +906,19 @@ KVSERVE_AMX_TARGET void attend_tile_amx(float* out_rows, float* lse, const uint1
 
   // queries as B tiles [query block][step][16 dim pairs][16 rows][2]; rows past count are zeros
   std::vector<uint16_t>& staged_queries = scratch.staged_queries;
-  staged_queries.assign(static_cast<size_t>(qblocks) * steps * 512, 0);
-  for (int r = 0; r < count; ++r)
-    for (int d = 0; d < head_dim; ++d)
-      staged_queries[((static_cast<size_t>(r / 16) * steps + d / 32) * 16 + (d % 32) / 2) * 32 + (r % 16) * 2 + d % 2] = queries[r * head_dim + d];
+  staged_queries.resize(static_cast<size_t>(qblocks) * steps * 512);
+  // per query block and step: the 16 rows' 16 dim pairs (32-bit elements), transposed
+  for (int qb = 0; qb < qblocks; ++qb)
+    for (int st = 0; st < steps; ++st) {
+      __m512 pair_rows[16];
+      __m512i pair_columns[16];
+      for (int n = 0; n < 16; ++n)
+        pair_rows[n] = qb * 16 + n < count ? _mm512_castsi512_ps(_mm512_loadu_si512(queries + (qb * 16 + n) * head_dim + st * 32))
+                                           : _mm512_setzero_ps();
+      transpose16x16(pair_rows, pair_columns);
+      for (int p = 0; p < 16; ++p)
+        _mm512_storeu_si512(staged_queries.data() + ((static_cast<size_t>(qb) * steps + st) * 16 + p) * 32, pair_columns[p]);
+    }
 
   // scores [rows][span] from slot base, 16 keys of a block at a time
   scratch.scores.resize(static_cast<size_t>(count) * span);
@@ -896,10 +932,14 @@ KVSERVE_AMX_TARGET void attend_tile_amx(float* out_rows, float* lse, const uint1
       case 3: amx_key_scores<3>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
       default: amx_key_scores<4>(keys, row_stride * 2, staged_queries.data(), steps, c); break;
     }
-    for (int r = 0; r < count; ++r) {
-      float* row = s + r * span + (k0 - base);
-      const float(*tile)[16] = c[r / 16];
-      for (int j = 0; j < 16; ++j) row[j] = tile[j][r % 16] * scale;
+    const __m512 by = _mm512_set1_ps(scale);
+    for (int qb = 0; qb < qblocks; ++qb) {
+      __m512 keys_rows[16];
+      __m512i query_rows[16];
+      for (int j = 0; j < 16; ++j) keys_rows[j] = _mm512_load_ps(c[qb][j]);
+      transpose16x16(keys_rows, query_rows);
+      for (int n = 0; n < 16 && qb * 16 + n < count; ++n)
+        _mm512_storeu_ps(s + (qb * 16 + n) * span + (k0 - base), _mm512_mul_ps(_mm512_castsi512_ps(query_rows[n]), by));
     }
   }
 
