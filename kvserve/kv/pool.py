@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
 from dataclasses import dataclass
 
@@ -249,6 +250,26 @@ class PagedKVPool:
             return self.records[:, :, block_id].contiguous()
         start = (block_id - self.first_residual) * self.block_size
         return self.kv[:, :, start : start + self.block_size].contiguous()
+
+    def _block_layout(self, block_id: int) -> tuple[tuple[int, ...], torch.dtype]:
+        spec = self.spec
+        if block_id < self.first_residual and self.records is not None:
+            return (spec.layers_per_group, 2, spec.record_bytes), torch.uint8
+        return (spec.layers_per_group, 2, self.block_size, spec.num_kv_heads, spec.head_dim), self.kv.dtype
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """read_block's data as bytes: what a KV tier stores for the block."""
+        return self.read_block(block_id).view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block_bytes(self, block_id: int, payload: bytes) -> None:
+        """Put block_bytes' data into a block of the same kind (float or quantized); a payload of
+        another size is refused (ValueError) before anything is written."""
+        shape, dtype = self._block_layout(block_id)
+        expected = math.prod(shape) * dtype.itemsize
+        if len(payload) != expected:
+            raise ValueError(f"block {block_id} takes {expected} bytes, got {len(payload)}")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape)
+        self.write_block(block_id, data.to((self.kv if self.kv is not None else self.records).device))
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         if block_id < self.first_residual and self.records is not None:

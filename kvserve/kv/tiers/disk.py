@@ -1,0 +1,116 @@
+"""The local-disk tier: one file per record in a directory, within a byte budget, across restarts.
+
+A record is written to a temporary name in the same directory, then renamed, so a crash leaves
+either the whole record or none (temporary files are removed at start). The LRU order is the files'
+modification times (a read touches its file), so a new engine on the same directory rebuilds its
+index from the listing and keeps the order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvserve.kv.tiers.store import BlockStore, TierUsage
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+_TEMPORARY = ".tmp-"
+
+
+class DiskStore(BlockStore):
+    name = "disk"
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"the disk tier's budget must be positive, got {capacity_bytes} bytes")
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._names = itertools.count()
+        self.write_failures = 0
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"--kv-offload-disk-dir {self.directory}: cannot create it ({error.strerror})") from None
+        if not os.access(self.directory, os.W_OK):
+            raise ValueError(f"--kv-offload-disk-dir {self.directory}: not writable")
+        self._rebuild_index()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _rebuild_index(self) -> None:
+        found = []
+        for entry in os.scandir(self.directory):
+            if _TEMPORARY in entry.name:
+                Path(entry.path).unlink(missing_ok=True)  # a write that did not finish
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
+                stat = entry.stat()
+                found.append((stat.st_mtime_ns, entry.name[: -len(SUFFIX)], stat.st_size))
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+            self._used += size
+        self._shrink_to(self.capacity_bytes)
+
+    def _shrink_to(self, limit: int) -> None:
+        while self._used > limit and self._sizes:
+            key, size = self._sizes.popitem(last=False)
+            self._used -= size
+            self._path(key).unlink(missing_ok=True)
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if key not in self._sizes:
+                return None
+            self._sizes.move_to_end(key)
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            os.utime(path)
+        except OSError:  # deleted behind our back: a miss
+            self.delete(key)
+            return None
+        return data
+
+    def put(self, key: str, record: bytes) -> bool:
+        if len(record) > self.capacity_bytes:
+            return False
+        temporary = self.directory / f"{key}{_TEMPORARY}{os.getpid()}-{next(self._names)}"
+        try:
+            with open(temporary, "wb") as out:
+                out.write(record)
+            os.replace(temporary, self._path(key))
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            self.write_failures += 1
+            logger.warning("the disk tier could not write %s (%s); the block stays recomputable", key, error.strerror)
+            return False
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
+            self._sizes[key] = len(record)
+            self._used += len(record)
+            self._shrink_to(self.capacity_bytes)
+        return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+        self._path(key).unlink(missing_ok=True)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used, self.capacity_bytes, len(self._sizes))

@@ -1,0 +1,71 @@
+"""One block of one KV cache group as a self-checking record: what every tier stores.
+
+Layout (little-endian): a fixed header (magic, version, group, token count, payload length, the
+cache identity's root hash, the block's chained hash), the block's token ids (uint32), the payload
+(the pool's bytes for the block, every layer of its group: PagedKVPool.read_block), then an xxh3-64
+checksum of everything before it. The chained hash already covers the identity (model, dtype, KV
+format, salt...), so a key never names another cache's block; the record says so again, and
+decode_record refuses a record whose identity, key, length or checksum is not the expected one.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+MAGIC = b"KVSB"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHIQ16s16s")  # magic, version, group, tokens, payload bytes, identity, block hash
+_CHECKSUM = struct.Struct("<Q")
+
+
+class CorruptRecord(ValueError):
+    """A record that is truncated, damaged, of another cache or of another block."""
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    block_hash: int  # the chained hash (kv/hashing.py)
+    group: int  # the KV cache group the block belongs to
+    token_ids: tuple[int, ...]
+    payload: bytes  # the pool's bytes for the block
+
+
+def record_key(block_hash: int, group: int) -> str:
+    """A tier's key for a group's block: its chained hash (identity and salt folded in) and group."""
+    return f"{block_hash:032x}-{group}"
+
+
+def encode_record(record: BlockRecord, identity: int) -> bytes:
+    tokens = np.asarray(record.token_ids, dtype="<u4").tobytes()
+    header = _HEADER.pack(
+        MAGIC, VERSION, record.group, len(record.token_ids), len(record.payload), identity.to_bytes(16, "little"),
+        record.block_hash.to_bytes(16, "little"),
+    )  # fmt: skip
+    body = header + tokens + record.payload
+    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_record(data: bytes, identity: int, key: str) -> BlockRecord:
+    """The record in data, checked against the cache identity and the key it was stored under."""
+    if len(data) < _HEADER.size + _CHECKSUM.size:
+        raise CorruptRecord(f"record {key}: {len(data)} bytes, shorter than a header")
+    magic, version, group, count, payload_bytes, ident, block = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptRecord(f"record {key}: not a version-{VERSION} kvserve block record")
+    end = _HEADER.size + 4 * count + payload_bytes
+    if len(data) != end + _CHECKSUM.size:
+        raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + _CHECKSUM.size}")
+    (checksum,) = _CHECKSUM.unpack_from(data, end)
+    if xxhash.xxh3_64_intdigest(memoryview(data)[:end]) != checksum:
+        raise CorruptRecord(f"record {key}: checksum mismatch")
+    if int.from_bytes(ident, "little") != identity:
+        raise CorruptRecord(f"record {key}: written by another cache identity")
+    block_hash = int.from_bytes(block, "little")
+    if record_key(block_hash, group) != key:
+        raise CorruptRecord(f"record {key}: holds block {record_key(block_hash, group)}")
+    tokens = tuple(np.frombuffer(data, dtype="<u4", count=count, offset=_HEADER.size).tolist())
+    return BlockRecord(block_hash, group, tokens, bytes(memoryview(data)[_HEADER.size + 4 * count : end]))

@@ -1,0 +1,40 @@
+"""The interface of a KV tier: a bounded key -> record store, safe to call from several threads."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    used_bytes: int  # records plus what the store spends to index them
+    capacity_bytes: int
+    entries: int
+
+
+class BlockStore(abc.ABC):
+    """Records by key. Every method may be called from any thread; a store bounds its own size and
+    drops its least recently used records to take a new one."""
+
+    name = ""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The record stored under key (now the most recently used), or None."""
+
+    @abc.abstractmethod
+    def put(self, key: str, record: bytes) -> bool:
+        """Store a record (replacing one under the same key); False when it cannot be taken (larger
+        than the whole budget, or the medium failed), and nothing changed."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether a record is stored under key (no change to the LRU order)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Forget the record under key, if any."""
+
+    @abc.abstractmethod
+    def usage(self) -> TierUsage: ...
