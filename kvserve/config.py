@@ -84,6 +84,10 @@ class EngineConfig:
     sink_tokens: int = 4
     snapkv_query: str = "both"  # window: the prompt's last tokens score (its question); generic: a generic question does; both
     snapkv_question_weight: float = 10.0  # snapkv both: the generic question's mean scores against the window's
+    kv_offload_host_gib: float = 0.0  # a host-memory tier under the pool for blocks leaving it (0: none)
+    kv_offload_disk_dir: str | None = None  # a local disk tier (survives restarts)
+    kv_offload_disk_gib: float = 8.0  # the disk tier's budget
+    kv_offload_policy: str = "write_back"  # write_back: blocks go down when evicted; write_through: when computed
 
     def __post_init__(self) -> None:
         try:
@@ -131,9 +135,32 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        self._validate_offload()
         if self.eviction.active and KV_FORMATS[self.kv_cache_dtype].kind == "kivi":  # self.eviction validates the fields
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_cache_dtype} (KIVI keys are quantized "
                              "per channel across tokens); use a float, int8 or fp8 cache")
+
+    @property
+    def offloads_kv(self) -> bool:
+        return self.kv_offload_host_gib > 0 or self.kv_offload_disk_dir is not None
+
+    def _validate_offload(self) -> None:
+        for name in ("kv_offload_host_gib", "kv_offload_disk_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of GiB >= 0, got {value!r}")
+        if self.kv_offload_disk_dir is not None and not self.kv_offload_disk_gib > 0:
+            raise ValueError(f"kv_offload_disk_gib must be positive with kv_offload_disk_dir, got {self.kv_offload_disk_gib}")
+        if self.kv_offload_policy not in ("write_back", "write_through"):
+            raise ValueError(f"kv_offload_policy must be write_back or write_through, got {self.kv_offload_policy!r}")
+        if not self.offloads_kv:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-host-gib / --kv-offload-disk-dir keep blocks by their prefix hashes: they need prefix caching "
+                             "(drop --no-enable-prefix-caching)")  # fmt: skip
+        if KV_FORMATS[self.kv_cache_dtype].kind == "kivi":
+            raise ValueError(f"the KV tiers do not take --kv-cache-dtype {self.kv_cache_dtype} yet (its blocks are quantized only "
+                             "once they leave the residual); use a float, int8 or fp8 cache")  # fmt: skip
 
     @property
     def eviction(self) -> EvictionPolicy:

@@ -95,6 +95,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="snapkv with --snapkv-query both: how much the generic question's scores weigh against the "
                        "window's, each averaged over its queries; in (0, 1e6] (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4, help="streaming: first tokens always kept (default: %(default)s)")
+    group.add_argument("--kv-offload-host-gib", type=float, default=0.0,
+                       help="a host-memory tier under the KV pool: cached blocks evicted from the pool (and preempted "
+                       "sequences' blocks) are kept here, least recently used first out, and loaded back as prefix hits "
+                       "instead of recomputed when that is measured to be faster; 0 turns it off (default: %(default)s). "
+                       "On a CPU device it is a second budget beside --kv-cache-memory. See docs/kv-tiers.md")
+    group.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR",
+                       help="a local disk tier under the host tier (or under the pool): one file per block, kept across "
+                       "restarts of an engine with the same model and KV settings")
+    group.add_argument("--kv-offload-disk-gib", type=float, default=8.0,
+                       help="the disk tier's budget in GiB (default: %(default)s)")
+    group.add_argument("--kv-offload-policy", default="write_back", choices=["write_back", "write_through"],
+                       help="write_back: a block goes down when the pool evicts it; write_through: as soon as it is computed "
+                       "(a restart or a crash keeps more, at the cost of a copy per block) (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

@@ -144,3 +144,201 @@ def test_a_pool_block_round_trips_through_a_record(kv_dtype):
         assert torch.equal(pool.read_block(target), pool.read_block(block))
         with pytest.raises(ValueError, match="bytes"):
             pool.write_block_bytes(target, record.payload[:-1])
+
+
+# ---------------------------------------------------------------------- the engine with tiers
+from conftest import random_prompts  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=11, logprobs=2)
+
+
+def trace(output) -> tuple:
+    return tuple(output.token_ids), tuple((lp.token_id, lp.logprob) for lp in output.logprobs or ())
+
+
+def one_by_one(llm: LLM, prompts, params) -> list:
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    if llm.engine.kv.offloader is not None:
+        llm.engine.kv.offloader.drain()
+    return outs
+
+
+def tiered(path, tmp_path, tier: str, **settings) -> LLM:
+    tiers = {"host": dict(kv_offload_host_gib=0.002), "disk": dict(kv_offload_disk_dir=str(tmp_path / "disk"), kv_offload_disk_gib=0.05),
+             "both": dict(kv_offload_host_gib=0.0001, kv_offload_disk_dir=str(tmp_path / "disk"), kv_offload_disk_gib=0.05)}[tier]  # fmt: skip
+    llm = LLM(path, **({"dtype": "float32", "num_kv_blocks": 24, "max_num_seqs": 2} | tiers | settings))
+    # a tiny model recomputes faster than a tier reads: pin its prefill rate low so loads win (the
+    # decision itself is test_loading_is_chosen_only_where_it_beats_recompute's)
+    llm.engine.kv.offloader.prefill_rate = 1.0
+    llm.engine.kv.offloader.observe_prefill = lambda tokens, seconds: None
+    return llm
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "both"])
+@pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma3", "float32"), ("llama", "int8"), ("gemma3", "bfloat16")])
+def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_tokens(tiny_dir, tmp_path, tier, family, kv_dtype):
+    """Eight prompts through a 24-block pool evict each other; run again, each comes back from the
+    tiers (counted) with the tokens and logprobs of an engine without tiers and of its own first run,
+    greedy and seeded; Gemma 3's sliding-window group included."""
+    path = str(tiny_dir(family))
+    prompts = random_prompts(8, 90, 120, seed=1)
+    plain = LLM(path, dtype="float32", kv_cache_dtype=kv_dtype, num_kv_blocks=24, max_num_seqs=2)
+    llm = tiered(path, tmp_path, tier, kv_cache_dtype=kv_dtype)
+    for params in (GREEDY, SEEDED):
+        expected = [trace(o) for o in one_by_one(plain, prompts, params)]
+        assert [trace(o) for o in one_by_one(llm, prompts, params)] == expected
+        again = one_by_one(llm, prompts, params)
+        assert [trace(o) for o in again] == expected
+        assert sum(o.num_cached_tokens for o in again) >= 8 * 64  # not from the pool: it holds two prompts at most
+    stats = llm.stats()
+    assert sum(t["hit_tokens"] for t in stats["kv_tiers"].values()) >= 8 * 64
+    assert stats["kv_offload_decisions_total"]["load"] >= 8
+    if tier == "both":
+        assert stats["kv_tiers"]["host"]["hit_tokens"] > 0 and stats["kv_tiers"]["disk"]["hit_tokens"] > 0
+    usage = stats["kv_tiers"]
+    assert all(t["usage_bytes"] <= t["capacity_bytes"] for t in usage.values())
+
+
+def test_a_restarted_engine_reuses_the_disk_tier_and_another_identity_never_does(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=2)
+    first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
+    expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
+    first.engine.kv.offloader.close()
+    del first
+    again = tiered(path, tmp_path, "disk")
+    outs = one_by_one(again, prompts, GREEDY)
+    assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
+    for other in (dict(kv_cache_dtype="int8"), dict(dtype="bfloat16")):
+        changed = tiered(path, tmp_path, "disk", **other)
+        assert all(o.num_cached_tokens == 0 for o in one_by_one(changed, prompts, GREEDY)), other
+        assert changed.stats()["kv_tiers"]["disk"]["hit_tokens"] == 0
+    salted = [again.generate([p], GREEDY, use_tqdm=False, cache_salt="tenant-b")[0] for p in prompts]
+    assert all(o.num_cached_tokens == 0 for o in salted) and [trace(o) for o in salted] == expected
+
+
+def test_corrupt_truncated_and_deleted_records_are_misses_with_the_right_tokens(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=3)
+    first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
+    expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
+    first.engine.kv.offloader.close()
+    files = sorted((tmp_path / "disk").glob("*.kvb"))
+    assert len(files) >= 20
+    for i, file in enumerate(files):
+        data = bytearray(file.read_bytes())
+        if i % 3 == 0:
+            data[len(data) // 2] ^= 0xFF  # damaged
+            file.write_bytes(bytes(data))
+        elif i % 3 == 1:
+            file.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+        else:
+            file.unlink()  # gone
+    again = tiered(path, tmp_path, "disk")
+    assert [trace(o) for o in one_by_one(again, prompts, GREEDY)] == expected
+    assert again.stats()["kv_tiers"]["disk"]["corrupt_records"] >= 1
+
+
+def test_a_full_disk_tier_degrades_to_recompute(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(6, 90, 120, seed=4)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in one_by_one(plain, prompts, GREEDY)]
+    tiny = tiered(path, tmp_path, "disk", kv_offload_disk_gib=2e-5)  # ~21 KB: a record or two
+    for _ in range(2):
+        assert [trace(o) for o in one_by_one(tiny, prompts, GREEDY)] == expected
+    disk = tiny.stats()["kv_tiers"]["disk"]
+    assert disk["usage_bytes"] <= disk["capacity_bytes"]
+
+
+def test_a_preempted_sequence_resumes_from_the_tier_with_the_same_tokens(tiny_dir, tmp_path):
+    """Eight long generations in a pool too small for them preempt each other; their published blocks
+    go down when evicted, and each resumes by loading them (counted), giving an unpreempted run's tokens."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(8, 60, 80, seed=5)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    roomy = LLM(path, dtype="float32", num_kv_blocks=400)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    llm = tiered(path, tmp_path, "host", num_kv_blocks=40, max_num_seqs=8, kv_offload_host_gib=0.01)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_tiers"]["host"]["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(kv_offload_host_gib=-1.0), "kv_offload_host_gib"),
+    (dict(kv_offload_host_gib=float("nan")), "kv_offload_host_gib"),
+    (dict(kv_offload_disk_dir="/tmp/x", kv_offload_disk_gib=0.0), "kv_offload_disk_gib"),
+    (dict(kv_offload_policy="sometimes"), "kv_offload_policy"),
+    (dict(kv_offload_host_gib=1.0, enable_prefix_caching=False), "prefix caching"),
+    (dict(kv_offload_host_gib=1.0, kv_cache_dtype="int4"), "int4"),
+])  # fmt: skip
+def test_bad_tier_settings_are_refused_by_name(tiny_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=24, **settings)
+
+
+def test_loading_is_chosen_only_where_it_beats_recompute():
+    """The decision compares each tier's measured latency and bandwidth with the measured prefill rate;
+    a tier is tried a few times first (so it gets measured), then skipped where it is slower."""
+    from kvserve.kv.tiers.offload import KVOffloader
+
+    store = HostStore(1 << 20)
+    blocks = {7: bytes(1000)}
+    offloader = KVOffloader([store], IDENTITY, lambda block_id: blocks[block_id], lambda block_id, data: None)
+    key, record = a_record(0)
+    offloader.offload(7, record.block_hash, 0, record.token_ids)
+    offloader.drain()
+    assert offloader.holds(key)
+    counters = offloader.counters["host"]
+    counters.loads = 5  # measured: 1 ms latency, 1 MB/s
+    counters.latency, counters.bandwidth = 1e-3, 1e6
+    offloader.prefill_rate = 1e6  # 16 tokens recompute in 16 us: far faster than a 1 ms read
+    assert not offloader.worth_loading([key], 1000, 16)
+    offloader.prefill_rate = 100.0  # 160 ms to recompute
+    assert offloader.worth_loading([key], 1000, 16)
+    assert offloader.decisions == {"load": 1, "recompute": 1}
+    counters.loads = 0
+    offloader.prefill_rate = 1e6
+    assert offloader.worth_loading([key], 1000, 16)  # never measured: tried
+    offloader.observe_prefill(1000, 0.5)
+    assert offloader.prefill_rate < 1e6
+
+
+def test_the_tiers_show_in_prometheus_and_in_top(tiny_dir, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.server.metrics import ServerMetrics
+    from kvserve.server.top import render, tier_rows
+
+    path = str(tiny_dir("llama"))
+    llm = tiered(path, tmp_path, "both")
+    prompts = random_prompts(6, 90, 120, seed=6)
+    for _ in range(2):
+        one_by_one(llm, prompts, GREEDY)
+    metrics = ServerMetrics("tiny")
+    metrics.update_from_stats(llm.stats())
+    samples = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            key = f"{s.name}|{s.labels.get('tier', '')}|{s.labels.get('direction', s.labels.get('decision', ''))}"
+            samples[key] = s.value
+    tiers = llm.stats()["kv_tiers"]
+    for tier in ("host", "disk"):
+        assert samples[f"kvserve:kv_tier_capacity_bytes|{tier}|"] == tiers[tier]["capacity_bytes"]
+        assert samples[f"kvserve:kv_offload_bytes_total|{tier}|out"] == tiers[tier]["bytes_written"] > 0
+        assert samples[f"kvserve:kv_tier_hit_tokens_total|{tier}|"] == tiers[tier]["hit_tokens"]
+    assert samples["kvserve:kv_offload_decisions_total||load"] >= 1
+    assert samples["kvserve:kv_tier_query_tokens_total||"] > 0
+    scraped = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            scraped[s.name] = scraped.get(s.name, 0.0) + s.value
+            if "tier" in s.labels:
+                scraped[f"{s.name}|{s.labels['tier']}"] = scraped.get(f"{s.name}|{s.labels['tier']}", 0.0) + s.value
+    rows = dict(tier_rows(scraped))
+    assert set(rows) == {"KV tier host", "KV tier disk"} and "tokens loaded" in rows["KV tier disk"]
+    render("http://x", scraped, {"gen": 0.0, "prompt": 0.0})

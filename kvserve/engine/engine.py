@@ -31,6 +31,8 @@ from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
+from kvserve.kv.tiers import DiskStore, HostStore
+from kvserve.kv.tiers.offload import KVOffloader
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint
@@ -136,6 +138,7 @@ class LLMEngine:
             self.model.enable_native_kernels()
         if config.centers_keys:
             self._center_keys(checkpoint.config.vocab_size)
+        self._attach_tiers(config)
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
@@ -155,6 +158,19 @@ class LLMEngine:
         )  # fmt: skip
         if self.kv.prefix_cache is not None:
             self.kv.prefix_cache.root = root_hash(self.cache_identity)  # nothing is cached yet
+        if self.kv.offloader is not None:
+            self.kv.offloader.identity = root_hash(self.cache_identity)
+
+    def _attach_tiers(self, config: EngineConfig) -> None:
+        """The host and disk tiers under the pool (kv/tiers/), keyed by this cache's identity."""
+        stores: list = []
+        if config.kv_offload_host_gib > 0:
+            stores.append(HostStore(int(config.kv_offload_host_gib * GIB)))
+        if config.kv_offload_disk_dir is not None:
+            stores.append(DiskStore(config.kv_offload_disk_dir, int(config.kv_offload_disk_gib * GIB)))
+        if stores:
+            self.kv.offloader = KVOffloader(stores, root_hash(self.cache_identity), self.pool.block_bytes, self.pool.write_block_bytes,
+                                            config.kv_offload_policy)  # fmt: skip
 
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
@@ -381,6 +397,9 @@ class LLMEngine:
         sequences alone (finish_reason "error", blocks freed); the engine goes on."""
         batch = self.scheduler.schedule()
         if not batch:
+            pending = self.scheduler.pending_loads()
+            if pending:  # only requests waiting for their prefix from a tier: wait a little for one
+                self.kv.offloader.wait(pending, 0.005)
             return []
         try:
             return self._run_batch(batch)
@@ -419,7 +438,11 @@ class LLMEngine:
             self.kv.release_copy_sources(copies)
         if self.step_fault_hook is not None:
             self.step_fault_hook(batch)
+        started = time.perf_counter()
         sampled = self.runner.execute(batch)
+        prefill = sum(n for seq, n in batch.entries if n > 1)
+        if self.kv.offloader is not None and prefill >= 0.9 * batch.num_tokens and prefill >= 64:
+            self.kv.offloader.observe_prefill(prefill, time.perf_counter() - started)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
             self.kv.plan_quantization(seq.request_id, seq.num_computed_tokens)
@@ -645,4 +668,5 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             **self.prefix_cache_stats(),
+            **(self.kv.offloader.stats() if self.kv.offloader is not None else {"kv_tiers": {}}),
         }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tiers.offload import LoadJob
 from kvserve.kv.spec import blocks_for_tokens
 
 
@@ -47,6 +48,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.loading: dict[str, LoadJob] = {}  # waiting requests whose prefix is being read from the KV tiers
+        self.orphaned_loads: list[LoadJob] = []  # loads of requests that finished meanwhile
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -74,10 +77,19 @@ class Scheduler:
                 idx += 1
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        self._finish_loads()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.request_id in self.loading:
+                continue  # its prefix is on its way from a tier; the others go on
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
             hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, self._hit_limit(seq))
+            if self.kv.offloader is not None and seq.eviction is None:
+                job = self.kv.start_tier_load(seq.request_id, seq.token_ids, hit, self._hit_limit(seq))
+                if job is not None:
+                    self.loading[seq.request_id] = job
+                    continue
             if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
                 break
             self.kv.take_hit(seq.request_id, hit)
@@ -87,12 +99,26 @@ class Scheduler:
                 self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = seq.next_chunk(budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
         return batch
+
+    def _finish_loads(self) -> None:
+        """Loads that are done put their blocks in the prefix cache, where the next lookup finds them."""
+        for request_id, job in list(self.loading.items()):
+            if job.future.done():
+                del self.loading[request_id]
+                self.kv.finish_tier_load(job)
+        for job in [j for j in self.orphaned_loads if j.future.done()]:
+            self.orphaned_loads.remove(job)
+            self.kv.finish_tier_load(job)
+
+    def pending_loads(self) -> list:
+        """The futures of the loads not yet finished (an engine with nothing else to run waits on them)."""
+        return [job.future for job in (*self.loading.values(), *self.orphaned_loads)]
 
     def _hit_limit(self, seq: Sequence) -> int | None:
         """A compressing request reads at most its prompt's blocks less its budget's from the prefix
@@ -118,6 +144,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            job = self.loading.pop(seq.request_id, None)
+            if job is not None:  # its blocks still join the cache when the load ends
+                self.orphaned_loads.append(job)
         elif seq.status is SequenceStatus.FORKING:
             seq.fork_parent.forks.remove(seq)
         for fork in seq.forks:  # the prompt will not be computed here: they compute it themselves

@@ -26,6 +26,8 @@ from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import block_hash, chain_hashes
 from kvserve.kv.prefix import MISS_REASONS, PrefixCache, PrefixHit
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
+from kvserve.kv.tiers.offload import KVOffloader, LoadJob
+from kvserve.kv.tiers.record import record_key
 
 
 @dataclass
@@ -71,8 +73,9 @@ class KVCacheManager:
         self._free_rows: list[int] = []
         self._ids = [np.zeros((0, max_blocks_per_seq), dtype=np.int64) for _ in self.groups]
         self.prefix_cache = prefix_cache
+        self.offloader: KVOffloader | None = None  # the tiers under the pool (kv/tiers/), set by the engine
         if prefix_cache is not None:
-            self.pool.on_evict = prefix_cache.evicted
+            self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
                 self.residual_pool.on_evict = prefix_cache.evicted
         self.prefix_stats = PrefixCacheStats()
@@ -98,6 +101,12 @@ class KVCacheManager:
     def num_used_blocks(self) -> list[int]:
         """Per group, the blocks some request holds (a block shared by several counts once)."""
         return [self.pool.num_used_blocks(g) for g in range(len(self.groups))]
+
+    def _evicting(self, block: KVBlock) -> None:
+        """The pool is about to reuse a cached block: its bytes go down to the tiers first (write-back)."""
+        if self.offloader is not None and self.offloader.policy == "write_back":
+            self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids)
+        self.prefix_cache.evicted(block)
 
     def _pool_of(self, block: KVBlock) -> BlockPool:
         return self.residual_pool if self.residual_pool is not None and block.block_id >= self.pool.num_blocks else self.pool
@@ -177,6 +186,64 @@ class KVCacheManager:
         self._salts[request_id] = salt
         hashes = self._hashes[request_id] = chain_hashes(self.prefix_cache.root, token_ids, self.block_size, salt, self._hashes.get(request_id))
         return self.prefix_cache.lookup(token_ids, hashes, min(len(token_ids) - 1, len(token_ids) if limit is None else limit), salt)
+
+    # ------------------------------------------------------------------ tiers
+    def start_tier_load(self, request_id: str, token_ids: Sequence[int], hit: PrefixHit, limit: int | None = None) -> LoadJob | None:
+        """Where the request's prefix goes on in the tiers past the pool's hit (every full-attention
+        group's block, and a sliding group's blocks of the last window), and loading it is measured to
+        beat recomputing it: fresh blocks are taken (held until the load ends) and the load starts.
+        None when there is nothing to load, it would be slower, or the pool has no room for it."""
+        offloader, cache = self.offloader, self.prefix_cache
+        if offloader is None or cache is None or hit.num_tokens % self.block_size or request_id not in self._hashes:
+            return None
+        bs, hashes = self.block_size, self._hashes[request_id]
+        start = hit.num_tokens // bs
+        whole = min(len(hashes), min(len(token_ids) - 1, len(token_ids) if limit is None else limit) // bs)
+        if start >= whole:
+            return None
+        offloader.query_tokens += (whole - start) * bs
+        full = [g for g, spec in enumerate(self.groups) if spec.window is None]
+        if not full:
+            return None
+        end = start
+        while end < whole and all(offloader.holds(record_key(hashes[end], g)) for g in full):
+            end += 1
+        entries: list[tuple[int, int]] = []  # (block index, group), in prefix order
+        while end > start:
+            entries = [(i, g) for i in range(start, end) for g in range(len(self.groups))
+                       if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
+            if all(offloader.holds(record_key(hashes[i], g)) for i, g in entries):
+                break
+            end -= 1
+        held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
+        if end == start or len(entries) + sum(b.ref_count == 0 for b in held) > self.pool.num_free_blocks:
+            return None
+        keys = [record_key(hashes[i], g) for i, g in entries]
+        if not offloader.worth_loading(keys, self.spec.bytes_per_block, (end - start) * bs):
+            return None
+        for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
+            self.pool.touch(block)
+        targets = [self.pool.allocate(1, g)[0] for _, g in entries]
+        self.pool.free(list(reversed(held)))
+        salt = self._salts.get(request_id)
+        parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
+        job = LoadJob(keys, targets, (end - start) * bs)
+        job.entries = [(i, g, hashes[i], parents[i], tuple(token_ids[i * bs : (i + 1) * bs]), salt) for i, g in entries]
+        offloader.load(job, [t.block_id for t in targets])
+        return job
+
+    def finish_tier_load(self, job: LoadJob) -> int:
+        """A finished load's blocks join the prefix cache up to the first block index that failed in
+        any group; every target is released (a published one stays cached). Returns the tokens published."""
+        loaded = job.future.result()
+        failed = {entry[0] for entry, ok in zip(job.entries, loaded) if not ok}
+        stop = min(failed, default=None)
+        published = 0
+        for (i, g, key, parent, tokens, salt), block in zip(job.entries, job.targets):
+            if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
+                published = max(published, (i + 1) * self.block_size)
+        self.pool.free(list(reversed(job.targets)))
+        return published
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
         """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""
@@ -281,7 +348,9 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else cache.parent_of_first(salt)
             for g, block in enumerate(blocks):
                 if block is not None:
-                    cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+                    published = cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+                    if published and self.offloader is not None and self.offloader.policy == "write_through" and self._pool_of(block) is self.pool:
+                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids)
         self._published[request_id] = full
 
     def reset_prefix_cache(self) -> int:

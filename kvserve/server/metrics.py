@@ -60,7 +60,21 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
-        self._last_totals: dict[str, int] = {}
+        self._last_totals: dict[str, float] = {}
+        # the KV tiers under the pool (kv/tiers/), labelled by tier and direction (in: loads, out: offloads)
+        tier = ["model_name", "tier"]
+        self._tier_usage = Gauge("kvserve:kv_tier_usage_bytes", "Bytes a KV tier holds (records and their index)", tier, registry=r)
+        self._tier_capacity = Gauge("kvserve:kv_tier_capacity_bytes", "A KV tier's budget", tier, registry=r)
+        self._offload_bytes = Counter("kvserve:kv_offload_bytes", "Bytes of KV records moved between the pool and a tier",
+                                      [*tier, "direction"], registry=r)  # fmt: skip
+        self._offload_seconds = Counter("kvserve:kv_offload_seconds", "Seconds spent moving KV records, by tier and direction",
+                                        [*tier, "direction"], registry=r)  # fmt: skip
+        self._tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of recomputed", tier, registry=r)
+        self._tier_corrupt = Counter("kvserve:kv_tier_corrupt_records", "Unusable KV records found (damaged, truncated, foreign): "
+                                     "recomputed", tier, registry=r)  # fmt: skip
+        self._tier_queries = counter("kv_tier_query_tokens", "Prompt tokens past the pool's prefix hit looked up in the KV tiers")
+        self._offload_decisions = Counter("kvserve:kv_offload_decisions", "Per request with a tier hit: loaded or recomputed "
+                                          "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
         # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
         self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "kv_quant_sink_block",
                                "prefix_cache", "kv_compression"]  # fmt: skip
@@ -98,8 +112,24 @@ class ServerMetrics:
             self._advance(key, stats[key], counter)
         for reason, total in stats["prefix_cache_misses_total"].items():
             self._advance(f"miss:{reason}", total, self._misses.labels(self._model_name, reason))
+        self._update_tiers(stats)
 
-    def _advance(self, key: str, total: int, counter) -> None:
+    def _update_tiers(self, stats: dict) -> None:
+        name = self._model_name
+        for tier, t in stats.get("kv_tiers", {}).items():
+            self._tier_usage.labels(name, tier).set(t["usage_bytes"])
+            self._tier_capacity.labels(name, tier).set(t["capacity_bytes"])
+            for direction, field in (("out", "written"), ("in", "read")):
+                self._advance(f"bytes:{tier}:{direction}", t[f"bytes_{field}"], self._offload_bytes.labels(name, tier, direction))
+                self._advance(f"seconds:{tier}:{direction}", t[f"seconds_{field}"], self._offload_seconds.labels(name, tier, direction))
+            self._advance(f"tier_hits:{tier}", t["hit_tokens"], self._tier_hits.labels(name, tier))
+            self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
+        if "kv_tier_query_tokens_total" in stats:
+            self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
+            for decision, total in stats["kv_offload_decisions_total"].items():
+                self._advance(f"decision:{decision}", total, self._offload_decisions.labels(name, decision))
+
+    def _advance(self, key: str, total: float, counter) -> None:
         delta = total - self._last_totals.get(key, 0)
         if delta > 0:
             counter.inc(delta)

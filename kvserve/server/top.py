@@ -22,7 +22,21 @@ def scrape(url: str) -> dict[str, float]:
         for sample in family.samples:
             if sample.name.startswith("kvserve:") and "le" not in sample.labels:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                if "tier" in sample.labels:  # the KV tiers' figures, also per tier
+                    key = f"{sample.name}|{sample.labels['tier']}"
+                    values[key] = values.get(key, 0.0) + sample.value
     return values
+
+
+def tier_rows(m: dict[str, float]) -> list[tuple[str, str]]:
+    """One row per KV tier: what it holds of its budget, and the prompt tokens loaded from it."""
+    tiers = sorted({key.split("|")[1] for key in m if key.startswith("kvserve:kv_tier_capacity_bytes|")})
+    rows = []
+    for tier in tiers:
+        used, capacity = m.get(f"kvserve:kv_tier_usage_bytes|{tier}", 0.0), m[f"kvserve:kv_tier_capacity_bytes|{tier}"]
+        hits = m.get(f"kvserve:kv_tier_hit_tokens_total|{tier}", 0.0)
+        rows.append((f"KV tier {tier}", f"{used / 2**20:,.1f} / {capacity / 2**20:,.1f} MiB, {int(hits):,} tokens loaded"))
+    return rows
 
 
 def advice(m: dict[str, float]) -> list[str]:
@@ -76,6 +90,7 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
         ("prefix cache reused / reusable", _ratio(m, "prefix_cache_hits_total", "prefix_cache_eligible_tokens_total")),
         ("mean TTFT", _mean(m, "time_to_first_token_seconds")),
         ("mean TPOT", _mean(m, "time_per_output_token_seconds")),
+        *tier_rows(m),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -1,0 +1,221 @@
+"""What goes down to the tiers, what comes back, and whether loading beats recomputing.
+
+Down: a cached block's bytes are copied out of the pool at once (on eviction, or as soon as it is
+published with write_through), before anything can reuse its memory; encoding and storing happen
+on the tiers' worker thread. The host tier hands what it drops for room to the disk tier.
+
+Up: a request whose prefix continues in the tiers gets fresh pool blocks, held (so nothing reuses
+them) while the worker reads, checks and copies the records into them; the scheduler then
+publishes them to the prefix cache and the request takes them as an ordinary prefix hit. A
+missing, corrupt or foreign record ends the usable prefix there: the rest is recomputed.
+
+Load or recompute: each tier's read latency and bandwidth are measured on the engine's own loads
+(exponential averages, seeded with cautious guesses) and compared, per request, with the
+engine's measured prefill rate for that many tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key
+from kvserve.kv.tiers.store import BlockStore
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("write_back", "write_through")
+_SMOOTHING = 0.2  # weight of a new measurement in the running averages
+# before a tier's first measured load: (latency s, bytes/s) guesses on the low side of this machine's
+_FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8)}
+_FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
+_LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
+
+
+@dataclass
+class TierCounters:
+    bytes_written: int = 0
+    seconds_written: float = 0.0
+    bytes_read: int = 0
+    seconds_read: float = 0.0
+    hit_tokens: int = 0  # prompt tokens loaded from this tier
+    corrupt_records: int = 0
+    latency: float = 0.0  # measured per load (seconds), then averaged
+    bandwidth: float = 0.0  # bytes per second
+    loads: int = 0  # load jobs that read from this tier (its rates are measured ones from the first)
+
+
+@dataclass
+class LoadJob:
+    """Blocks of one request being read into the pool: keys[i] into targets[i], in prefix order."""
+
+    keys: list[str]
+    targets: list  # KVBlock, held by the job
+    tokens: int  # prompt tokens the whole job would serve
+    future: Future | None = None
+    entries: list[tuple] = field(default_factory=list)  # the manager's: (block index, group, hash, parent, tokens, salt) per key
+
+
+class KVOffloader:
+    def __init__(self, stores: Sequence[BlockStore], identity: int, read_block: Callable[[int], bytes],
+                 write_block: Callable[[int, bytes], None], policy: str = "write_back") -> None:  # fmt: skip
+        if policy not in POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not stores:
+            raise ValueError("the offloader needs at least one tier")
+        self.stores = list(stores)
+        self.identity = identity
+        self.policy = policy
+        self._read_block, self._write_block = read_block, write_block
+        self.counters = {s.name: TierCounters() for s in self.stores}
+        for store in self.stores:
+            c = self.counters[store.name]
+            c.latency, c.bandwidth = _FIRST_GUESS.get(store.name, (1e-3, 1e8))
+        self.prefill_rate = _FIRST_PREFILL_RATE
+        self.decisions = {"load": 0, "recompute": 0}
+        self.query_tokens = 0
+        self._pending: dict[str, BlockRecord] = {}  # copied out, not yet stored
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers")
+        self._warned_corrupt = False
+        # a record the host tier drops for room goes down to the next tier
+        for upper, lower in zip(self.stores, self.stores[1:]):
+            if hasattr(upper, "on_evict"):
+                upper.on_evict = lambda key, data, lower=lower: self._store(lower, key, data)
+
+    # ------------------------------------------------------------------ down
+    def offload(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int]) -> None:
+        """Copy a cached block out of the pool now (its memory may be reused right after) and store it
+        off the step loop; a block the tiers already hold is skipped."""
+        key = record_key(block_hash, group)
+        with self._lock:
+            if key in self._pending:
+                return
+        if any(store.contains(key) for store in self.stores):
+            return
+        record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
+        with self._lock:
+            self._pending[key] = record
+        self._worker.submit(self._write, key, record)
+
+    def _write(self, key: str, record: BlockRecord) -> None:
+        try:
+            self._store(self.stores[0], key, encode_record(record, self.identity))
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def _store(self, store: BlockStore, key: str, data: bytes) -> None:
+        start = time.perf_counter()
+        if store.put(key, data):
+            c = self.counters[store.name]
+            c.bytes_written += len(data)
+            c.seconds_written += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ lookups
+    def holds(self, key: str) -> bool:
+        """A tier holds the record (or it is on its way down)."""
+        with self._lock:
+            if key in self._pending:
+                return True
+        return any(store.contains(key) for store in self.stores)
+
+    def _tier_of(self, key: str) -> BlockStore | None:
+        return next((store for store in self.stores if store.contains(key)), None)
+
+    def worth_loading(self, keys: Sequence[str], record_bytes: int, tokens: int) -> bool:
+        """Loading these records (from the tiers that hold them now) is expected to beat recomputing
+        `tokens` prompt tokens at the measured prefill rate; counted either way."""
+        seconds = 0.0
+        by_tier: dict[str, int] = {}
+        for key in keys:
+            store = self._tier_of(key) or self.stores[0]  # still pending: it lands in the first tier
+            by_tier[store.name] = by_tier.get(store.name, 0) + 1
+        unmeasured = False
+        for name, count in by_tier.items():
+            c = self.counters[name]
+            seconds += c.latency + count * record_bytes / c.bandwidth
+            unmeasured |= c.loads < _LOADS_TO_MEASURE
+        load = unmeasured or seconds < tokens / self.prefill_rate  # a tier never read cannot be measured
+        self.decisions["load" if load else "recompute"] += 1
+        return load
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill step's rate (the engine reports steps that were mostly prefill)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_rate += _SMOOTHING * (tokens / seconds - self.prefill_rate)
+
+    # ------------------------------------------------------------------ up
+    def load(self, job: LoadJob, block_ids: Sequence[int]) -> None:
+        """Start reading job.keys into the blocks block_ids (held by the caller until it is done)."""
+        job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.tokens)
+
+    def _read(self, keys: list[str], block_ids: list[int], tokens: int) -> list[bool]:
+        """Each record into its block, in prefix order; the first that fails ends the prefix."""
+        loaded = []
+        per_block = tokens / max(1, len(keys))
+        touched = set()
+        for key, block_id in zip(keys, block_ids):
+            store = self._tier_of(key)
+            start = time.perf_counter()
+            data = store.get(key) if store is not None else None
+            if data is None:
+                break
+            try:
+                record = decode_record(data, self.identity, key)
+                self._write_block(block_id, record.payload)
+            except (CorruptRecord, ValueError) as error:
+                c = self.counters[store.name]
+                c.corrupt_records += 1
+                store.delete(key)
+                if not self._warned_corrupt:
+                    logger.warning("the %s tier held an unusable KV record (%s); its prefix is recomputed from there", store.name, error)
+                    self._warned_corrupt = True
+                break
+            seconds = time.perf_counter() - start
+            c = self.counters[store.name]
+            c.bytes_read += len(data)
+            c.seconds_read += seconds
+            c.hit_tokens += round(per_block)
+            weight = _SMOOTHING
+            if store.name not in touched:  # its first record in this job: a latency sample
+                touched.add(store.name)
+                c.loads += 1
+                weight = 1.0 if c.loads == 1 else _SMOOTHING  # the first measurement replaces the guess
+                c.latency += weight * (seconds - c.latency)
+            if seconds > 0:
+                c.bandwidth += weight * (len(data) / seconds - c.bandwidth)
+            loaded.append(True)
+        return loaded + [False] * (len(keys) - len(loaded))
+
+    def wait(self, futures: Sequence[Future], timeout: float) -> None:
+        """Block until one of these loads is done, at most `timeout` seconds (an engine with nothing
+        else to run)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not any(f.done() for f in futures):
+            time.sleep(0.0005)
+
+    def drain(self) -> None:
+        """Wait for every queued write and load (tests, shutdown)."""
+        self._worker.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        tiers = {}
+        for store in self.stores:
+            usage, c = store.usage(), self.counters[store.name]
+            tiers[store.name] = {
+                "usage_bytes": usage.used_bytes, "capacity_bytes": usage.capacity_bytes, "entries": usage.entries,
+                "bytes_written": c.bytes_written, "seconds_written": c.seconds_written, "bytes_read": c.bytes_read,
+                "seconds_read": c.seconds_read, "hit_tokens": c.hit_tokens, "corrupt_records": c.corrupt_records,
+                "read_latency_seconds": c.latency, "read_bandwidth_bytes_per_second": c.bandwidth,
+            }  # fmt: skip
+        return {"kv_offload_policy": self.policy, "kv_tiers": tiers, "kv_tier_query_tokens_total": self.query_tokens,
+                "kv_offload_decisions_total": dict(self.decisions), "kv_offload_prefill_rate": self.prefill_rate}  # fmt: skip
