@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -342,3 +343,35 @@ def test_the_tiers_show_in_prometheus_and_in_top(tiny_dir, tmp_path):
     rows = dict(tier_rows(scraped))
     assert set(rows) == {"KV tier host", "KV tier disk"} and "tokens loaded" in rows["KV tier disk"]
     render("http://x", scraped, {"gen": 0.0, "prompt": 0.0})
+
+
+def test_other_requests_keep_stepping_while_a_prefix_loads(tiny_dir, tmp_path):
+    """A load runs on the tiers' worker: a streaming request gets its tokens while another request's
+    prefix is read from a (deliberately slow) disk tier, and the loaded request's tokens are right."""
+    path = str(tiny_dir("llama"))
+    prefix, other = random_prompts(2, 100, 100, seed=8)
+    plain = LLM(path, dtype="float32", num_kv_blocks=64)
+    expected = plain.generate([prefix], GREEDY, use_tqdm=False)[0].token_ids
+    llm = tiered(path, tmp_path, "disk", num_kv_blocks=64, max_num_seqs=4, kv_offload_policy="write_through")
+    llm.generate([prefix], GREEDY, use_tqdm=False)
+    llm.engine.kv.offloader.drain()
+    llm.reset_prefix_cache()
+    disk = llm.engine.kv.offloader.stores[0]
+    read = disk.get
+
+    def slow_get(key):
+        time.sleep(0.05)
+        return read(key)
+
+    disk.get = slow_get
+    engine = llm.engine
+    streaming = engine.add_request(other, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), stream=True)
+    loaded = engine.add_request(prefix, GREEDY)
+    tokens_during_load = 0
+    while engine.has_unfinished_requests():
+        loading = loaded.request_id in engine.scheduler.loading
+        for out in engine.step():
+            if out.request_id == streaming.request_id and loading:
+                tokens_during_load += len(out.token_ids)
+    assert tokens_during_load >= 5
+    assert loaded.num_cached_tokens >= 96 and list(loaded.output_token_ids) == list(expected)

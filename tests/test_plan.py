@@ -284,3 +284,28 @@ def test_a_workload_the_plan_says_fits_runs_without_preemption(tiny_dir):
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n - 20)] for i, n in enumerate(lens)]
     llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
     assert llm.stats()["num_preemptions"] == 0
+
+
+def test_the_tiers_budgets_are_counted_in_tokens():
+    """--kv-offload-host-gib / --kv-offload-disk-gib: tokens each tier holds, from the same bytes per
+    token as the pool, less each record's header, token ids, checksum (and the host's index entry)."""
+    import json
+
+    from kvserve.kv.spec import KVCacheSpec
+    from kvserve.kv.tiers.host import ENTRY_OVERHEAD
+    from kvserve.kv.tiers.record import record_overhead
+
+    out = run_plan("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--seq-lens", "1000", "--kv-dtype", "bfloat16",
+                   "--kv-offload-host-gib", "1", "--kv-offload-disk-gib", "2", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    tiers = json.loads(out.stdout)["kv_tiers"]
+    spec = KVCacheSpec(4, 2, 64, "bfloat16", 16)
+    per_token = spec.bytes_per_token  # 4 layers x 2 (K, V) x 2 heads x 64 x 2 bytes = 2,048
+    assert per_token == 2048
+    assert tiers["disk"]["tokens"] == int(2 * 2**30 // (per_token + record_overhead(16) / 16))
+    assert tiers["host"]["tokens"] == int(2**30 // (per_token + (record_overhead(16) + ENTRY_OVERHEAD + 40) / 16))
+    assert tiers["host"]["sequences"] == tiers["host"]["tokens"] // 1000
+    assert "host tier: 1 GiB holds" in run_plan("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--seq-lens", "1000",
+                                                "--kv-offload-host-gib", "1").stdout  # fmt: skip
+    bad = run_plan("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--seq-lens", "1000", "--kv-offload-disk-gib", "nan")
+    assert bad.returncode != 0 and "--kv-offload-disk-gib" in bad.stderr

@@ -17,6 +17,7 @@ slots stay positions. Callers speak in positions; the manager converts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from kvserve.kv.prefix import MISS_REASONS, PrefixCache, PrefixHit
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
 from kvserve.kv.tiers.offload import KVOffloader, LoadJob
 from kvserve.kv.tiers.record import record_key
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,7 +238,11 @@ class KVCacheManager:
     def finish_tier_load(self, job: LoadJob) -> int:
         """A finished load's blocks join the prefix cache up to the first block index that failed in
         any group; every target is released (a published one stays cached). Returns the tokens published."""
-        loaded = job.future.result()
+        try:
+            loaded = job.future.result()
+        except Exception:  # noqa: BLE001 - a failed load is a miss: the prefix is recomputed
+            logger.exception("loading KV blocks from a tier failed; the prefix is recomputed")
+            loaded = [False] * len(job.keys)
         failed = {entry[0] for entry, ok in zip(job.entries, loaded) if not ok}
         stop = min(failed, default=None)
         published = 0

@@ -164,6 +164,18 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     return result
 
 
+def tier_tokens(spec: KVCacheSpec, tier_bytes: float, host: bool) -> int:
+    """Tokens a KV tier of tier_bytes holds: every layer's K/V of a token (a block of each group per
+    block_size tokens, sliding-window groups' included: they go down too), and each record's header,
+    token ids and checksum, plus the host tier's index entry (kv/tiers/)."""
+    from kvserve.kv.tiers.host import ENTRY_OVERHEAD
+    from kvserve.kv.tiers.record import record_overhead
+
+    per_record = record_overhead(spec.block_size) + (ENTRY_OVERHEAD + 40 if host else 0)
+    per_token = spec.bytes_per_token + len(spec.groups) * per_record / spec.block_size
+    return int(tier_bytes // per_token)
+
+
 def plan(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | None) -> dict:
     """The chosen dtype's plan at the top level, and every dtype side by side under by_dtype."""
     main = plan_dtype(shape, kv_dtype, workload, budget)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rich.text import Text
 
 from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan
+from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan, tier_tokens
 from kvserve.plan.replay import read_trace, replay
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -48,6 +49,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                      "x86 CPUs): its weights when they come from --model, the KV dtype with --kv-dtype auto, and int4/int2's "
                      "full-precision residual blocks (default: %(default)s)")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
+    mem.add_argument("--kv-offload-host-gib", type=float, default=None,
+                     help="a host-memory KV tier's budget, as the engine's flag: how many tokens it holds (besides the pool)")
+    mem.add_argument("--kv-offload-disk-gib", type=float, default=None,
+                     help="a disk KV tier's budget, as the engine's flag: how many tokens it holds")
     rep = parser.add_argument_group("replay (runs the real scheduler and block manager, no model)")
     rep.add_argument("--replay", default=None, metavar="TRACE", help="JSONL trace to replay through the scheduler")
     rep.add_argument("--kv-cache-memory", type=float, default=None, help="replay: GiB of KV pool (default: the planned budget, else 2)")
@@ -218,6 +223,9 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
             highlight=False,
         )
     console.print(_dtype_table(result, console))
+    for tier, t in result.get("kv_tiers", {}).items():
+        console.print(f"{tier} tier: {t['gib']:g} GiB holds {t['tokens']:,} tokens of {result['kv_dtype']} KV "
+                      f"({t['sequences']:,} sequences of the workload's mean length) besides the pool", highlight=False)
     if budget is not None:
         suggests = result.get("recommended") is not None
         console.print(MAX_LEN_NOTE + (SUGGESTED_LEN_NOTE if suggests else "."), highlight=False, markup=False)
@@ -253,6 +261,15 @@ def run_plan(args: argparse.Namespace) -> int:
             weights = model_weight_bytes(model_config, _DTYPE_BYTES[args.dtype]) / GIB
         budget = Budget(args.memory_gib, weights, args.headroom_gib)
     result = plan(shape, kv_dtype, workload, budget)
+    tiers = {}
+    for tier, gib in (("host", args.kv_offload_host_gib), ("disk", args.kv_offload_disk_gib)):
+        if gib is not None:
+            if not 0 < gib < float("inf"):
+                raise ValueError(f"--kv-offload-{tier}-gib must be a positive number of GiB, got {gib}")
+            tokens = tier_tokens(shape.spec(kv_dtype, args.block_size), gib * GIB, host=tier == "host")
+            tiers[tier] = {"gib": gib, "tokens": tokens, "sequences": tokens // max(1, round(statistics.fmean(workload.seq_lens)))}
+    if tiers:
+        result["kv_tiers"] = tiers
     if args.replay:
         result["replay"] = _replay(args, kv_dtype, shape, model_config, budget)
     if args.json:

@@ -73,6 +73,8 @@ class ServerMetrics:
         self._tier_corrupt = Counter("kvserve:kv_tier_corrupt_records", "Unusable KV records found (damaged, truncated, foreign): "
                                      "recomputed", tier, registry=r)  # fmt: skip
         self._tier_queries = counter("kv_tier_query_tokens", "Prompt tokens past the pool's prefix hit looked up in the KV tiers")
+        self._offload_dropped = counter("kv_offload_dropped_blocks", "Blocks that left the pool while the tiers' writer was "
+                                        "64 MiB behind: not stored (recomputed when needed)")
         self._offload_decisions = Counter("kvserve:kv_offload_decisions", "Per request with a tier hit: loaded or recomputed "
                                           "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
         # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
@@ -126,6 +128,7 @@ class ServerMetrics:
             self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
         if "kv_tier_query_tokens_total" in stats:
             self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
+            self._advance("kv_offload_dropped", stats["kv_offload_dropped_blocks_total"], self._offload_dropped)
             for decision, total in stats["kv_offload_decisions_total"].items():
                 self._advance(f"decision:{decision}", total, self._offload_decisions.labels(name, decision))
 

@@ -34,6 +34,7 @@ _SMOOTHING = 0.2  # weight of a new measurement in the running averages
 _FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8)}
 _FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
 _LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
+MAX_PENDING_BYTES = 64 << 20  # copied out but not yet stored: past this, blocks leaving the pool are dropped (counted)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class KVOffloader:
         self.decisions = {"load": 0, "recompute": 0}
         self.query_tokens = 0
         self._pending: dict[str, BlockRecord] = {}  # copied out, not yet stored
+        self._pending_bytes = 0
+        self.dropped_blocks = 0  # left the pool while the worker was MAX_PENDING_BYTES behind
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers")
         self._warned_corrupt = False
@@ -95,19 +98,26 @@ class KVOffloader:
         with self._lock:
             if key in self._pending:
                 return
+            if self._pending_bytes >= MAX_PENDING_BYTES:
+                self.dropped_blocks += 1
+                return
         if any(store.contains(key) for store in self.stores):
             return
         record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
         with self._lock:
             self._pending[key] = record
+            self._pending_bytes += len(record.payload)
         self._worker.submit(self._write, key, record)
 
     def _write(self, key: str, record: BlockRecord) -> None:
         try:
             self._store(self.stores[0], key, encode_record(record, self.identity))
+        except Exception:  # noqa: BLE001 - a record that cannot be stored is only a future recompute
+            logger.exception("storing KV record %s failed; it will be recomputed when needed", key)
         finally:
             with self._lock:
-                self._pending.pop(key, None)
+                if self._pending.pop(key, None) is not None:
+                    self._pending_bytes -= len(record.payload)
 
     def _store(self, store: BlockStore, key: str, data: bytes) -> None:
         start = time.perf_counter()
@@ -218,4 +228,5 @@ class KVOffloader:
                 "read_latency_seconds": c.latency, "read_bandwidth_bytes_per_second": c.bandwidth,
             }  # fmt: skip
         return {"kv_offload_policy": self.policy, "kv_tiers": tiers, "kv_tier_query_tokens_total": self.query_tokens,
+                "kv_offload_dropped_blocks_total": self.dropped_blocks,
                 "kv_offload_decisions_total": dict(self.decisions), "kv_offload_prefill_rate": self.prefill_rate}  # fmt: skip

@@ -34,6 +34,11 @@ class BlockRecord:
     payload: bytes  # the pool's bytes for the block
 
 
+def record_overhead(block_size: int) -> int:
+    """Bytes a record adds to its block's K/V: header, token ids, checksum."""
+    return _HEADER.size + 4 * block_size + _CHECKSUM.size
+
+
 def record_key(block_hash: int, group: int) -> str:
     """A tier's key for a group's block: its chained hash (identity and salt folded in) and group."""
     return f"{block_hash:032x}-{group}"

@@ -1,0 +1,164 @@
+"""KV tiers: a long prefix's time to first token when it is in the pool, in the host tier, in the
+disk tier, and nowhere (recomputed); and a multi-tenant workload whose shared prefixes are 4x the
+pool, with tiers against without.
+
+The prefix is real prose (GPL-3, GFDL-1.3, then the stdlib's source); each request adds a short question and asks
+for one token, one request at a time, so TTFT is the request's own prefill or load. The pool's copy is
+dropped with reset_prefix_cache (the tiers keep theirs); every tier-hit row asserts the tokens came
+from that tier. Page cache: before a disk-tier request the bench asks Linux to drop clean caches
+(/proc/sys/vm/drop_caches, root only) and says whether it could.
+
+    .venv/bin/python bench/tiers.py                                   # Gemma 3 and SmolLM2, 4K and 16K (~6 min)
+    .venv/bin/python bench/tiers.py --models gemma-3-270m --lengths 4096 --skip-tenants
+    .venv/bin/python bench/tiers.py --skip-ttft                       # the multi-tenant workload only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import prose_token_ids  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.plan.cli import load_model_config  # noqa: E402
+
+ONE = SamplingParams(max_tokens=1, temperature=0)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def long_prose(tokenizer, length: int) -> list[int]:
+    """Real prose, then the standard library's source, until there are length + 2,000 tokens."""
+    import inspect
+    import argparse as a, collections, email.message as e, json.decoder as j, logging as lg, pathlib as pl, typing as ty  # noqa: E401
+
+    ids = prose_token_ids(tokenizer)
+    for module in (a, collections, e, j, lg, pl, ty):
+        if len(ids) >= length + 2000:
+            break
+        ids += tokenizer.encode(inspect.getsource(module), add_special_tokens=False)
+    return ids
+
+
+def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = llm.generate([prompt], ONE, use_tqdm=False)[0]
+    return time.perf_counter() - start, out.num_cached_tokens
+
+
+def prefix_ttft(model: str, length: int, repeat: int) -> list[tuple[str, float, int]]:
+    """(where, TTFT seconds (median of repeat), cached tokens) for pool, host, disk and nowhere."""
+    rows = []
+    with tempfile.TemporaryDirectory() as disk_dir:
+        settings = dict(max_model_len=length + 64, kv_cache_memory=1.0, kv_offload_policy="write_through")
+        plain = LLM(model, max_model_len=length + 64, kv_cache_memory=1.0)  # recompute, as an engine without tiers does it
+        tiers = {
+            "host": LLM(model, kv_offload_host_gib=1.0, **settings),
+            "disk": LLM(model, kv_offload_disk_dir=disk_dir, kv_offload_disk_gib=2.0, **settings),
+        }
+        ids = long_prose(tiers["host"].tokenizer, length)
+        for llm in (plain, *tiers.values()):  # first-request costs (the pool's pages, the kernels' first calls) left out
+            llm.generate([ids[-100:]], ONE, use_tqdm=False)
+        rng = random.Random(length)
+        results: dict[str, list[tuple[float, int]]] = {"nowhere": [], "pool": [], "host": [], "disk": []}
+        dropped = True
+        for r in range(repeat):
+            start = rng.randrange(0, len(ids) - length - 32)
+            prefix = ids[start : start + length]
+            question = lambda i: ids[i * 97 % len(ids) :][:16]  # noqa: E731
+            results["nowhere"].append(timed(plain, prefix + question(3 * r)))
+            plain.reset_prefix_cache()
+            for name, llm in tiers.items():
+                timed(llm, prefix + question(3 * r))  # computed, and copied down (write-through)
+                llm.engine.kv.offloader.drain()
+                if name == "host":
+                    results["pool"].append(timed(llm, prefix + question(3 * r + 1)))
+                llm.reset_prefix_cache()
+                if name == "disk":
+                    dropped &= drop_page_cache()
+                results[name].append(timed(llm, prefix + question(3 * r + 2)))
+                hits = llm.stats()["kv_tiers"][name]["hit_tokens"]
+                assert hits > 0, f"{name}: the prefix did not come from the tier ({llm.stats()['kv_offload_decisions_total']})"
+        for where in ("pool", "host", "disk", "nowhere"):
+            rows.append((where, statistics.median(t for t, _ in results[where]), min(c for _, c in results[where])))
+        for llm in tiers.values():
+            llm.engine.kv.offloader.close()
+    print(f"  (page cache dropped before disk reads: {'yes' if dropped else 'no (not permitted here): disk reads may come from the page cache'})")
+    return rows
+
+
+def tenants(model: str, prefix_len: int, tenants_count: int, rounds: int) -> list[tuple[str, float, int]]:
+    """Tenants' shared prefixes, together 4x the pool, each followed by short questions in turns:
+    generated tok/s and prompt tokens recomputed, with a host tier (room for every prefix) and without."""
+    probe = LLM(model, max_model_len=prefix_len + 64, num_kv_blocks=1024)
+    pool_gib = tenants_count * prefix_len * probe.stats()["bytes_per_token"] / 4 / 2**30
+    del probe
+    rows = []
+    for label, extra in (("pool only", {}), ("pool + host tier", {"kv_offload_host_gib": 4 * pool_gib + 0.05})):
+        llm = LLM(model, max_model_len=prefix_len + 64, kv_cache_memory=pool_gib, **extra)
+        ids = prose_token_ids(llm.tokenizer)
+        rng = random.Random(7)
+        prefixes = [ids[s : s + prefix_len] for s in (rng.randrange(0, len(ids) - prefix_len) for _ in range(tenants_count))]
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        generated = 0
+        for r in range(rounds):
+            for t, prefix in enumerate(prefixes):
+                prompt = prefix + ids[(t * 31 + r * 7) % 1000 :][:16]
+                generated += len(llm.generate([prompt], params, use_tqdm=False)[0].token_ids)
+        seconds = time.perf_counter() - start
+        stats = llm.stats()
+        rows.append((label, generated / seconds, stats["prompt_tokens_total"] - stats["prefix_cache_hits_total"]))
+        if llm.engine.kv.offloader is not None:
+            llm.engine.kv.offloader.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
+    parser.add_argument("--lengths", default="4096,16384", help="prefix lengths in tokens")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--skip-tenants", action="store_true")
+    parser.add_argument("--skip-ttft", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_ttft:
+        print("| model | prefix tokens | where the prefix is | TTFT (s) | vs recompute | cached tokens |")
+        print("|---|---:|---|---:|---:|---:|")
+    for model in args.models.split(",") if not args.skip_ttft else ():
+        context = load_model_config(model).max_position_embeddings
+        for length in (int(n) for n in args.lengths.split(",")):
+            if length + 64 > context:
+                print(f"  ({model}: {length:,} tokens is past its context of {context:,}; {context - 64:,} instead)")
+                length = context - 64
+            rows = prefix_ttft(model, length, args.repeat)
+            recompute = dict((w, t) for w, t, _ in rows)["nowhere"]
+            for where, seconds, cached in rows:
+                print(f"| {model} | {length:,} | {where} | {seconds:.3f} | {seconds / recompute:.1%} | {cached:,} |", flush=True)
+    if not args.skip_tenants:
+        print()
+        print("| model | tenants x prefix | engine | generated tok/s | prompt tokens recomputed |")
+        print("|---|---|---|---:|---:|")
+        for model in args.models.split(","):
+            for label, rate, recomputed in tenants(model, 2048, 8, 3):
+                print(f"| {model} | 8 x 2,048 | {label} | {rate:.1f} | {recomputed:,} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
