@@ -130,6 +130,43 @@ def tenants(model: str, prefix_len: int, tenants_count: int, rounds: int) -> lis
     return rows
 
 
+def streaming_gaps(model: str, prefix_len: int) -> tuple[float, float, int]:
+    """A streaming request's inter-token gap p99 (seconds) alone, and while another request's
+    prefix_len-token prefix loads from the disk tier (page cache dropped); and the tokens it got
+    while that load was in flight."""
+    with tempfile.TemporaryDirectory() as disk_dir:
+        llm = LLM(model, max_model_len=prefix_len + 256, kv_cache_memory=1.0, kv_offload_disk_dir=disk_dir, kv_offload_disk_gib=2.0,
+                  kv_offload_policy="write_through")  # fmt: skip
+        ids = long_prose(llm.tokenizer, prefix_len)
+        llm.generate([ids[-100:]], ONE, use_tqdm=False)
+        prefix = ids[:prefix_len]
+        llm.generate([prefix], ONE, use_tqdm=False)
+        engine = llm.engine
+        gaps: dict[str, list[float]] = {}
+        during = 0
+        for label in ("alone", "beside a load"):
+            engine.kv.offloader.drain()
+            llm.reset_prefix_cache()
+            drop_page_cache()
+            stream = engine.add_request(ids[1000:1200], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), stream=True)
+            loaded = None
+            times = []
+            while engine.has_unfinished_requests():
+                if label != "alone" and loaded is None and len(times) == 8:
+                    loaded = engine.add_request(prefix + ids[5000:5016], ONE)
+                loading = loaded is not None and loaded.request_id in engine.scheduler.loading
+                for out in engine.step():
+                    if out.request_id == stream.request_id and out.token_ids:
+                        times.append(time.perf_counter())
+                        during += loading
+            gaps[label] = sorted(b - a for a, b in zip(times, times[1:]))
+            if loaded is not None:
+                assert loaded.num_cached_tokens >= prefix_len - 16, "the prefix did not come from the disk tier"
+        engine.kv.offloader.close()
+    p99 = lambda g: g[min(len(g) - 1, int(0.99 * len(g)))]  # noqa: E731
+    return p99(gaps["alone"]), p99(gaps["beside a load"]), during
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
@@ -137,6 +174,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-tenants", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-gaps", action="store_true", help="leave out the streaming gap beside a disk load")
     args = parser.parse_args()
     if not args.skip_ttft:
         print("| model | prefix tokens | where the prefix is | TTFT (s) | vs recompute | cached tokens |")
@@ -151,6 +189,13 @@ def main() -> None:
             recompute = dict((w, t) for w, t, _ in rows)["nowhere"]
             for where, seconds, cached in rows:
                 print(f"| {model} | {length:,} | {where} | {seconds:.3f} | {seconds / recompute:.1%} | {cached:,} |", flush=True)
+    if not args.skip_gaps:
+        print()
+        print("| model | prefix loading beside the stream | stream's gap p99 alone (ms) | beside the load (ms) | ratio | tokens during the load |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for model in args.models.split(","):
+            alone, beside, during = streaming_gaps(model, 4096)
+            print(f"| {model} | 4,096 from disk | {alone * 1000:.1f} | {beside * 1000:.1f} | {beside / alone:.2f}x | {during} |", flush=True)
     if not args.skip_tenants:
         print()
         print("| model | tenants x prefix | engine | generated tok/s | prompt tokens recomputed |")

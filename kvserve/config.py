@@ -48,6 +48,7 @@ def _faster_in_a_timed_matmul() -> str:
 
 
 MAX_KV_QUANT_GROUP_SIZE = 256
+DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 MAX_KV_QUANT_RESIDUAL = 65536
 
 
@@ -86,7 +87,7 @@ class EngineConfig:
     snapkv_question_weight: float = 10.0  # snapkv both: the generic question's mean scores against the window's
     kv_offload_host_gib: float = 0.0  # a host-memory tier under the pool for blocks leaving it (0: none)
     kv_offload_disk_dir: str | None = None  # a local disk tier (survives restarts)
-    kv_offload_disk_gib: float = 8.0  # the disk tier's budget
+    kv_offload_disk_gib: float | None = None  # the disk tier's budget (8 GiB when a directory is given)
     kv_offload_policy: str = "write_back"  # write_back: blocks go down when evicted; write_through: when computed
 
     def __post_init__(self) -> None:
@@ -145,14 +146,20 @@ class EngineConfig:
         return self.kv_offload_host_gib > 0 or self.kv_offload_disk_dir is not None
 
     def _validate_offload(self) -> None:
-        for name in ("kv_offload_host_gib", "kv_offload_disk_gib"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number of GiB >= 0, got {value!r}")
-        if self.kv_offload_disk_dir is not None and not self.kv_offload_disk_gib > 0:
-            raise ValueError(f"kv_offload_disk_gib must be positive with kv_offload_disk_dir, got {self.kv_offload_disk_gib}")
+        host, disk_dir, disk = self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < float("inf"):
+            raise ValueError(f"--kv-offload-host-gib (kv_offload_host_gib) must be a finite number of GiB, 0 for no host tier; got {host!r}")
+        if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir.strip()):
+            raise ValueError(f"--kv-offload-disk-dir (kv_offload_disk_dir) must name a directory, got {disk_dir!r}")
+        if disk is not None:
+            if disk_dir is None:
+                raise ValueError("--kv-offload-disk-gib (kv_offload_disk_gib) sizes the disk tier: give --kv-offload-disk-dir too")
+            if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < float("inf"):
+                raise ValueError(f"--kv-offload-disk-gib (kv_offload_disk_gib) must be a positive, finite number of GiB, got {disk!r}")
+        elif disk_dir is not None:
+            object.__setattr__(self, "kv_offload_disk_gib", DEFAULT_KV_OFFLOAD_DISK_GIB)
         if self.kv_offload_policy not in ("write_back", "write_through"):
-            raise ValueError(f"kv_offload_policy must be write_back or write_through, got {self.kv_offload_policy!r}")
+            raise ValueError(f"--kv-offload-policy (kv_offload_policy) must be write_back or write_through, got {self.kv_offload_policy!r}")
         if not self.offloads_kv:
             return
         if not self.enable_prefix_caching:

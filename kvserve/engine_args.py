@@ -103,8 +103,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR",
                        help="a local disk tier under the host tier (or under the pool): one file per block, kept across "
                        "restarts of an engine with the same model and KV settings")
-    group.add_argument("--kv-offload-disk-gib", type=float, default=8.0,
-                       help="the disk tier's budget in GiB (default: %(default)s)")
+    group.add_argument("--kv-offload-disk-gib", type=float, default=None,
+                       help="the disk tier's budget in GiB, with --kv-offload-disk-dir (default: 8)")
     group.add_argument("--kv-offload-policy", default="write_back", choices=["write_back", "write_through"],
                        help="write_back: a block goes down when the pool evicts it; write_through: as soon as it is computed "
                        "(a restart or a crash keeps more, at the cost of a copy per block) (default: %(default)s)")

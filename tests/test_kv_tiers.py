@@ -202,13 +202,18 @@ def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_t
     assert all(t["usage_bytes"] <= t["capacity_bytes"] for t in usage.values())
 
 
-def test_a_restarted_engine_reuses_the_disk_tier_and_another_identity_never_does(tiny_dir, tmp_path):
-    path = str(tiny_dir("llama"))
-    prompts = random_prompts(4, 90, 120, seed=2)
+def written_down(path, tmp_path, prompts) -> list:
+    """The prompts' greedy traces from an engine that wrote every block to the disk tier (write-through), then stopped."""
     first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
     expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
     first.engine.kv.offloader.close()
-    del first
+    return expected
+
+
+def test_a_restarted_engine_reuses_the_disk_tier_and_another_identity_never_does(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=2)
+    expected = written_down(path, tmp_path, prompts)
     again = tiered(path, tmp_path, "disk")
     outs = one_by_one(again, prompts, GREEDY)
     assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
@@ -223,9 +228,7 @@ def test_a_restarted_engine_reuses_the_disk_tier_and_another_identity_never_does
 def test_corrupt_truncated_and_deleted_records_are_misses_with_the_right_tokens(tiny_dir, tmp_path):
     path = str(tiny_dir("llama"))
     prompts = random_prompts(4, 90, 120, seed=3)
-    first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
-    expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
-    first.engine.kv.offloader.close()
+    expected = written_down(path, tmp_path, prompts)
     files = sorted((tmp_path / "disk").glob("*.kvb"))
     assert len(files) >= 20
     for i, file in enumerate(files):
@@ -273,6 +276,10 @@ def test_a_preempted_sequence_resumes_from_the_tier_with_the_same_tokens(tiny_di
     (dict(kv_offload_host_gib=-1.0), "kv_offload_host_gib"),
     (dict(kv_offload_host_gib=float("nan")), "kv_offload_host_gib"),
     (dict(kv_offload_disk_dir="/tmp/x", kv_offload_disk_gib=0.0), "kv_offload_disk_gib"),
+    (dict(kv_offload_disk_gib=5.0), "give --kv-offload-disk-dir too"),
+    (dict(kv_offload_disk_dir=""), "must name a directory"),
+    (dict(kv_offload_disk_dir="/sys/kernel"), "cannot write a file there"),
+    (dict(kv_offload_disk_dir="/etc/hostname"), "not a directory"),
     (dict(kv_offload_policy="sometimes"), "kv_offload_policy"),
     (dict(kv_offload_host_gib=1.0, enable_prefix_caching=False), "prefix caching"),
     (dict(kv_offload_host_gib=1.0, kv_cache_dtype="int4"), "int4"),
@@ -375,3 +382,19 @@ def test_other_requests_keep_stepping_while_a_prefix_loads(tiny_dir, tmp_path):
                 tokens_during_load += len(out.token_ids)
     assert tokens_during_load >= 5
     assert loaded.num_cached_tokens >= 96 and list(loaded.output_token_ids) == list(expected)
+
+
+def test_damaged_host_records_are_misses_with_the_right_tokens(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=9)
+    plain = LLM(path, dtype="float32", num_kv_blocks=64)
+    expected = [trace(o) for o in one_by_one(plain, prompts, GREEDY)]
+    llm = tiered(path, tmp_path, "host", num_kv_blocks=64, kv_offload_policy="write_through")
+    one_by_one(llm, prompts, GREEDY)
+    llm.reset_prefix_cache()
+    host = llm.engine.kv.offloader.stores[0]
+    for i, key in enumerate(list(host._records)):
+        data = host._records[key]
+        host._records[key] = [data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 1]), b""][i % 3]  # truncated, damaged, empty
+    assert [trace(o) for o in one_by_one(llm, prompts, GREEDY)] == expected
+    assert llm.stats()["kv_tiers"]["host"]["corrupt_records"] >= 1

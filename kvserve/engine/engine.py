@@ -172,6 +172,15 @@ class LLMEngine:
             self.kv.offloader = KVOffloader(stores, root_hash(self.cache_identity), self.pool.block_bytes, self.pool.write_block_bytes,
                                             config.kv_offload_policy)  # fmt: skip
 
+    def tiers_description(self) -> str:
+        """', KV tiers: host 4 GiB, disk /var/kv 50 GiB (write_back)', or '' without tiers (the serve banner)."""
+        offloader = self.kv.offloader
+        if offloader is None:
+            return ""
+        parts = [f"{s.name} {s.usage().capacity_bytes / GIB:g} GiB" if s.name == "host" else
+                 f"{s.name} {getattr(s, 'directory', '')} {s.usage().capacity_bytes / GIB:g} GiB" for s in offloader.stores]  # fmt: skip
+        return f", KV tiers: {', '.join(parts)} ({offloader.policy})"
+
     @classmethod
     def simulated(cls, config: EngineConfig, model_config: ModelConfig) -> "LLMEngine":
         """The same scheduler and block manager with no model: every step "samples" a fixed token.

@@ -239,18 +239,19 @@ class KVCacheManager:
         """A finished load's blocks join the prefix cache up to the first block index that failed in
         any group; every target is released (a published one stays cached). Returns the tokens published."""
         try:
-            loaded = job.future.result()
+            tiers = job.future.result()
         except Exception:  # noqa: BLE001 - a failed load is a miss: the prefix is recomputed
             logger.exception("loading KV blocks from a tier failed; the prefix is recomputed")
-            loaded = [False] * len(job.keys)
-        failed = {entry[0] for entry, ok in zip(job.entries, loaded) if not ok}
-        stop = min(failed, default=None)
-        published = 0
-        for (i, g, key, parent, tokens, salt), block in zip(job.entries, job.targets):
+            tiers = [None] * len(job.keys)
+        stop = min((entry[0] for entry, tier in zip(job.entries, tiers) if tier is None), default=None)
+        served: dict[int, str] = {}  # block index -> the tier of its first record
+        for (i, g, key, parent, tokens, salt), block, tier in zip(job.entries, job.targets, tiers):
             if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
-                published = max(published, (i + 1) * self.block_size)
+                served.setdefault(i, tier)
+        for tier in served.values():
+            self.offloader.credit_hit(tier, self.block_size)
         self.pool.free(list(reversed(job.targets)))
-        return published
+        return len(served) * self.block_size
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
         """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""

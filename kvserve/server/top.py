@@ -30,7 +30,8 @@ def scrape(url: str) -> dict[str, float]:
 
 def tier_rows(m: dict[str, float]) -> list[tuple[str, str]]:
     """One row per KV tier: what it holds of its budget, and the prompt tokens loaded from it."""
-    tiers = sorted({key.split("|")[1] for key in m if key.startswith("kvserve:kv_tier_capacity_bytes|")})
+    order = {"host": 0, "disk": 1}  # from the pool down
+    tiers = sorted({key.split("|")[1] for key in m if key.startswith("kvserve:kv_tier_capacity_bytes|")}, key=lambda t: (order.get(t, 2), t))
     rows = []
     for tier in tiers:
         used, capacity = m.get(f"kvserve:kv_tier_usage_bytes|{tier}", 0.0), m[f"kvserve:kv_tier_capacity_bytes|{tier}"]

@@ -36,12 +36,18 @@ class DiskStore(BlockStore):
         self._used = 0
         self._names = itertools.count()
         self.write_failures = 0
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"--kv-offload-disk-dir {self.directory}: not a directory")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ValueError(f"--kv-offload-disk-dir {self.directory}: cannot create it ({error.strerror})") from None
-        if not os.access(self.directory, os.W_OK):
-            raise ValueError(f"--kv-offload-disk-dir {self.directory}: not writable")
+        probe = self.directory / f"probe{_TEMPORARY}{os.getpid()}"
+        try:  # permissions say little for root or on special file systems: write a file
+            probe.write_bytes(b"kvserve")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(f"--kv-offload-disk-dir {self.directory}: cannot write a file there ({error.strerror})") from None
         self._rebuild_index()
 
     def _path(self, key: str) -> Path:

@@ -43,7 +43,7 @@ class TierCounters:
     seconds_written: float = 0.0
     bytes_read: int = 0
     seconds_read: float = 0.0
-    hit_tokens: int = 0  # prompt tokens loaded from this tier
+    hit_tokens: int = 0  # prompt tokens whose blocks a load from this tier brought back into the prefix cache
     corrupt_records: int = 0
     latency: float = 0.0  # measured per load (seconds), then averaged
     bandwidth: float = 0.0  # bytes per second
@@ -162,12 +162,12 @@ class KVOffloader:
     # ------------------------------------------------------------------ up
     def load(self, job: LoadJob, block_ids: Sequence[int]) -> None:
         """Start reading job.keys into the blocks block_ids (held by the caller until it is done)."""
-        job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.tokens)
+        job.future = self._worker.submit(self._read, job.keys, list(block_ids))
 
-    def _read(self, keys: list[str], block_ids: list[int], tokens: int) -> list[bool]:
-        """Each record into its block, in prefix order; the first that fails ends the prefix."""
-        loaded = []
-        per_block = tokens / max(1, len(keys))
+    def _read(self, keys: list[str], block_ids: list[int]) -> list[str | None]:
+        """Each record into its block, in prefix order; the first that fails ends the prefix. Per
+        key: the tier it came from, or None."""
+        loaded: list[str | None] = []
         touched = set()
         for key, block_id in zip(keys, block_ids):
             store = self._tier_of(key)
@@ -190,7 +190,6 @@ class KVOffloader:
             c = self.counters[store.name]
             c.bytes_read += len(data)
             c.seconds_read += seconds
-            c.hit_tokens += round(per_block)
             weight = _SMOOTHING
             if store.name not in touched:  # its first record in this job: a latency sample
                 touched.add(store.name)
@@ -199,8 +198,12 @@ class KVOffloader:
                 c.latency += weight * (seconds - c.latency)
             if seconds > 0:
                 c.bandwidth += weight * (len(data) / seconds - c.bandwidth)
-            loaded.append(True)
-        return loaded + [False] * (len(keys) - len(loaded))
+            loaded.append(store.name)
+        return loaded + [None] * (len(keys) - len(loaded))
+
+    def credit_hit(self, tier: str, tokens: int) -> None:
+        """Prompt tokens a load from this tier served (counted by the manager, which knows what was used)."""
+        self.counters[tier].hit_tokens += tokens
 
     def wait(self, futures: Sequence[Future], timeout: float) -> None:
         """Block until one of these loads is done, at most `timeout` seconds (an engine with nothing
