@@ -17,6 +17,7 @@ engine's measured prefill rate for that many tokens.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,15 @@ _FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8)}
 _FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
 _LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
 MAX_PENDING_BYTES = 64 << 20  # copied out but not yet stored: past this, blocks leaving the pool are dropped (counted)
+
+
+def _yield_to_the_step_loop() -> None:
+    """The tiers' worker runs at a lower priority (Linux nice 10, this thread only): its copies fill
+    idle time instead of taking a core from the step's OpenMP team, whose every thread the step waits for."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
 
 
 @dataclass
@@ -83,7 +93,7 @@ class KVOffloader:
         self._pending_bytes = 0
         self.dropped_blocks = 0  # left the pool while the worker was MAX_PENDING_BYTES behind
         self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
         self._warned_corrupt = False
         # a record the host tier drops for room goes down to the next tier
         for upper, lower in zip(self.stores, self.stores[1:]):
