@@ -449,9 +449,10 @@ class LLMEngine:
             self.step_fault_hook(batch)
         started = time.perf_counter()
         sampled = self.runner.execute(batch)
-        prefill = sum(n for seq, n in batch.entries if n > 1)
-        if self.kv.offloader is not None and prefill >= 0.9 * batch.num_tokens and prefill >= 64:
-            self.kv.offloader.observe_prefill(prefill, time.perf_counter() - started)
+        if self.kv.offloader is not None:
+            prefill = sum(n for _, n in batch.entries if n > 1)
+            if prefill >= 64 and prefill >= 0.9 * batch.num_tokens:
+                self.kv.offloader.observe_prefill(prefill, time.perf_counter() - started)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
             self.kv.plan_quantization(seq.request_id, seq.num_computed_tokens)

@@ -77,6 +77,7 @@ class KVCacheManager:
         self._ids = [np.zeros((0, max_blocks_per_seq), dtype=np.int64) for _ in self.groups]
         self.prefix_cache = prefix_cache
         self.offloader: KVOffloader | None = None  # the tiers under the pool (kv/tiers/), set by the engine
+        self._recompute_decided: dict[str, int] = {}  # request -> the tier hit's end it chose to recompute
         if prefix_cache is not None:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
@@ -221,8 +222,11 @@ class KVCacheManager:
         held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
         if end == start or len(entries) + sum(b.ref_count == 0 for b in held) > self.pool.num_free_blocks:
             return None
+        if self._recompute_decided.get(request_id) == end:
+            return None  # decided already (a request waiting for room asks again every step)
         keys = [record_key(hashes[i], g) for i, g in entries]
         if not offloader.worth_loading(keys, self.spec.bytes_per_block, (end - start) * bs):
+            self._recompute_decided[request_id] = end
             return None
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
             self.pool.touch(block)
@@ -230,7 +234,7 @@ class KVCacheManager:
         self.pool.free(list(reversed(held)))
         salt = self._salts.get(request_id)
         parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
-        job = LoadJob(keys, targets, (end - start) * bs)
+        job = LoadJob(keys, targets)
         job.entries = [(i, g, hashes[i], parents[i], tuple(token_ids[i * bs : (i + 1) * bs]), salt) for i, g in entries]
         offloader.load(job, [t.block_id for t in targets])
         return job
@@ -472,6 +476,7 @@ class KVCacheManager:
         salt = self._salts.pop(request_id, None)
         self._published.pop(request_id, None)
         self._quantized.pop(request_id, None)
+        self._recompute_decided.pop(request_id, None)
         if tables is None:
             return
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key
@@ -66,7 +66,6 @@ class LoadJob:
 
     keys: list[str]
     targets: list  # KVBlock, held by the job
-    tokens: int  # prompt tokens the whole job would serve
     future: Future | None = None
     entries: list[tuple] = field(default_factory=list)  # the manager's: (block index, group, hash, parent, tokens, salt) per key
 
@@ -218,9 +217,7 @@ class KVOffloader:
     def wait(self, futures: Sequence[Future], timeout: float) -> None:
         """Block until one of these loads is done, at most `timeout` seconds (an engine with nothing
         else to run)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not any(f.done() for f in futures):
-            time.sleep(0.0005)
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def drain(self) -> None:
         """Wait for every queued write and load (tests, shutdown)."""
