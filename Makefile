@@ -15,6 +15,8 @@ MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 .PHONY: setup serve generate test bench clean
 
 $(VENV)/.setup-done: pyproject.toml Makefile
+	# redis-server: the shared KV tier's tests start a real one (Debian's; root here, as on CI)
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel on this machine's disk; pinning first keeps pip from pulling CUDA builds

@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | plan | eval | top`."""
+"""`kvserve serve | generate | plan | eval | top | pd-proxy`."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def _eval(args: argparse.Namespace) -> int:
     from kvserve.eval.cli import run_eval
 
     return run_eval(args)
+
+
+def _pd_proxy(args: argparse.Namespace) -> int:
+    from kvserve.server.pd_proxy import run_pd_proxy
+
+    return run_pd_proxy(args)
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -153,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print one snapshot (two samples --interval apart, for the rates) and exit")
     _add_log_level(top)
     top.set_defaults(func=_top)
+
+    from kvserve.server.pd_proxy import add_pd_proxy_args
+
+    pd = sub.add_parser("pd-proxy", help="one OpenAI endpoint in front of a prefill (--kv-role producer) and a decode "
+                        "(--kv-role consumer) instance sharing a --kv-remote-url", formatter_class=HelpFormatter)  # fmt: skip
+    add_pd_proxy_args(pd)
+    _add_log_level(pd)
+    pd.set_defaults(func=_pd_proxy)
     return parser
 
 

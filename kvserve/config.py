@@ -49,6 +49,7 @@ def _faster_in_a_timed_matmul() -> str:
 
 MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
+KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
 MAX_KV_QUANT_RESIDUAL = 65536
 
 
@@ -89,6 +90,11 @@ class EngineConfig:
     kv_offload_disk_dir: str | None = None  # a local disk tier (survives restarts)
     kv_offload_disk_gib: float | None = None  # the disk tier's budget (8 GiB when a directory is given)
     kv_offload_policy: str = "write_back"  # write_back: blocks go down when evicted; write_through: when computed
+    kv_remote_url: str | None = None  # redis://[:password@]host:port/db (rediss:// for TLS): a tier shared by engines
+    kv_remote_timeout_ms: int = 200  # the deadline of every call to the remote tier
+    kv_remote_ttl: int = 3600  # seconds every remote entry lives after it was last written or read
+    kv_remote_ca_file: str | None = None  # rediss://: the CA certificate that signed the server's
+    kv_role: str = "both"  # both | producer (prefills, publishes to the remote tier) | consumer (reads it, never writes)
 
     def __post_init__(self) -> None:
         try:
@@ -143,7 +149,7 @@ class EngineConfig:
 
     @property
     def offloads_kv(self) -> bool:
-        return self.kv_offload_host_gib > 0 or self.kv_offload_disk_dir is not None
+        return self.kv_offload_host_gib > 0 or self.kv_offload_disk_dir is not None or self.kv_remote_url is not None
 
     def _validate_offload(self) -> None:
         host, disk_dir, disk = self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib
@@ -160,14 +166,30 @@ class EngineConfig:
             object.__setattr__(self, "kv_offload_disk_gib", DEFAULT_KV_OFFLOAD_DISK_GIB)
         if self.kv_offload_policy not in ("write_back", "write_through"):
             raise ValueError(f"--kv-offload-policy (kv_offload_policy) must be write_back or write_through, got {self.kv_offload_policy!r}")
+        self._validate_remote()
         if not self.offloads_kv:
             return
         if not self.enable_prefix_caching:
-            raise ValueError("--kv-offload-host-gib / --kv-offload-disk-dir keep blocks by their prefix hashes: they need prefix caching "
+            raise ValueError("--kv-offload-host-gib / --kv-offload-disk-dir / --kv-remote-url keep blocks by their prefix hashes: they need prefix caching "
                              "(drop --no-enable-prefix-caching)")  # fmt: skip
         if KV_FORMATS[self.kv_cache_dtype].kind == "kivi":
             raise ValueError(f"the KV tiers do not take --kv-cache-dtype {self.kv_cache_dtype} yet (its blocks are quantized only "
                              "once they leave the residual); use a float, int8 or fp8 cache")  # fmt: skip
+
+    def _validate_remote(self) -> None:
+        url = self.kv_remote_url
+        if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://"))):
+            raise ValueError("--kv-remote-url (kv_remote_url) must be redis://[:password@]host:port/db or rediss://...")
+        for name, low, high in (("kv_remote_timeout_ms", 1, 60_000), ("kv_remote_ttl", 1, 365 * 86400)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"--{name.replace('_', '-')} ({name}) must be an integer in [{low}, {high}], got {value!r}")
+        if self.kv_remote_ca_file is not None and (url is None or not url.startswith("rediss://")):
+            raise ValueError("--kv-remote-ca-file (kv_remote_ca_file) verifies a TLS server: give a rediss:// --kv-remote-url")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-role (kv_role) must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both" and url is None:
+            raise ValueError(f"--kv-role {self.kv_role} hands blocks over through the remote tier: give --kv-remote-url")
 
     @property
     def eviction(self) -> EvictionPolicy:

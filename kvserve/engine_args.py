@@ -108,6 +108,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-offload-policy", default="write_back", choices=["write_back", "write_through"],
                        help="write_back: a block goes down when the pool evicts it; write_through: as soon as it is computed "
                        "(a restart or a crash keeps more, at the cost of a copy per block) (default: %(default)s)")
+    group.add_argument("--kv-remote-url", default=None, metavar="URL",
+                       help="a Redis server as a KV tier shared by several engines: redis://[:password@]host:port/db, or "
+                       "rediss://... for TLS. Every computed block goes there (keyed by its prefix hash, the model, KV "
+                       "settings and salt: no prompt text), and a prefix any engine computed is loaded instead of "
+                       "recomputed. Give the server a maxmemory and an LRU policy. See docs/kv-tiers.md")
+    group.add_argument("--kv-remote-timeout-ms", type=int, default=200,
+                       help="the deadline of every call to the remote tier; a call past it marks the server down until it "
+                       "answers a ping again (requests recompute meanwhile) (default: %(default)s)")
+    group.add_argument("--kv-remote-ttl", type=int, default=3600,
+                       help="seconds a remote entry lives after it was last written or read (default: %(default)s)")
+    group.add_argument("--kv-remote-ca-file", default=None, metavar="PEM",
+                       help="with a rediss:// URL: the CA certificate to verify the server with (default: the system's)")
+    group.add_argument("--kv-role", default="both", choices=["both", "producer", "consumer"],
+                       help="disaggregated prefill through --kv-remote-url: a producer prefills, publishes the prompt's "
+                       "blocks and answers once they are stored; a consumer decodes with them and never writes the remote "
+                       "tier; both does both (default: %(default)s). `kvserve pd-proxy` puts one of each behind one URL")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

@@ -300,18 +300,18 @@ def test_loading_is_chosen_only_where_it_beats_recompute():
     key, record = a_record(0)
     offloader.offload(7, record.block_hash, 0, record.token_ids)
     offloader.drain()
-    assert offloader.holds(key)
+    assert offloader.locate([key]) == [store]
     counters = offloader.counters["host"]
     counters.loads = 5  # measured: 1 ms latency, 1 MB/s
     counters.latency, counters.bandwidth = 1e-3, 1e6
     offloader.prefill_rate = 1e6  # 16 tokens recompute in 16 us: far faster than a 1 ms read
-    assert not offloader.worth_loading([key], 1000, 16)
+    assert not offloader.worth_loading([store], 1000, 16)
     offloader.prefill_rate = 100.0  # 160 ms to recompute
-    assert offloader.worth_loading([key], 1000, 16)
+    assert offloader.worth_loading([store], 1000, 16)
     assert offloader.decisions == {"load": 1, "recompute": 1}
     counters.loads = 0
     offloader.prefill_rate = 1e6
-    assert offloader.worth_loading([key], 1000, 16)  # never measured: tried
+    assert offloader.worth_loading([store], 1000, 16)  # never measured: tried
     offloader.observe_prefill(1000, 0.5)
     assert offloader.prefill_rate < 1e6
 

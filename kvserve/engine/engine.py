@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 import itertools
 import json
 import logging
@@ -33,6 +34,7 @@ from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
 from kvserve.kv.tiers.offload import KVOffloader
+from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint
@@ -168,9 +170,12 @@ class LLMEngine:
             stores.append(HostStore(int(config.kv_offload_host_gib * GIB)))
         if config.kv_offload_disk_dir is not None:
             stores.append(DiskStore(config.kv_offload_disk_dir, int(config.kv_offload_disk_gib * GIB)))
+        if config.kv_remote_url is not None:
+            stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:
             self.kv.offloader = KVOffloader(stores, root_hash(self.cache_identity), self.pool.block_bytes, self.pool.write_block_bytes,
-                                            config.kv_offload_policy)  # fmt: skip
+                                            config.kv_offload_policy, write_remote=config.kv_role != "consumer",
+                                            drop_when_behind=config.kv_role != "producer")  # fmt: skip
 
     def tiers_description(self) -> str:
         """', KV tiers: host 4 GiB, disk /var/kv 50 GiB (write_back)', or '' without tiers (the serve banner)."""
@@ -178,6 +183,7 @@ class LLMEngine:
         if offloader is None:
             return ""
         parts = [f"{s.name} {s.usage().capacity_bytes / GIB:g} GiB" if s.name == "host" else
+                 f"remote {s.url}" if s.shared else
                  f"{s.name} {getattr(s, 'directory', '')} {s.usage().capacity_bytes / GIB:g} GiB" for s in offloader.stores]  # fmt: skip
         return f", KV tiers: {', '.join(parts)} ({offloader.policy})"
 
@@ -259,6 +265,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self.num_steps = 0
+        self._handing_over: list[tuple[Future, RequestOutput]] = []  # a producer's finished requests, until their blocks are stored
+        self.handovers_published = 0
         self.num_evicted_tokens = 0
         self.num_probe_tokens = 0  # snapkv's generic question: tokens computed to score prompts, then dropped
         self.num_compactions = 0
@@ -389,7 +397,21 @@ class LLMEngine:
         return self._output(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._handing_over)
+
+    @property
+    def hands_over(self) -> bool:
+        """A producer (--kv-role): a finished request is answered once its blocks are in the remote tier."""
+        return self.config.kv_role == "producer" and self.kv.offloader is not None and self.kv.offloader.writes_remote
+
+    def _handed_over(self) -> list[RequestOutput]:
+        """The producer's finished requests whose blocks the remote tier now holds."""
+        if not self._handing_over:
+            return []
+        done = [output for stored, output in self._handing_over if stored.done()]
+        self._handing_over = [(stored, output) for stored, output in self._handing_over if not stored.done()]
+        self.handovers_published += len(done)
+        return done
 
     @property
     def num_running(self) -> int:
@@ -404,16 +426,17 @@ class LLMEngine:
         """One scheduler step and one forward pass; returns the outputs of streamed sequences that got
         a token and of every sequence that finished. An exception inside the step fails that step's
         sequences alone (finish_reason "error", blocks freed); the engine goes on."""
+        handed_over = self._handed_over()
         batch = self.scheduler.schedule()
         if not batch:
-            pending = self.scheduler.pending_loads()
-            if pending:  # only requests waiting for their prefix from a tier: wait a little for one
+            pending = self.scheduler.pending_loads() + [stored for stored, _ in self._handing_over]
+            if pending and not handed_over:  # only requests waiting for a tier: wait a little for one
                 self.kv.offloader.wait(pending, 0.005)
-            return []
+            return handed_over
         try:
-            return self._run_batch(batch)
+            return handed_over + self._run_batch(batch)
         except Exception as exc:  # noqa: BLE001 - isolated to this step's requests
-            return self._fail_batch(batch, exc)
+            return handed_over + self._fail_batch(batch, exc)
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(exc).__name__, exc,
@@ -477,6 +500,9 @@ class LLMEngine:
                     seq.logprobs.append(result.logprobs)
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
+                    if self.hands_over:
+                        self._handing_over.append((self.kv.offloader.flushed(), self._output(seq)))
+                        continue
                 if seq.stream or seq.is_finished:
                     outputs.append(self._output(seq))
         return outputs
@@ -679,4 +705,6 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             **self.prefix_cache_stats(),
             **(self.kv.offloader.stats() if self.kv.offloader is not None else {"kv_tiers": {}}),
+            "kv_role": self.config.kv_role,
+            "kv_handovers_published_total": self.handovers_published,
         }

@@ -108,7 +108,7 @@ class KVCacheManager:
 
     def _evicting(self, block: KVBlock) -> None:
         """The pool is about to reuse a cached block: its bytes go down to the tiers first (write-back)."""
-        if self.offloader is not None and self.offloader.policy == "write_back":
+        if self.offloader is not None:
             self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids)
         self.prefix_cache.evicted(block)
 
@@ -209,14 +209,16 @@ class KVCacheManager:
         full = [g for g, spec in enumerate(self.groups) if spec.window is None]
         if not full:
             return None
+        where = dict(zip(*(keys := [record_key(hashes[i], g) for i in range(start, whole) for g in range(len(self.groups))],
+                                offloader.locate(keys))))  # fmt: skip
         end = start
-        while end < whole and all(offloader.holds(record_key(hashes[end], g)) for g in full):
+        while end < whole and all(where[record_key(hashes[end], g)] is not None for g in full):
             end += 1
         entries: list[tuple[int, int]] = []  # (block index, group), in prefix order
         while end > start:
             entries = [(i, g) for i in range(start, end) for g in range(len(self.groups))
                        if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
-            if all(offloader.holds(record_key(hashes[i], g)) for i, g in entries):
+            if all(where[record_key(hashes[i], g)] is not None for i, g in entries):
                 break
             end -= 1
         held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
@@ -225,7 +227,7 @@ class KVCacheManager:
         if self._recompute_decided.get(request_id) == end:
             return None  # decided already (a request waiting for room asks again every step)
         keys = [record_key(hashes[i], g) for i, g in entries]
-        if not offloader.worth_loading(keys, self.spec.bytes_per_block, (end - start) * bs):
+        if not offloader.worth_loading([where[key] for key in keys], self.spec.bytes_per_block, (end - start) * bs):
             self._recompute_decided[request_id] = end
             return None
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
@@ -252,8 +254,7 @@ class KVCacheManager:
         for (i, g, key, parent, tokens, salt), block, tier in zip(job.entries, job.targets, tiers):
             if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
                 served.setdefault(i, tier)
-        for tier in served.values():
-            self.offloader.credit_hit(tier, self.block_size)
+        self.offloader.credit_hits(list(served.values()), self.block_size)
         self.pool.free(list(reversed(job.targets)))
         return len(served) * self.block_size
 
@@ -361,8 +362,8 @@ class KVCacheManager:
             for g, block in enumerate(blocks):
                 if block is not None:
                     published = cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
-                    if published and self.offloader is not None and self.offloader.policy == "write_through" and self._pool_of(block) is self.pool:
-                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids)
+                    if published and self.offloader is not None and self.offloader.offloads_on_publish and self._pool_of(block) is self.pool:
+                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
         self._published[request_id] = full
 
     def reset_prefix_cache(self) -> int:

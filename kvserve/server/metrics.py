@@ -77,6 +77,12 @@ class ServerMetrics:
                                         "64 MiB behind: not stored (recomputed when needed)")
         self._offload_decisions = Counter("kvserve:kv_offload_decisions", "Per request with a tier hit: loaded or recomputed "
                                           "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
+        self._tier_requests = Counter("kvserve:kv_tier_requests_served", "Requests whose prefix a load from a KV tier served "
+                                      "(the remote tier on a --kv-role consumer: hand-overs received)", tier, registry=r)  # fmt: skip
+        self.kv_remote_up = gauge("kv_remote_up", "1 while the remote KV tier (--kv-remote-url) answers, 0 during an outage")
+        self._remote_timeouts = counter("kv_remote_timeouts", "Calls to the remote KV tier past --kv-remote-timeout-ms")
+        self._remote_outages = counter("kv_remote_outages", "Times the remote KV tier went down (each logged once)")
+        self._handovers = counter("kv_handovers_published", "Requests a --kv-role producer answered once their blocks were in the remote tier")
         # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
         self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "kv_quant_sink_block",
                                "prefix_cache", "kv_compression"]  # fmt: skip
@@ -126,6 +132,12 @@ class ServerMetrics:
                 self._advance(f"seconds:{tier}:{direction}", t[f"seconds_{field}"], self._offload_seconds.labels(name, tier, direction))
             self._advance(f"tier_hits:{tier}", t["hit_tokens"], self._tier_hits.labels(name, tier))
             self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
+            self._advance(f"tier_requests:{tier}", t["requests_served"], self._tier_requests.labels(name, tier))
+            if tier == "remote":
+                self.kv_remote_up.set(1 if t["up"] else 0)
+                self._advance("remote_timeouts", t["timeouts"], self._remote_timeouts)
+                self._advance("remote_outages", t["outages"], self._remote_outages)
+        self._advance("handovers", stats.get("kv_handovers_published_total", 0), self._handovers)
         if "kv_tier_query_tokens_total" in stats:
             self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
             self._advance("kv_offload_dropped", stats["kv_offload_dropped_blocks_total"], self._offload_dropped)

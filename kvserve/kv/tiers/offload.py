@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 POLICIES = ("write_back", "write_through")
 _SMOOTHING = 0.2  # weight of a new measurement in the running averages
 # before a tier's first measured load: (latency s, bytes/s) guesses on the low side of this machine's
-_FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8)}
+_FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8), "remote": (1e-3, 2e8)}
 _FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
 _LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
+REMOTE_BATCH = 64  # records per pipelined read from the shared tier
 MAX_PENDING_BYTES = 64 << 20  # copied out but not yet stored: past this, blocks leaving the pool are dropped (counted)
 
 
@@ -58,6 +59,7 @@ class TierCounters:
     latency: float = 0.0  # measured per load (seconds), then averaged
     bandwidth: float = 0.0  # bytes per second
     loads: int = 0  # load jobs that read from this tier (its rates are measured ones from the first)
+    requests: int = 0  # requests whose prefix a load from this tier served (on a consumer: hand-overs received)
 
 
 @dataclass
@@ -72,14 +74,19 @@ class LoadJob:
 
 class KVOffloader:
     def __init__(self, stores: Sequence[BlockStore], identity: int, read_block: Callable[[int], bytes],
-                 write_block: Callable[[int, bytes], None], policy: str = "write_back") -> None:  # fmt: skip
+                 write_block: Callable[[int, bytes], None], policy: str = "write_back", write_remote: bool = True,
+                 drop_when_behind: bool = True) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not stores:
             raise ValueError("the offloader needs at least one tier")
-        self.stores = list(stores)
+        self.local = [s for s in stores if not s.shared]
+        self.remote = next((s for s in stores if s.shared), None)
+        self.stores = self.local + ([self.remote] if self.remote is not None else [])
         self.identity = identity
         self.policy = policy
+        self.writes_remote = self.remote is not None and write_remote  # a consumer (--kv-role) only reads it
+        self.drop_when_behind = drop_when_behind  # False (a producer): the step waits for the writer instead
         self._read_block, self._write_block = read_block, write_block
         self.counters = {s.name: TierCounters() for s in self.stores}
         for store in self.stores:
@@ -88,39 +95,57 @@ class KVOffloader:
         self.prefill_rate = _FIRST_PREFILL_RATE
         self.decisions = {"load": 0, "recompute": 0}
         self.query_tokens = 0
-        self._pending: dict[str, BlockRecord] = {}  # copied out, not yet stored
+        self._pending: dict[str, tuple[BlockRecord, BlockStore]] = {}  # copied out, not yet stored: (record, its first tier)
         self._pending_bytes = 0
         self.dropped_blocks = 0  # left the pool while the worker was MAX_PENDING_BYTES behind
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
         self._warned_corrupt = False
-        # a record the host tier drops for room goes down to the next tier
-        for upper, lower in zip(self.stores, self.stores[1:]):
+        # a record a local tier drops for room goes down to the next local tier
+        for upper, lower in zip(self.local, self.local[1:]):
             if hasattr(upper, "on_evict"):
                 upper.on_evict = lambda key, data, lower=lower: self._store(lower, key, data)
 
+    @property
+    def offloads_on_publish(self) -> bool:
+        """Blocks go down as soon as they are computed (write_through, or a shared tier to fill)."""
+        return self.policy == "write_through" or self.writes_remote
+
     # ------------------------------------------------------------------ down
-    def offload(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int]) -> None:
+    def offload(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int], published: bool = False) -> None:
         """Copy a cached block out of the pool now (its memory may be reused right after) and store it
-        off the step loop; a block the tiers already hold is skipped."""
+        off the step loop. `published`: it was just computed (write-through and the shared tier),
+        otherwise it is being evicted (write-back to the local tiers). A block a local tier already
+        holds is not stored there again; the worker asks the shared tier before sending it."""
         key = record_key(block_hash, group)
+        targets: list[BlockStore] = []
+        if published and self.writes_remote:
+            targets.append(self.remote)
+        if self.local and (published == (self.policy == "write_through")) and not any(s.contains(key) for s in self.local):
+            targets.insert(0, self.local[0])
+        if not targets:
+            return
         with self._lock:
             if key in self._pending:
                 return
-            if self._pending_bytes >= MAX_PENDING_BYTES:
+            behind = self._pending_bytes >= MAX_PENDING_BYTES
+            if behind and self.drop_when_behind:
                 self.dropped_blocks += 1
                 return
-        if any(store.contains(key) for store in self.stores):
-            return
+        if behind:
+            self.flushed().result()
         record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
         with self._lock:
-            self._pending[key] = record
+            self._pending[key] = (record, targets[0])
             self._pending_bytes += len(record.payload)
-        self._worker.submit(self._write, key, record)
+        self._worker.submit(self._write, key, record, targets)
 
-    def _write(self, key: str, record: BlockRecord) -> None:
+    def _write(self, key: str, record: BlockRecord, targets: list[BlockStore]) -> None:
         try:
-            self._store(self.stores[0], key, encode_record(record, self.identity))
+            data = encode_record(record, self.identity)
+            for store in targets:
+                if not (store.shared and store.contains(key)):  # another engine may have sent it already
+                    self._store(store, key, data)
         except Exception:  # noqa: BLE001 - a record that cannot be stored is only a future recompute
             logger.exception("storing KV record %s failed; it will be recomputed when needed", key)
         finally:
@@ -135,24 +160,35 @@ class KVOffloader:
             c.bytes_written += len(data)
             c.seconds_written += time.perf_counter() - start
 
+    def flushed(self) -> Future:
+        """Done once every block copied out before this call is stored (a producer answers then)."""
+        return self._worker.submit(lambda: None)
+
     # ------------------------------------------------------------------ lookups
-    def holds(self, key: str) -> bool:
-        """A tier holds the record (or it is on its way down)."""
-        with self._lock:
-            if key in self._pending:
-                return True
-        return any(store.contains(key) for store in self.stores)
+    def _local_tier_of(self, key: str) -> BlockStore | None:
+        return next((store for store in self.local if store.contains(key)), None)
 
-    def _tier_of(self, key: str) -> BlockStore | None:
-        return next((store for store in self.stores if store.contains(key)), None)
+    def locate(self, keys: Sequence[str]) -> list[BlockStore | None]:
+        """The tier holding each record (a record on its way down: the tier it goes to first), or
+        None; the shared tier is asked about all the others in one round trip."""
+        found: list[BlockStore | None] = []
+        for key in keys:
+            with self._lock:
+                pending = self._pending.get(key)
+            found.append(pending[1] if pending is not None else self._local_tier_of(key))
+        if self.remote is not None:
+            ask = [i for i, store in enumerate(found) if store is None]
+            for i, held in zip(ask, self.remote.contains_many([keys[i] for i in ask])):
+                if held:
+                    found[i] = self.remote
+        return found
 
-    def worth_loading(self, keys: Sequence[str], record_bytes: int, tokens: int) -> bool:
-        """Loading these records (from the tiers that hold them now) is expected to beat recomputing
-        `tokens` prompt tokens at the measured prefill rate; counted either way."""
+    def worth_loading(self, tiers: Sequence[BlockStore], record_bytes: int, tokens: int) -> bool:
+        """Loading records from these tiers (one per record) is expected to beat recomputing `tokens`
+        prompt tokens at the measured prefill rate; counted either way."""
         seconds = 0.0
         by_tier: dict[str, int] = {}
-        for key in keys:
-            store = self._tier_of(key) or self.stores[0]  # still pending: it lands in the first tier
+        for store in tiers:
             by_tier[store.name] = by_tier.get(store.name, 0) + 1
         unmeasured = False
         for name, count in by_tier.items():
@@ -176,43 +212,68 @@ class KVOffloader:
     def _read(self, keys: list[str], block_ids: list[int]) -> list[str | None]:
         """Each record into its block, in prefix order; the first that fails ends the prefix. Per
         key: the tier it came from, or None."""
+        local = [self._local_tier_of(key) for key in keys]
+        fetched = self._fetch_remote([key for key, store in zip(keys, local) if store is None])
         loaded: list[str | None] = []
-        touched = set()
-        for key, block_id in zip(keys, block_ids):
-            store = self._tier_of(key)
+        touched: set[str] = set()
+        for key, block_id, store in zip(keys, block_ids, local):
             start = time.perf_counter()
-            data = store.get(key) if store is not None else None
+            if store is not None:
+                data = store.get(key)
+            else:
+                data, store = fetched.get(key), self.remote
             if data is None:
                 break
             try:
                 record = decode_record(data, self.identity, key)
                 self._write_block(block_id, record.payload)
             except (CorruptRecord, ValueError) as error:
-                c = self.counters[store.name]
-                c.corrupt_records += 1
+                self.counters[store.name].corrupt_records += 1
                 store.delete(key)
                 if not self._warned_corrupt:
                     logger.warning("the %s tier held an unusable KV record (%s); its prefix is recomputed from there", store.name, error)
                     self._warned_corrupt = True
                 break
-            seconds = time.perf_counter() - start
-            c = self.counters[store.name]
-            c.bytes_read += len(data)
-            c.seconds_read += seconds
-            weight = _SMOOTHING
-            if store.name not in touched:  # its first record in this job: a latency sample
-                touched.add(store.name)
-                c.loads += 1
-                weight = 1.0 if c.loads == 1 else _SMOOTHING  # the first measurement replaces the guess
-                c.latency += weight * (seconds - c.latency)
-            if seconds > 0:
-                c.bandwidth += weight * (len(data) / seconds - c.bandwidth)
+            if not store.shared:  # the shared tier's reads were measured as they were fetched
+                self._measure(store, len(data), time.perf_counter() - start, touched)
             loaded.append(store.name)
         return loaded + [None] * (len(keys) - len(loaded))
 
-    def credit_hit(self, tier: str, tokens: int) -> None:
-        """Prompt tokens a load from this tier served (counted by the manager, which knows what was used)."""
-        self.counters[tier].hit_tokens += tokens
+    def _fetch_remote(self, keys: list[str]) -> dict[str, bytes]:
+        """The shared tier's records among keys, REMOTE_BATCH per round trip, up to the first missing one."""
+        fetched: dict[str, bytes] = {}
+        touched: set[str] = set()
+        for first in range(0, len(keys) if self.remote is not None else 0, REMOTE_BATCH):
+            batch = keys[first : first + REMOTE_BATCH]
+            start = time.perf_counter()
+            records = self.remote.get_many(batch)
+            got = [(key, data) for key, data in zip(batch, records) if data is not None]
+            self._measure(self.remote, sum(len(data) for _, data in got), time.perf_counter() - start, touched)
+            fetched.update(got)
+            if len(got) < len(batch):
+                break
+        return fetched
+
+    def _measure(self, store: BlockStore, nbytes: int, seconds: float, touched: set[str]) -> None:
+        """A read's bytes and time; the first read of a tier in a job is also a latency sample."""
+        c = self.counters[store.name]
+        c.bytes_read += nbytes
+        c.seconds_read += seconds
+        weight = _SMOOTHING
+        if store.name not in touched:
+            touched.add(store.name)
+            c.loads += 1
+            weight = 1.0 if c.loads == 1 else _SMOOTHING  # the first measurement replaces the guess
+            c.latency += weight * (seconds - c.latency)
+        if seconds > 0 and nbytes:
+            c.bandwidth += weight * (nbytes / seconds - c.bandwidth)
+
+    def credit_hits(self, tiers: Sequence[str], block_size: int) -> None:
+        """The tier each block a load served came from (counted by the manager, which knows what was used)."""
+        for tier in tiers:
+            self.counters[tier].hit_tokens += block_size
+        for tier in set(tiers):
+            self.counters[tier].requests += 1
 
     def wait(self, futures: Sequence[Future], timeout: float) -> None:
         """Block until one of these loads is done, at most `timeout` seconds (an engine with nothing
@@ -225,6 +286,8 @@ class KVOffloader:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        for store in self.stores:
+            store.close()
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
@@ -234,9 +297,12 @@ class KVOffloader:
             tiers[store.name] = {
                 "usage_bytes": usage.used_bytes, "capacity_bytes": usage.capacity_bytes, "entries": usage.entries,
                 "bytes_written": c.bytes_written, "seconds_written": c.seconds_written, "bytes_read": c.bytes_read,
-                "seconds_read": c.seconds_read, "hit_tokens": c.hit_tokens, "corrupt_records": c.corrupt_records,
+                "seconds_read": c.seconds_read, "hit_tokens": c.hit_tokens, "requests_served": c.requests, "corrupt_records": c.corrupt_records,
                 "read_latency_seconds": c.latency, "read_bandwidth_bytes_per_second": c.bandwidth,
             }  # fmt: skip
+        remote = self.remote
+        if remote is not None:
+            tiers["remote"].update(up=remote.up, outages=remote.outages, timeouts=remote.timeouts, errors=remote.errors)
         return {"kv_offload_policy": self.policy, "kv_tiers": tiers, "kv_tier_query_tokens_total": self.query_tokens,
                 "kv_offload_dropped_blocks_total": self.dropped_blocks,
                 "kv_offload_decisions_total": dict(self.decisions), "kv_offload_prefill_rate": self.prefill_rate}  # fmt: skip

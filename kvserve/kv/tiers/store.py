@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -18,6 +19,7 @@ class BlockStore(abc.ABC):
     drops its least recently used records to take a new one."""
 
     name = ""
+    shared = False  # other engines read it too (the remote tier): a block goes there as soon as it is computed
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -31,6 +33,16 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def contains(self, key: str) -> bool:
         """Whether a record is stored under key (no change to the LRU order)."""
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """get() of each key (a remote store answers them in one round trip)."""
+        return [self.get(key) for key in keys]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains(key) for key in keys]
+
+    def close(self) -> None:
+        """Release connections and threads (the engine's shutdown)."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

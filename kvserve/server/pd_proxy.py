@@ -1,0 +1,179 @@
+"""`kvserve pd-proxy`: one OpenAI endpoint in front of a prefill instance and a decode instance.
+
+A completion or chat request goes first to the producer (`--kv-role producer`) with max_tokens=1,
+not streamed: it prefills the prompt and answers once the prompt's blocks are in the shared remote
+tier. The original request then goes to the consumer (`--kv-role consumer`), which finds the prompt
+there (its `cached_tokens` show the hand-over) and decodes; its answer, streamed or not, is relayed
+as it comes. A producer that fails or is unreachable costs the hand-over, not the request: the
+consumer computes the prompt itself. A producer's 4xx (the request is invalid) is the answer.
+Everything else (models, tokenization, health) is the consumer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import socket
+import sys
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                                   "code": code}}, status_code=status)  # fmt: skip
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def prefill_body(body: dict) -> dict:
+    """The request as the producer gets it: one token, one choice, not streamed."""
+    prefill = copy.deepcopy(body)
+    for field in ("stream", "stream_options", "n", "best_of", "max_completion_tokens"):
+        prefill.pop(field, None)
+    prefill["max_tokens"] = 1
+    return prefill
+
+
+class PDProxy:
+    def __init__(self, prefill_url: str, decode_url: str, timeout_s: float, max_request_bytes: int) -> None:
+        self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.max_request_bytes = max_request_bytes
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(max_connections=256))
+        self.counts = {"handed_over": 0, "prefill_failed": 0}
+        self._producer_down = False
+
+    @staticmethod
+    def _headers(request: Request) -> dict[str, str]:
+        return {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+
+    async def generate(self, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > self.max_request_bytes:
+            return _error(413, f"request body over {self.max_request_bytes} bytes", "request_too_large")
+        try:
+            body = json.loads(raw, parse_constant=_refuse_constant)
+        except (ValueError, UnicodeDecodeError) as error:
+            return _error(400, f"the body is not valid JSON ({error})", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_json")
+        headers = self._headers(request)
+        refused = await self._prefill(request.url.path, body, headers)
+        if refused is not None:
+            return refused
+        upstream = self.client.build_request("POST", self.decode_url + request.url.path, content=raw,
+                                             headers={**headers, "content-type": "application/json"})  # fmt: skip
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as error:
+            return _error(502, f"the decode instance {self.decode_url} did not answer ({type(error).__name__})", "decode_unreachable")
+        passed = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "x-request-id", "retry-after")}
+        if not body.get("stream"):
+            content = await response.aread()
+            await response.aclose()
+            return Response(content, status_code=response.status_code, headers=passed)
+
+        async def relay():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+
+        return StreamingResponse(relay(), status_code=response.status_code, headers=passed)
+
+    async def _prefill(self, path: str, body: dict, headers: dict[str, str]) -> Response | None:
+        """Run the prompt on the producer; its 4xx is returned (the request is invalid), any other
+        failure only logged (once per outage): the consumer then computes the prompt itself."""
+        try:
+            response = await self.client.post(self.prefill_url + path, content=json.dumps(prefill_body(body)),
+                                              headers={**headers, "content-type": "application/json"})  # fmt: skip
+        except httpx.HTTPError as error:
+            self._producer_failed(f"{type(error).__name__}: {error}")
+            return None
+        if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+            return Response(response.content, status_code=response.status_code, headers={"content-type": "application/json"})
+        if response.status_code != 200:
+            self._producer_failed(f"status {response.status_code}")
+            return None
+        if self._producer_down:
+            log.warning("the prefill instance %s answers again", self.prefill_url)
+            self._producer_down = False
+        self.counts["handed_over"] += 1
+        return None
+
+    def _producer_failed(self, reason: str) -> None:
+        self.counts["prefill_failed"] += 1
+        if not self._producer_down:
+            log.warning("the prefill instance %s failed (%s); the decode instance computes prompts until it answers", self.prefill_url, reason)
+            self._producer_down = True
+
+    async def forward(self, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > self.max_request_bytes:
+            return _error(413, f"request body over {self.max_request_bytes} bytes", "request_too_large")
+        try:
+            response = await self.client.request(request.method, self.decode_url + request.url.path, content=raw,
+                                                  params=request.query_params, headers=self._headers(request))  # fmt: skip
+        except httpx.HTTPError as error:
+            return _error(502, f"the decode instance {self.decode_url} did not answer ({type(error).__name__})", "decode_unreachable")
+        passed = {k: v for k, v in response.headers.items() if k.lower() in ("content-type",)}
+        return Response(response.content, status_code=response.status_code, headers=passed)
+
+    async def health(self) -> Response:
+        for name, url in (("prefill", self.prefill_url), ("decode", self.decode_url)):
+            try:
+                if (await self.client.get(url + "/health", timeout=5.0)).status_code != 200:
+                    return _error(503, f"the {name} instance {url} is not healthy", "unhealthy")
+            except httpx.HTTPError:
+                return _error(503, f"the {name} instance {url} does not answer", "unhealthy")
+        return Response(status_code=200)
+
+
+def create_proxy_app(proxy: PDProxy) -> FastAPI:
+    app = FastAPI(title="kvserve pd-proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, proxy.generate, methods=["POST"])
+    app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/pd/stats", lambda: proxy.counts, methods=["GET"])
+    app.add_api_route("/{path:path}", proxy.forward, methods=["GET", "POST"])
+    app.router.on_shutdown.append(proxy.client.aclose)
+    return app
+
+
+def add_pd_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", required=True, metavar="URL", help="base URL of a `kvserve serve --kv-role producer` instance")
+    parser.add_argument("--decode", required=True, metavar="URL", help="base URL of a `kvserve serve --kv-role consumer` instance")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for either instance's answer")
+    parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body; larger ones get 413")
+
+
+def run_pd_proxy(args: argparse.Namespace) -> int:
+    for flag, url in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} must be an http:// or https:// base URL, got {url!r}")
+    if not 0 < args.timeout <= 86400:
+        raise ValueError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
+    proxy = PDProxy(args.prefill, args.decode, args.timeout, args.max_request_bytes)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    print(f"kvserve: serving pd-proxy on http://{args.host}:{port} (prefill {proxy.prefill_url}, decode {proxy.decode_url})",
+          file=sys.stdout, flush=True)  # fmt: skip
+    uvicorn.Server(uvicorn.Config(create_proxy_app(proxy), log_level="warning")).run(sockets=[sock])
+    return 0
