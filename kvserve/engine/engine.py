@@ -19,6 +19,7 @@ from kvserve import kernels
 from kvserve.attention.backend import create_backend
 from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
+from kvserve.engine.migration import RequestState
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
@@ -34,6 +35,7 @@ from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
 from kvserve.kv.tiers.offload import KVOffloader
+from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key, record_head
 from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
@@ -267,6 +269,7 @@ class LLMEngine:
         self.num_steps = 0
         self._handing_over: list[tuple[Future, RequestOutput]] = []  # a producer's finished requests, until their blocks are stored
         self.handovers_published = 0
+        self.migrations = {"out": 0, "in": 0, "failed": 0, "records_rejected": 0}
         self.num_evicted_tokens = 0
         self.num_probe_tokens = 0  # snapkv's generic question: tokens computed to score prompts, then dropped
         self.num_compactions = 0
@@ -374,6 +377,82 @@ class LLMEngine:
             raise RuntimeError(f"scored {hidden.shape[0]} of {len(token_ids)} positions (a prefix-cache hit skips positions: "
                                "score with prefix caching off, or another cache_salt)")  # fmt: skip
         return hidden
+
+    # ------------------------------------------------------------------ live migration
+    def export_request(self, request_id: str, with_records: bool = True) -> RequestState:
+        """A running or waiting request's state (engine/migration.py), after which it leaves this
+        engine (no output): its blocks stay in the prefix cache, so importing the state here again
+        resumes it cheaply. With `with_records`, the KV of its cached blocks travels in the state;
+        with a remote tier it is there already (this waits until what was sent has landed)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        if seq.eviction is not None or seq.captured is not None:
+            raise ValueError("a request with kv_compression (or a scoring one) cannot migrate: its cache is not a prefix chain")
+        identity = root_hash(self.cache_identity)
+        records = []
+        if with_records and self.pool is not None:
+            records = [encode_record(BlockRecord(b.block_hash, b.group, b.token_ids, self.pool.block_bytes(b.block_id)), identity)
+                       for b in self.kv.published_blocks(request_id)]  # fmt: skip
+        state = RequestState(list(seq.prompt_token_ids), list(seq.output_token_ids), seq.params, seq.seed, identity, seq.cache_salt,
+                             seq.prompt, seq.stream, list(seq.logprobs), seq.num_cached_tokens, records)  # fmt: skip
+        self.requests.pop(request_id)
+        self.scheduler.finish(seq)
+        if self.kv.offloader is not None and self.kv.offloader.writes_remote:
+            self.kv.offloader.flushed().result(timeout=60)
+        self.migrations["out"] += 1
+        return state
+
+    def check_import(self, state: RequestState) -> None:
+        """Whether this engine can continue the request exactly (ValueError saying why not); changes nothing."""
+        if state.identity != root_hash(self.cache_identity):
+            raise ValueError("the request was exported by an engine with another model, dtype or KV settings")
+        validate_cache_salt(state.cache_salt)
+        self.validate_prompt_tokens(state.prompt_token_ids)
+        tokens = [*state.prompt_token_ids, *state.output_token_ids]
+        if any(t >= self.model_config.vocab_size for t in state.output_token_ids):
+            raise ValueError(f"output token ids must be in [0, {self.model_config.vocab_size})")
+        if len(tokens) >= self.max_model_len or len(state.output_token_ids) >= state.params.max_tokens:
+            raise ValueError("the request has no tokens left to generate")
+        if len(state.logprobs) != (len(state.output_token_ids) if state.params.logprobs is not None else 0):
+            raise ValueError("the request's logprobs do not match its output tokens")
+        if self.eviction_policy(state.params) is not None:
+            raise ValueError("this engine compresses the request's cache (--kv-compression): it cannot continue it exactly")
+
+    def import_request(self, state: RequestState, request_id: str | None = None) -> Sequence:
+        """Continue a request exported by an engine with the same model and KV settings: its blocks
+        (the records in the state, else the tiers, else recomputed) and its draws go on where they
+        were, so it produces the tokens it would have produced there. Its outputs hold what is new."""
+        self.check_import(state)
+        tokens = [*state.prompt_token_ids, *state.output_token_ids]
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        records = []
+        for data in state.records:
+            try:
+                records.append(decode_record(data, state.identity, record_key(*record_head(data))))
+            except (CorruptRecord, ValueError):
+                self.migrations["records_rejected"] += 1
+        if records and self.pool is not None:
+            self.kv.adopt_blocks(tokens, state.cache_salt, records, self.pool.write_block_bytes)
+        text = None
+        if self.tokenizer is not None:
+            text = OutputText(self.tokenizer.incremental_detokenizer(), state.params.stop, state.params.include_stop_str_in_output)
+            for token in state.output_token_ids:
+                text.add(token)
+            text.take_new()  # handed out at the source
+        seq = Sequence(request_id, list(state.prompt_token_ids), state.params, prompt=state.prompt, cache_salt=state.cache_salt,
+                       seed=state.seed, text=text, stream=state.stream, migrated=True)  # fmt: skip
+        for token in state.output_token_ids:
+            seq.append_token(token)
+        seq.logprobs = list(state.logprobs)
+        seq.num_sent_tokens = len(state.output_token_ids)
+        seq.num_cached_tokens = state.num_cached_tokens
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.migrations["in"] += 1
+        return seq
 
     def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:
         if len(token_ids) == 0:
@@ -707,4 +786,5 @@ class LLMEngine:
             **(self.kv.offloader.stats() if self.kv.offloader is not None else {"kv_tiers": {}}),
             "kv_role": self.config.kv_role,
             "kv_handovers_published_total": self.handovers_published,
+            "kv_migrations_total": dict(self.migrations, hit_tokens=self.scheduler.migrated_hit_tokens),
         }

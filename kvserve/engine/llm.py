@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.migration import RequestState
 from kvserve.model.registry import DEFAULT_MODEL
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -79,6 +80,21 @@ class LLM:
         finally:
             progress.close()
         return [results[s.request_id] for s in seqs]
+
+    def export_request(self, request_id: str, with_records: bool = True) -> RequestState:
+        """A queued or running request's state (live migration), after which it leaves this engine;
+        see LLMEngine.export_request. Requests are queued and stepped with llm.engine.add_request
+        and llm.engine.step()."""
+        return self.engine.export_request(request_id, with_records)
+
+    def import_request(self, state: RequestState) -> RequestOutput:
+        """Continue an exported request here to its end; its finished output (all its tokens)."""
+        seq = self.engine.import_request(state)
+        seq.stream = False
+        while True:
+            for out in self.engine.step():
+                if out.request_id == seq.request_id and out.finished:
+                    return out
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.migrated_hit_tokens = 0  # imported requests' tokens found cached here (migrated KV, or the tiers')
         self.loading: dict[str, LoadJob] = {}  # waiting requests whose prefix is being read from the KV tiers
         self.orphaned_loads: list[LoadJob] = []  # loads of requests that finished meanwhile
 
@@ -94,7 +95,9 @@ class Scheduler:
                 break
             self.kv.take_hit(seq.request_id, hit)
             seq.num_computed_tokens = hit.num_tokens
-            if seq.num_preemptions == 0:
+            if seq.migrated and seq.num_preemptions == 0:
+                self.migrated_hit_tokens += hit.num_tokens
+            elif seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
                 self.kv.prefix_stats.record(hit, seq.prompt_len)
             n = seq.next_chunk(budget)

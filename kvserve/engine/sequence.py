@@ -53,6 +53,7 @@ class Sequence:
     seed: int = 0  # of this request's draws (its own, or one the engine derived from its seed)
     penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)
     num_preemptions: int = 0
+    migrated: bool = False  # imported from another engine (live migration): its cached-token count is the source's
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)

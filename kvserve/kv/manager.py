@@ -18,7 +18,7 @@ slots stay positions. Callers speak in positions; the manager converts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -257,6 +257,40 @@ class KVCacheManager:
         self.offloader.credit_hits(list(served.values()), self.block_size)
         self.pool.free(list(reversed(job.targets)))
         return len(served) * self.block_size
+
+    # ------------------------------------------------------------------ migration
+    def published_blocks(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks in the prefix cache, in prefix order (every group's; a sliding group's
+        dropped ones and quantized residual ones excepted): what a migration carries."""
+        tables = self._tables.get(request_id, [])
+        count = self._published.get(request_id, 0)
+        return [table[i] for i in range(count) for table in tables
+                if i < len(table) and table[i] is not None and table[i].block_hash is not None and self._pool_of(table[i]) is self.pool]  # fmt: skip
+
+    def adopt_blocks(self, token_ids: Sequence[int], salt: str | None, records: Sequence, write: Callable[[int, bytes], None]) -> int:
+        """Records of the chain of token_ids (BlockRecord, from another engine) written into free
+        blocks and published to the prefix cache, where the request's lookup finds them; records of
+        another chain are skipped. Stops when the pool has no free block. Returns blocks adopted."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        bs = self.block_size
+        hashes = chain_hashes(cache.root, token_ids[: len(token_ids) // bs * bs], bs, salt, None)
+        index = {h: i for i, h in enumerate(hashes)}
+        taken, adopted = [], 0
+        for record in sorted(records, key=lambda r: (index.get(r.block_hash, -1), r.group)):
+            i = index.get(record.block_hash)
+            if i is None or not 0 <= record.group < len(self.groups) or record.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                continue
+            if self.pool.num_free_blocks == 0:
+                break
+            block = self.pool.allocate(1, record.group)[0]
+            taken.append(block)
+            write(block.block_id, record.payload)
+            parent = hashes[i - 1] if i else cache.parent_of_first(salt)
+            adopted += cache.publish(record.group, block, hashes[i], parent, record.token_ids, salt)
+        self.pool.free(list(reversed(taken)))
+        return adopted
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
         """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.config import ServerConfig
+from kvserve.server.migration import IMPORT_PATH, MAX_IMPORT_BYTES
 
 # a client's own X-Request-Id is used when it is this plain (it reaches log lines)
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
@@ -82,7 +83,7 @@ class AccessGuard:
                 await refuse(401, "missing or incorrect API key: send `Authorization: Bearer <key>`", "invalid_request_error",
                              "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return
-        limit = self.config.max_request_bytes
+        limit = self.config.max_request_bytes if scope["path"] != IMPORT_PATH else MAX_IMPORT_BYTES  # a state carries its KV
         too_large = f"request body is larger than --max-request-bytes {limit}"
         if declared is not None and declared > limit:
             await refuse(413, too_large, "invalid_request_error", "request_too_large")

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.migration import RequestState
 from kvserve.engine.sequence import TokenLogprobs
 from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
 from kvserve.outputs import RequestOutput
@@ -41,7 +42,8 @@ from kvserve.server.async_engine import (
 )
 from kvserve.server.config import ServerConfig
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, MigrateRequest
 from kvserve.server.templates import TemplateRenderer
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,8 @@ def _request_id(request: Request) -> str:
 class _SubmissionStream(StreamingResponse):
     """A streamed response that, however it ends (finished, aborted, client gone), closes its submission."""
 
-    def __init__(self, content: AsyncIterator[str], sub: Submission) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(self, content: AsyncIterator[str], sub: Submission, media_type: str = "text/event-stream") -> None:
+        super().__init__(content, media_type=media_type)
         self.sub = sub
 
     async def __call__(self, scope, receive, send) -> None:
@@ -122,6 +124,7 @@ class OpenAIServer:
         self.created = int(time.time())
         # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
         self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
+        self.migrator = Migrator(self, config.migration_targets)
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
     def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
@@ -214,11 +217,11 @@ class OpenAIServer:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
 
-    def _submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool) -> Submission:
+    def _submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None) -> Submission:
         arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
         try:
             return self.async_engine.submit(_request_id(request), groups, cache_salt, stream, self.config.request_timeout,
-                                            time.monotonic() - arrival)  # fmt: skip
+                                            time.monotonic() - arrival, imported)  # fmt: skip
         except EngineOverloadedError as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded") from None
         except EngineDrainingError:
@@ -441,6 +444,49 @@ class OpenAIServer:
 
         return _SubmissionStream(events(), sub)
 
+    # ------------------------------------------------------------------ live migration (server/migration.py)
+    async def migrate(self, body: MigrateRequest) -> dict:
+        target = body.target.strip().rstrip("/")
+        if not self.config.migration_targets:
+            raise APIError(403, "live migration is off on this server: start it with --migration-targets", "target",
+                           "permission_error", "migration_disabled")  # fmt: skip
+        if target not in self.config.migration_targets:
+            raise APIError(403, f"target {target!r} is not in --migration-targets", "target", "permission_error", "target_not_allowed")
+        request_id = body.request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        sub = self.async_engine.find(request_id)
+        if sub is None:
+            raise APIError(404, f"no running request {body.request_id!r}", "request_id", "not_found_error", "request_not_found")
+        if sub.relays:
+            raise APIError(409, f"request {body.request_id!r} has already migrated", "request_id", "invalid_request_error", "already_migrated")
+        try:
+            moved = await self.migrator.migrate(sub, target)
+        except MigrationFailed as exc:
+            raise APIError(502, f"{exc}; the request goes on here", "target", "server_error", "migration_failed") from None
+        except (ValueError, KeyError) as exc:
+            raise APIError(409, f"request {body.request_id!r} cannot migrate: {exc}", "request_id", "invalid_request_error",
+                           "not_migratable") from None  # fmt: skip
+        log.info("migrated %s (%d samples) to %s", sub.request_id, moved, target)
+        return {"request_id": body.request_id, "target": target, "migrated_samples": moved}
+
+    async def import_request(self, request: Request) -> StreamingResponse:
+        """Continue a request another server exported; its outputs as JSON lines (server/migration.py)."""
+        raw = await request.body()
+        try:
+            state = await asyncio.to_thread(RequestState.from_bytes, raw)
+            self.engine.check_import(state)
+        except ValueError as exc:
+            raise APIError(400, str(exc), None, "invalid_request_error", "invalid_migration_state") from None
+        sub = self._submit(request, [PromptGroup(state.prompt_token_ids, [state.params])], state.cache_salt, state.stream, state)
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                async for _, _, out in sub.outputs():
+                    yield output_line(out)
+            except RequestAborted as exc:
+                yield error_line(exc)
+
+        return _SubmissionStream(lines(), sub, "application/x-ndjson")
+
     # ------------------------------------------------------------------ shutdown
     async def drain(self, timeout: float) -> None:
         """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest."""
@@ -469,6 +515,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
         finally:
             server.async_engine.shutdown()
             server.renderer.close()
+            await server.migrator.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
 
@@ -515,6 +562,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post(MIGRATE_PATH)
+    async def migrate(body: MigrateRequest):
+        return await server.migrate(body)
+
+    @app.post(IMPORT_PATH)
+    async def import_request(request: Request):
+        return await server.import_request(request)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

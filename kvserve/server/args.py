@@ -34,4 +34,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template field in chat requests (refused by default: a template is code); "
                        "every template renders sandboxed, with limits on output size and time")
+    group.add_argument("--migration-targets", default=None, metavar="URLS",
+                       help="comma-separated base URLs of kvserve servers (same model and KV settings) that POST /v1/kv/migrate "
+                       "may move a running request to; the client's response goes on through this server. Unset: migration "
+                       "is refused (403). Servers in a group share one --api-key. See docs/kv-tiers.md")
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -14,13 +14,14 @@ from the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import ctypes.util
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvserve.engine.engine import LLMEngine
@@ -77,6 +78,14 @@ class _Reset:
     done: threading.Event
 
 
+@dataclass
+class _Call:
+    """fn() on the engine thread between two steps; its result or exception goes to `future`."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
+
+
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for sink, out in items:
         sink.put_nowait(out)
@@ -101,6 +110,8 @@ class Submission:
         self.aborted: RequestAborted | None = None  # why it ended unfinished, once it has
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self.imported = None  # a RequestState to continue (live migration) instead of its prompt
+        self.relays: set[asyncio.Task] = set()  # samples migrated away: their target's outputs relayed in (server/migration.py)
 
     @property
     def num_samples(self) -> int:
@@ -148,6 +159,8 @@ class Submission:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
+        for relay in self.relays:
+            relay.cancel()
         self.engine._active.discard(self)
         if self.aborted is None and not self.unfinished:
             return
@@ -211,15 +224,17 @@ class AsyncEngine:
 
     def submit(
         self, request_id: str, groups: list[PromptGroup], cache_salt: str | None = None, stream: bool = False,
-        timeout: float | None = None, elapsed: float = 0.0,
+        timeout: float | None = None, elapsed: float = 0.0, imported=None,
     ) -> Submission:
         """Admit every sample of every prompt, or none (raising). `timeout` counts from the request's
-        arrival, `elapsed` seconds ago."""
+        arrival, `elapsed` seconds ago. `imported`: a migrated request's RequestState to continue
+        (groups then name its prompt and its one sample)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         if not self._accepting:
             raise EngineDrainingError("the server is shutting down")
         sub = Submission(self, request_id, groups, cache_salt, stream)
+        sub.imported = imported
         with self._lock:
             if self.num_waiting() + sub.num_samples > self.max_waiting_requests:
                 raise EngineOverloadedError(
@@ -244,6 +259,31 @@ class AsyncEngine:
         if not done.wait(timeout=60):
             raise EngineDeadError("the engine loop did not answer")
         return result[0]
+
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Run fn() on the engine thread between two steps (it may touch the engine); await its result."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        self._wake.set()
+        return asyncio.wrap_future(future)
+
+    def find(self, request_id: str) -> Submission | None:
+        """The admitted, unclosed API request with this id (the newest, if a client reused one)."""
+        found = [sub for sub in self._active if sub.request_id == request_id]
+        return found[-1] if found else None
+
+    def sink_of(self, request_id: str) -> Submission | None:
+        return self._sinks.get(request_id)
+
+    def detach(self, request_id: str) -> None:
+        """Engine thread: the request left the engine (migrated); its outputs now come another way."""
+        self._sinks.pop(request_id, None)
+
+    def attach(self, request_id: str, sub: Submission) -> None:
+        """Engine thread: the request is back in the engine (a migration that failed)."""
+        self._sinks[request_id] = sub
 
     def abort(self, sub: Submission, request_ids: list[str], report: RequestAborted | None) -> None:
         self._commands.put(_Abort(sub, request_ids, report))
@@ -274,7 +314,10 @@ class AsyncEngine:
             self._pending_adds -= sub.num_samples
         added: list[str] = []
         try:
-            for group, ids in zip(sub.groups, sub.ids):
+            if sub.imported is not None:
+                self.engine.import_request(sub.imported, sub.ids[0][0])
+                added.append(sub.ids[0][0])
+            for group, ids in zip(sub.groups, sub.ids) if sub.imported is None else ():
                 self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream)
                 added.extend(ids)
         except Exception as exc:  # noqa: BLE001 - validated before admission; reported to this request alone
@@ -298,6 +341,11 @@ class AsyncEngine:
             elif isinstance(cmd, _Reset):
                 cmd.result.append(self.engine.reset_prefix_cache())
                 cmd.done.set()
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn())
+                except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                    cmd.future.set_exception(exc)
             else:
                 dropped = False
                 for rid in cmd.request_ids:

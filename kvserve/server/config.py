@@ -36,6 +36,7 @@ class ServerConfig:
     request_timeout: float | None = 600.0  # seconds from arrival; None = no limit
     shutdown_timeout: float = 30.0
     trust_request_chat_template: bool = False
+    migration_targets: tuple[str, ...] = ()  # base URLs POST /v1/kv/migrate may move a request to (none: migration off)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +51,11 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 (seconds), got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        targets = tuple(t.strip().rstrip("/") for t in self.migration_targets if t.strip())
+        for target in targets:
+            if not target.startswith(("http://", "https://")):
+                raise ValueError(f"--migration-targets must list http:// or https:// base URLs, got {target!r}")
+        object.__setattr__(self, "migration_targets", targets)
         if self.allowed_hosts is None:
             hosts = LOOPBACK_HOSTS if is_loopback(self.host) else ("*",)
         else:
@@ -80,4 +86,5 @@ class ServerConfig:
             values["allowed_hosts"] = tuple(hosts.split(","))
         if values.get("request_timeout") == 0:
             values["request_timeout"] = None
+        values["migration_targets"] = tuple((values.get("migration_targets") or "").split(","))
         return cls(**values)

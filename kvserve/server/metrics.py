@@ -83,6 +83,9 @@ class ServerMetrics:
         self._remote_timeouts = counter("kv_remote_timeouts", "Calls to the remote KV tier past --kv-remote-timeout-ms")
         self._remote_outages = counter("kv_remote_outages", "Times the remote KV tier went down (each logged once)")
         self._handovers = counter("kv_handovers_published", "Requests a --kv-role producer answered once their blocks were in the remote tier")
+        self._migrations = Counter("kvserve:kv_migrations", "Running requests moved between servers (POST /v1/kv/migrate): "
+                                   "out, in, failed (they finished at the source), and records_rejected (migrated KV records "
+                                   "that failed their checks: recomputed)", ["model_name", "event"], registry=r)  # fmt: skip
         # as vLLM's cache_config_info: the cache's settings as labels of a constant 1, set at the first update
         self._config_labels = ["model_name", "kv_cache_dtype", "block_size", "kv_hadamard", "kv_key_centering", "kv_quant_sink_block",
                                "prefix_cache", "kv_compression"]  # fmt: skip
@@ -138,6 +141,9 @@ class ServerMetrics:
                 self._advance("remote_timeouts", t["timeouts"], self._remote_timeouts)
                 self._advance("remote_outages", t["outages"], self._remote_outages)
         self._advance("handovers", stats.get("kv_handovers_published_total", 0), self._handovers)
+        for event, total in stats.get("kv_migrations_total", {}).items():
+            if event != "hit_tokens":
+                self._advance(f"migrations:{event}", total, self._migrations.labels(name, event))
         if "kv_tier_query_tokens_total" in stats:
             self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
             self._advance("kv_offload_dropped", stats["kv_offload_dropped_blocks_total"], self._offload_dropped)

@@ -196,3 +196,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Count | None = None
     chat_template: StrictStr | None = None
+
+
+class MigrateRequest(BaseModel):
+    """POST /v1/kv/migrate: move a running request to another server (server/migration.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: StrictStr = Field(max_length=200)  # the response's id (cmpl-..., chatcmpl-...) or the X-Request-Id
+    target: StrictStr = Field(max_length=2000)  # a base URL listed in --migration-targets

@@ -44,6 +44,14 @@ def record_key(block_hash: int, group: int) -> str:
     return f"{block_hash:032x}-{group}"
 
 
+def record_head(data: bytes) -> tuple[int, int]:
+    """(block hash, group) a record says it holds, unchecked: the key to decode it against."""
+    if len(data) < _HEADER.size:
+        raise CorruptRecord(f"{len(data)} bytes, shorter than a header")
+    _, _, group, _, _, _, block = _HEADER.unpack_from(data)
+    return int.from_bytes(block, "little"), group
+
+
 def encode_record(record: BlockRecord, identity: int) -> bytes:
     tokens = np.asarray(record.token_ids, dtype="<u4").tobytes()
     header = _HEADER.pack(

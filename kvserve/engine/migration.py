@@ -1,0 +1,103 @@
+"""A running request's state as it moves to another engine (live migration).
+
+What continues a request exactly elsewhere: its prompt and the tokens generated so far, its
+sampling parameters and seed (a draw depends on the seed and the token's position alone, so the
+count of draws is the number of tokens), its logprobs so far, and the KV of its full blocks as
+self-checking block records (kv/tiers/record.py) when no shared remote tier carries them. The
+target recomputes what no record covers (the last, partial block at least); by the invariance
+contract those tokens get the same bits as at the source.
+
+Wire format: a 4-byte little-endian length, the JSON state, then each record as a 4-byte length
+and its bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass
+
+from kvserve.engine.sequence import TokenLogprobs
+from kvserve.sampling_params import SamplingParams
+
+FORMAT_VERSION = 1
+_LENGTH = struct.Struct("<I")
+MAX_STATE_BYTES = 64 << 20  # the JSON part: token ids, parameters, logprobs
+
+
+@dataclass(frozen=True)
+class RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    identity: int  # the cache identity's root hash: the target must have the same model and KV settings
+    cache_salt: str | None = None
+    prompt: str | None = None
+    stream: bool = False
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
+    records: list[bytes] = dataclasses.field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        state = {
+            "version": FORMAT_VERSION, "prompt_token_ids": self.prompt_token_ids, "output_token_ids": self.output_token_ids,
+            "params": dataclasses.asdict(self.params), "seed": self.seed, "identity": f"{self.identity:032x}",
+            "cache_salt": self.cache_salt, "prompt": self.prompt, "stream": self.stream, "num_cached_tokens": self.num_cached_tokens,
+            "logprobs": [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top.items()]] for lp in self.logprobs],
+        }  # fmt: skip
+        head = json.dumps(state).encode()
+        return b"".join([_LENGTH.pack(len(head)), head, *(_LENGTH.pack(len(r)) + r for r in self.records)])
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RequestState":
+        """The state in data; ValueError naming what is wrong with it."""
+        view = memoryview(data)
+        if len(view) < _LENGTH.size:
+            raise ValueError("migration state: shorter than its header")
+        (size,) = _LENGTH.unpack_from(view)
+        if size > MAX_STATE_BYTES or _LENGTH.size + size > len(view):
+            raise ValueError("migration state: its JSON part is truncated or too large")
+        try:
+            state = json.loads(bytes(view[_LENGTH.size : _LENGTH.size + size]))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"migration state: not JSON ({error})") from None
+        if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
+            raise ValueError(f"migration state: not a version-{FORMAT_VERSION} kvserve request state")
+        records, offset = [], _LENGTH.size + size
+        while offset < len(view):
+            if offset + _LENGTH.size > len(view):
+                raise ValueError("migration state: a record's length is truncated")
+            (length,) = _LENGTH.unpack_from(view, offset)
+            offset += _LENGTH.size
+            if offset + length > len(view):
+                raise ValueError("migration state: a record is truncated")
+            records.append(bytes(view[offset : offset + length]))
+            offset += length
+        try:
+            tokens = [_token_list(state, name) for name in ("prompt_token_ids", "output_token_ids")]
+            params = SamplingParams(**{k: v for k, v in state["params"].items() if k in _PARAM_FIELDS})
+            seed, cached = state["seed"], state.get("num_cached_tokens", 0)
+            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+                raise ValueError("seed must be an unsigned 64-bit integer")
+            if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= len(tokens[0]):
+                raise ValueError("num_cached_tokens must count prompt tokens")
+            logprobs = [TokenLogprobs(int(t), float(lp), {int(k): float(v) for k, v in top}) for t, lp, top in state.get("logprobs", [])]
+            salt, prompt = state.get("cache_salt"), state.get("prompt")
+            if not (salt is None or isinstance(salt, str)) or not (prompt is None or isinstance(prompt, str)):
+                raise ValueError("cache_salt and prompt must be strings or null")
+            return cls(tokens[0], tokens[1], params, seed, int(state["identity"], 16), salt, prompt, bool(state.get("stream")),
+                       logprobs, cached, records)  # fmt: skip
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"migration state: {error}") from None
+
+
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _token_list(state: dict, name: str) -> list[int]:
+    tokens = state[name]
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise ValueError(f"{name} must be a list of token ids")
+    return tokens
