@@ -1,6 +1,6 @@
 """KV tiers: a long prefix's time to first token when it is in the pool, in the host tier, in the
-disk tier, and nowhere (recomputed); and a multi-tenant workload whose shared prefixes are 4x the
-pool, with tiers against without.
+disk tier, in the remote tier (a redis-server on loopback, started here), and nowhere (recomputed);
+and a multi-tenant workload whose shared prefixes are 4x the pool, with tiers against without.
 
 The prefix is real prose (GPL-3, GFDL-1.3, then the stdlib's source); each request adds a short question and asks
 for one token, one request at a time, so TTFT is the request's own prefill or load. The pool's copy is
@@ -26,10 +26,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 from common import prose_token_ids  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.plan.cli import load_model_config  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
@@ -63,20 +65,21 @@ def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 
 
 def prefix_ttft(model: str, length: int, repeat: int) -> list[tuple[str, float, int]]:
-    """(where, TTFT seconds (median of repeat), cached tokens) for pool, host, disk and nowhere."""
+    """(where, TTFT seconds (median of repeat), cached tokens) for pool, host, disk, remote and nowhere."""
     rows = []
-    with tempfile.TemporaryDirectory() as disk_dir:
+    with tempfile.TemporaryDirectory() as disk_dir, RedisServer(maxmemory="8gb") as redis_server:
         settings = dict(max_model_len=length + 64, kv_cache_memory=1.0, kv_offload_policy="write_through")
         plain = LLM(model, max_model_len=length + 64, kv_cache_memory=1.0)  # recompute, as an engine without tiers does it
         tiers = {
             "host": LLM(model, kv_offload_host_gib=1.0, **settings),
             "disk": LLM(model, kv_offload_disk_dir=disk_dir, kv_offload_disk_gib=2.0, **settings),
+            "remote": LLM(model, kv_remote_url=redis_server.url, **settings),
         }
         ids = long_prose(tiers["host"].tokenizer, length)
         for llm in (plain, *tiers.values()):  # first-request costs (the pool's pages, the kernels' first calls) left out
             llm.generate([ids[-100:]], ONE, use_tqdm=False)
         rng = random.Random(length)
-        results: dict[str, list[tuple[float, int]]] = {"nowhere": [], "pool": [], "host": [], "disk": []}
+        results: dict[str, list[tuple[float, int]]] = {"nowhere": [], "pool": [], "host": [], "disk": [], "remote": []}
         dropped = True
         for r in range(repeat):
             start = rng.randrange(0, len(ids) - length - 32)
@@ -95,11 +98,39 @@ def prefix_ttft(model: str, length: int, repeat: int) -> list[tuple[str, float, 
                 results[name].append(timed(llm, prefix + question(3 * r + 2)))
                 hits = llm.stats()["kv_tiers"][name]["hit_tokens"]
                 assert hits > 0, f"{name}: the prefix did not come from the tier ({llm.stats()['kv_offload_decisions_total']})"
-        for where in ("pool", "host", "disk", "nowhere"):
+        for where in ("pool", "host", "disk", "remote", "nowhere"):
             rows.append((where, statistics.median(t for t, _ in results[where]), min(c for _, c in results[where])))
         for llm in tiers.values():
             llm.engine.kv.offloader.close()
     print(f"  (page cache dropped before disk reads: {'yes' if dropped else 'no (not permitted here): disk reads may come from the page cache'})")
+    return rows
+
+
+def write_cost(model: str, length: int, repeat: int) -> list[tuple[str, float]]:
+    """A cold prefill's time (median of repeat, each a new prefix) without tiers, with every computed
+    block copied to the host tier (write-through), and to a remote tier (as every block always is)."""
+    rows = []
+    with RedisServer(maxmemory="8gb") as redis_server:
+        engines = {
+            "no tiers": LLM(model, max_model_len=length + 64, kv_cache_memory=1.0),
+            "host tier, write-through": LLM(model, max_model_len=length + 64, kv_cache_memory=1.0, kv_offload_host_gib=2.0,
+                                            kv_offload_policy="write_through"),
+            "remote tier (Redis)": LLM(model, max_model_len=length + 64, kv_cache_memory=1.0, kv_remote_url=redis_server.url),
+        }  # fmt: skip
+        ids = long_prose(engines["no tiers"].tokenizer, length)
+        rng = random.Random(1)
+        starts = [rng.randrange(0, len(ids) - length - 32) for _ in range(repeat)]
+        for label, llm in engines.items():
+            llm.generate([ids[-100:]], ONE, use_tqdm=False)
+            times = []
+            for start in starts:
+                times.append(timed(llm, ids[start : start + length])[0])
+                if llm.engine.kv.offloader is not None:
+                    llm.engine.kv.offloader.drain()
+                llm.reset_prefix_cache()
+            rows.append((label, statistics.median(times)))
+            if llm.engine.kv.offloader is not None:
+                llm.engine.kv.offloader.close()
     return rows
 
 
@@ -175,6 +206,7 @@ def main() -> None:
     parser.add_argument("--skip-tenants", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-gaps", action="store_true", help="leave out the streaming gap beside a disk load")
+    parser.add_argument("--write-cost", action="store_true", help="also: a cold prefill's time with blocks written to the tiers")
     args = parser.parse_args()
     if not args.skip_ttft:
         print("| model | prefix tokens | where the prefix is | TTFT (s) | vs recompute | cached tokens |")
@@ -189,6 +221,16 @@ def main() -> None:
             recompute = dict((w, t) for w, t, _ in rows)["nowhere"]
             for where, seconds, cached in rows:
                 print(f"| {model} | {length:,} | {where} | {seconds:.3f} | {seconds / recompute:.1%} | {cached:,} |", flush=True)
+    if args.write_cost:
+        print()
+        print("| model | prefix tokens | cold prefill | TTFT (s) | vs no tiers |")
+        print("|---|---:|---|---:|---:|")
+        for model in args.models.split(","):
+            for length in (int(n) for n in args.lengths.split(",")):
+                length = min(length, load_model_config(model).max_position_embeddings - 64)
+                rows = write_cost(model, length, args.repeat)
+                for label, seconds in rows:
+                    print(f"| {model} | {length:,} | {label} | {seconds:.3f} | {seconds / rows[0][1]:.2f}x |", flush=True)
     if not args.skip_gaps:
         print()
         print("| model | prefix loading beside the stream | stream's gap p99 alone (ms) | beside the load (ms) | ratio | tokens during the load |")

@@ -112,7 +112,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a Redis server as a KV tier shared by several engines: redis://[:password@]host:port/db, or "
                        "rediss://... for TLS. Every computed block goes there (keyed by its prefix hash, the model, KV "
                        "settings and salt: no prompt text), and a prefix any engine computed is loaded instead of "
-                       "recomputed. Give the server a maxmemory and an LRU policy. See docs/kv-tiers.md")
+                       "recomputed. Give the server a maxmemory and an LRU policy. See docs/kv-sharing.md")
     group.add_argument("--kv-remote-timeout-ms", type=int, default=200,
                        help="the deadline of every call to the remote tier; a call past it marks the server down until it "
                        "answers a ping again (requests recompute meanwhile) (default: %(default)s)")

@@ -21,12 +21,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None, maxmemory: str = "512mb") -> None:
         binary = shutil.which("redis-server")
         assert binary is not None, "redis-server is missing: `make setup` installs it (apt-get install redis-server)"
         self.binary = binary
         self.port = port or free_port()
         self.password = password or secrets.token_hex(8)
+        self.maxmemory = maxmemory
         self.directory = tempfile.mkdtemp(prefix="kvserve-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -41,7 +42,7 @@ class RedisServer:
         log = Path(self.directory) / "redis.log"
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", self.password, "--save", "",
-             "--appendonly", "no", "--dir", self.directory, "--logfile", str(log), "--maxmemory", "512mb",
+             "--appendonly", "no", "--dir", self.directory, "--logfile", str(log), "--maxmemory", self.maxmemory,
              "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -5,6 +5,8 @@ an outage degrades to recompute and heals itself, and --kv-role hands prompts ov
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -170,3 +172,26 @@ def test_a_producer_answers_once_its_blocks_are_stored_and_a_consumer_never_writ
     keys = redis_server.client().dbsize()
     run(consumer, random_prompts(2, 90, 120, seed=10), GREEDY)
     assert redis_server.client().dbsize() == keys  # the consumer wrote nothing
+
+
+def test_a_stalled_server_costs_one_deadline_then_requests_recompute(tiny_dir, redis_server):
+    """Redis slow rather than gone (the process stopped): a call runs into --kv-remote-timeout-ms once,
+    the tier is marked down, later requests do not wait on it, and it comes back when Redis does."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=12)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in run(plain, prompts, GREEDY)]
+    llm = remote(path, redis_server.url, kv_remote_timeout_ms=100)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert [trace(o) for o in run(llm, prompts, GREEDY)] == expected
+        assert time.monotonic() - started < 5
+        tier = llm.stats()["kv_tiers"]["remote"]
+        assert tier["timeouts"] == 1 and tier["outages"] == 1 and not tier["up"]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not llm.stats()["kv_tiers"]["remote"]["up"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert llm.stats()["kv_tiers"]["remote"]["up"]

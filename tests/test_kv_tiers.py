@@ -398,3 +398,28 @@ def test_damaged_host_records_are_misses_with_the_right_tokens(tiny_dir, tmp_pat
         host._records[key] = [data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 1]), b""][i % 3]  # truncated, damaged, empty
     assert [trace(o) for o in one_by_one(llm, prompts, GREEDY)] == expected
     assert llm.stats()["kv_tiers"]["host"]["corrupt_records"] >= 1
+
+
+def test_computed_blocks_wait_for_a_slow_writer_and_evicted_ones_are_dropped(monkeypatch):
+    """Write-through (and the shared tier) exists to keep computed blocks: past the pending limit the
+    step waits for the writer; an eviction burst drops the block instead (counted)."""
+    from kvserve.kv.tiers import offload
+
+    class SlowStore(HostStore):
+        def put(self, key, record):
+            time.sleep(0.01)
+            return super().put(key, record)
+
+    monkeypatch.setattr(offload, "MAX_PENDING_BYTES", 3000)
+    store = SlowStore(1 << 22)
+    offloader = offload.KVOffloader([store], IDENTITY, lambda block_id: bytes(1000), lambda block_id, data: None, "write_through")
+    records = [a_record(i)[1] for i in range(20)]
+    for i, record in enumerate(records[:10]):
+        offloader.offload(i, record.block_hash, 0, record.token_ids, published=True)
+    offloader.drain()
+    assert store.usage().entries == 10 and offloader.dropped_blocks == 0 and offloader.waits_for_writer > 0
+    back = offload.KVOffloader([store], IDENTITY, lambda block_id: bytes(1000), lambda block_id, data: None, "write_back")
+    for i, record in enumerate(records[10:]):
+        back.offload(i, record.block_hash, 0, record.token_ids)
+    back.drain()
+    assert back.dropped_blocks > 0 and store.usage().entries == 20 - back.dropped_blocks

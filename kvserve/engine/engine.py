@@ -176,8 +176,7 @@ class LLMEngine:
             stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:
             self.kv.offloader = KVOffloader(stores, root_hash(self.cache_identity), self.pool.block_bytes, self.pool.write_block_bytes,
-                                            config.kv_offload_policy, write_remote=config.kv_role != "consumer",
-                                            drop_when_behind=config.kv_role != "producer")  # fmt: skip
+                                            config.kv_offload_policy, write_remote=config.kv_role != "consumer")  # fmt: skip
 
     def tiers_description(self) -> str:
         """', KV tiers: host 4 GiB, disk /var/kv 50 GiB (write_back)', or '' without tiers (the serve banner)."""

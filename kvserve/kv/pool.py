@@ -257,7 +257,10 @@ class PagedKVPool:
 
     def block_bytes(self, block_id: int) -> bytes:
         """read_block's data as bytes: what a KV tier stores for the block."""
-        return self.read_block(block_id).view(torch.uint8).cpu().numpy().tobytes()
+        view = self._block_view(block_id).view(torch.uint8)
+        if view.device.type == "cpu":
+            return view.numpy().tobytes()  # one gathering copy, no torch op (no OpenMP team woken for a small copy)
+        return view.contiguous().cpu().numpy().tobytes()
 
     def write_block_bytes(self, block_id: int, payload: bytes) -> None:
         """Put block_bytes' data into a block of the same kind (float or quantized); a payload of

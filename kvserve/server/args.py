@@ -37,5 +37,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--migration-targets", default=None, metavar="URLS",
                        help="comma-separated base URLs of kvserve servers (same model and KV settings) that POST /v1/kv/migrate "
                        "may move a running request to; the client's response goes on through this server. Unset: migration "
-                       "is refused (403). Servers in a group share one --api-key. See docs/kv-tiers.md")
+                       "is refused (403). Servers in a group share one --api-key. See docs/kv-sharing.md")
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -74,7 +74,9 @@ class ServerMetrics:
                                      "recomputed", tier, registry=r)  # fmt: skip
         self._tier_queries = counter("kv_tier_query_tokens", "Prompt tokens past the pool's prefix hit looked up in the KV tiers")
         self._offload_dropped = counter("kv_offload_dropped_blocks", "Blocks that left the pool while the tiers' writer was "
-                                        "64 MiB behind: not stored (recomputed when needed)")
+                                        "256 MiB behind: not stored (recomputed when needed)")
+        self._writer_waits = counter("kv_offload_writer_waits", "Computed blocks (write-through, the shared tier) that waited for "
+                                     "the tiers' writer to fall below 256 MiB behind")
         self._offload_decisions = Counter("kvserve:kv_offload_decisions", "Per request with a tier hit: loaded or recomputed "
                                           "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
         self._tier_requests = Counter("kvserve:kv_tier_requests_served", "Requests whose prefix a load from a KV tier served "
@@ -147,6 +149,7 @@ class ServerMetrics:
         if "kv_tier_query_tokens_total" in stats:
             self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
             self._advance("kv_offload_dropped", stats["kv_offload_dropped_blocks_total"], self._offload_dropped)
+            self._advance("kv_offload_writer_waits", stats["kv_offload_writer_waits_total"], self._writer_waits)
             for decision, total in stats["kv_offload_decisions_total"].items():
                 self._advance(f"decision:{decision}", total, self._offload_decisions.labels(name, decision))
 

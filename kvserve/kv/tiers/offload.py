@@ -36,7 +36,7 @@ _FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8), "remote": (1e-3, 2e8)}
 _FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
 _LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
 REMOTE_BATCH = 64  # records per pipelined read from the shared tier
-MAX_PENDING_BYTES = 64 << 20  # copied out but not yet stored: past this, blocks leaving the pool are dropped (counted)
+MAX_PENDING_BYTES = 256 << 20  # copied out, not yet stored: past this an evicted block is dropped, a computed one waits
 
 
 def _yield_to_the_step_loop() -> None:
@@ -74,8 +74,7 @@ class LoadJob:
 
 class KVOffloader:
     def __init__(self, stores: Sequence[BlockStore], identity: int, read_block: Callable[[int], bytes],
-                 write_block: Callable[[int, bytes], None], policy: str = "write_back", write_remote: bool = True,
-                 drop_when_behind: bool = True) -> None:  # fmt: skip
+                 write_block: Callable[[int, bytes], None], policy: str = "write_back", write_remote: bool = True) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not stores:
@@ -86,7 +85,6 @@ class KVOffloader:
         self.identity = identity
         self.policy = policy
         self.writes_remote = self.remote is not None and write_remote  # a consumer (--kv-role) only reads it
-        self.drop_when_behind = drop_when_behind  # False (a producer): the step waits for the writer instead
         self._read_block, self._write_block = read_block, write_block
         self.counters = {s.name: TierCounters() for s in self.stores}
         for store in self.stores:
@@ -97,8 +95,10 @@ class KVOffloader:
         self.query_tokens = 0
         self._pending: dict[str, tuple[BlockRecord, BlockStore]] = {}  # copied out, not yet stored: (record, its first tier)
         self._pending_bytes = 0
-        self.dropped_blocks = 0  # left the pool while the worker was MAX_PENDING_BYTES behind
+        self.dropped_blocks = 0  # evicted while the worker was MAX_PENDING_BYTES behind
+        self.waits_for_writer = 0  # computed blocks that waited for the worker to fall below MAX_PENDING_BYTES
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
         self._warned_corrupt = False
         # a record a local tier drops for room goes down to the next local tier
@@ -128,12 +128,12 @@ class KVOffloader:
         with self._lock:
             if key in self._pending:
                 return
-            behind = self._pending_bytes >= MAX_PENDING_BYTES
-            if behind and self.drop_when_behind:
-                self.dropped_blocks += 1
-                return
-        if behind:
-            self.flushed().result()
+            if self._pending_bytes >= MAX_PENDING_BYTES:
+                if not published:  # an eviction burst: the block goes, as it would without tiers
+                    self.dropped_blocks += 1
+                    return
+                self.waits_for_writer += 1  # a computed block is what write-through and the shared tier are for: wait
+                self._room.wait_for(lambda: self._pending_bytes < MAX_PENDING_BYTES)
         record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
         with self._lock:
             self._pending[key] = (record, targets[0])
@@ -152,6 +152,7 @@ class KVOffloader:
             with self._lock:
                 if self._pending.pop(key, None) is not None:
                     self._pending_bytes -= len(record.payload)
+                    self._room.notify_all()
 
     def _store(self, store: BlockStore, key: str, data: bytes) -> None:
         start = time.perf_counter()
@@ -305,4 +306,5 @@ class KVOffloader:
             tiers["remote"].update(up=remote.up, outages=remote.outages, timeouts=remote.timeouts, errors=remote.errors)
         return {"kv_offload_policy": self.policy, "kv_tiers": tiers, "kv_tier_query_tokens_total": self.query_tokens,
                 "kv_offload_dropped_blocks_total": self.dropped_blocks,
+                "kv_offload_writer_waits_total": self.waits_for_writer,
                 "kv_offload_decisions_total": dict(self.decisions), "kv_offload_prefill_rate": self.prefill_rate}  # fmt: skip
