@@ -46,6 +46,8 @@ SECTIONS = (
      "What a lossy KV configuration costs against the reference run; see "
      "[KV quantization](kv-quantization.md#kvserve-eval). Takes the engine flags too (they are the reference's)."),
     ("`kvserve top`", "top", ("*",), "A live view of a running server's metrics; see [metrics and monitoring](metrics-and-monitoring.md)."),
+    ("`kvserve pd-proxy`", "pd-proxy", ("*",),
+     "One OpenAI endpoint in front of a prefill and a decode instance; see [KV sharing](kv-sharing.md#disaggregated-prefill)."),
 )
 
 

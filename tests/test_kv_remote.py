@@ -46,6 +46,25 @@ def remote(path: str, url: str, **settings) -> LLM:
     return llm
 
 
+def top_rows(llm: LLM) -> dict[str, str]:
+    """`kvserve top`'s tier rows for the engine's metrics, as a scrape of /metrics gives them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.server.metrics import ServerMetrics
+    from kvserve.server.top import tier_rows
+
+    metrics = ServerMetrics("tiny")
+    metrics.update_from_stats(llm.stats())
+    scraped: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            scraped[sample.name] = scraped.get(sample.name, 0.0) + sample.value
+            if "tier" in sample.labels:
+                key = f"{sample.name}|{sample.labels['tier']}"
+                scraped[key] = scraped.get(key, 0.0) + sample.value
+    return dict(tier_rows(scraped))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_second_engine_reuses_what_the_first_computed_with_the_same_tokens(tiny_dir, redis_server, family):
     path = str(tiny_dir(family))
@@ -119,11 +138,13 @@ def test_an_outage_degrades_to_recompute_once_logged_and_heals_itself(tiny_dir, 
     tier = llm.stats()["kv_tiers"]["remote"]
     assert not tier["up"] and tier["outages"] == 1
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1  # one line per outage, not per request
+    assert "DOWN" in top_rows(llm)["KV tier remote"]
     redis_server.start()  # empty again, same port and password
     deadline = time.monotonic() + 10
     while not llm.stats()["kv_tiers"]["remote"]["up"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert llm.stats()["kv_tiers"]["remote"]["up"]
+    assert "DOWN" not in top_rows(llm)["KV tier remote"]
     fresh = random_prompts(2, 90, 120, seed=18)
     run(llm, fresh, GREEDY)  # new blocks are written again
     assert redis_server.client().dbsize() > 0

@@ -36,7 +36,11 @@ def tier_rows(m: dict[str, float]) -> list[tuple[str, str]]:
     for tier in tiers:
         used, capacity = m.get(f"kvserve:kv_tier_usage_bytes|{tier}", 0.0), m[f"kvserve:kv_tier_capacity_bytes|{tier}"]
         hits = m.get(f"kvserve:kv_tier_hit_tokens_total|{tier}", 0.0)
-        rows.append((f"KV tier {tier}", f"{used / 2**20:,.1f} / {capacity / 2**20:,.1f} MiB, {int(hits):,} tokens loaded"))
+        budget = f"{capacity / 2**20:,.1f} MiB" if capacity else "no maxmemory"
+        state = ""
+        if tier == "remote" and m.get("kvserve:kv_remote_up") == 0:
+            state = ", DOWN: requests recompute"
+        rows.append((f"KV tier {tier}", f"{used / 2**20:,.1f} / {budget}, {int(hits):,} tokens loaded{state}"))
     return rows
 
 
