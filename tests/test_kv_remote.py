@@ -216,3 +216,19 @@ def test_a_stalled_server_costs_one_deadline_then_requests_recompute(tiny_dir, r
     while not llm.stats()["kv_tiers"]["remote"]["up"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert llm.stats()["kv_tiers"]["remote"]["up"]
+
+
+def test_a_tls_server_is_reached_with_its_ca_and_refused_without(tiny_dir):
+    """rediss:// with --kv-remote-ca-file (a throwaway CA made by openssl): the engines share a prefix;
+    without the CA the certificate fails verification, a one-line error naming the flag."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(2, 90, 120, seed=13)
+    with RedisServer(tls=True) as server:
+        first = remote(path, server.url, kv_remote_ca_file=server.ca_file)
+        expected = [trace(o) for o in run(first, prompts, GREEDY)]
+        second = remote(path, server.url, kv_remote_ca_file=server.ca_file)
+        outs = run(second, prompts, GREEDY)
+        assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
+        with pytest.raises(ValueError, match="--kv-remote-url rediss://:\\*\\*\\*@.*CERTIFICATE_VERIFY_FAILED") as error:
+            RemoteStore(server.url)
+        assert server.password not in str(error.value)
