@@ -120,6 +120,10 @@ def test_damaged_truncated_and_foreign_records_are_misses_with_the_right_tokens(
     assert [trace(o) for o in run(second, prompts, GREEDY)] == expected
     tier = second.stats()["kv_tiers"]["remote"]
     assert tier["corrupt_records"] >= 1 and tier["hit_tokens"] == 0
+    third = remote(path, redis_server.url)  # the recomputed blocks replaced every damaged copy behind the first found
+    outs = run(third, prompts, GREEDY)
+    assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
+    assert third.stats()["kv_tiers"]["remote"]["corrupt_records"] == 0
 
 
 def test_an_outage_degrades_to_recompute_once_logged_and_heals_itself(tiny_dir, redis_server, caplog):
@@ -154,12 +158,15 @@ def test_an_outage_degrades_to_recompute_once_logged_and_heals_itself(tiny_dir, 
 
 def test_a_bad_url_or_password_is_one_error_naming_the_flag(redis_server):
     wrong = redis_server.url.replace(redis_server.password, "not-the-password")
-    for url in (wrong, f"redis://127.0.0.1:{free_port()}/0"):
+    query = f"redis://127.0.0.1:{redis_server.port}/0?password=not-the-password"
+    for url in (wrong, f"redis://127.0.0.1:{free_port()}/0", query, "redis://:not-the-password@127.0.0.1:99999/0"):
         with pytest.raises(ValueError, match="--kv-remote-url") as error:
             RemoteStore(url, timeout_ms=200)
         assert "not-the-password" not in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ValueError, match="--kv-remote-url"):
         RemoteStore("http://127.0.0.1:1/")
+    with pytest.raises(ValueError, match="--kv-remote-ca-file /nonexistent.pem: No such file"):
+        RemoteStore("rediss://127.0.0.1:1/0", ca_file="/nonexistent.pem")
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -5,6 +5,7 @@ instance does, streamed or not, with the hand-over in the consumer's cached toke
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -119,7 +120,7 @@ def test_pd_proxy_answers_as_one_instance_with_the_prompt_handed_over(pd, refere
     seeded = chat | {"temperature": 0.9, "seed": 5, "messages": [{"role": "user", "content": "another question " * 30}]}
     assert streamed(proxy_url, "/v1/chat/completions", seeded)[0] == streamed(reference, "/v1/chat/completions", seeded)[0]
     stats = httpx.get(proxy_url + "/pd/stats").json()
-    assert stats == {"handed_over": 4, "prefill_failed": 0}
+    assert stats == {"prefilled": 4, "prefill_failed": 0}
     producer_metrics = httpx.get(producer_url + "/metrics").text
     assert "kvserve:kv_handovers_published_total" in producer_metrics
 
@@ -139,6 +140,14 @@ def test_pd_proxy_refuses_bad_input_and_survives_a_dead_producer(pd, model_dir, 
         prompt = random_prompts(1, 100, 100, seed=23)[0]
         assert complete(dead_url, prompt)["choices"][0]["text"] == complete(reference, prompt)["choices"][0]["text"]
         assert httpx.get(dead_url + "/pd/stats").json()["prefill_failed"] == 1
-        assert httpx.get(dead_url + "/health").status_code == 503
+        health = httpx.get(dead_url + "/health")  # requests succeed without the producer: the proxy stays in service
+        assert health.status_code == 200 and health.json() == {"prefill": "unreachable", "decode": "ok"}
+        nested = httpx.post(dead_url + "/v1/completions", content=b"[" * 100000 + b"]" * 100000, timeout=30)
+        assert nested.status_code == 400
+        host, port = dead_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:  # declares 1 GB, sends 2 bytes
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999999\r\n\r\n{}")
+            assert conn.recv(100).startswith(b"HTTP/1.1 413")
+        assert "Traceback" not in server_log(proxy)
     finally:
         stop_server(proxy)

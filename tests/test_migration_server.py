@@ -21,6 +21,7 @@ from server_process import launch_server, server_log, stop_server
 
 FAULT_SERVE = [sys.executable, str(Path(__file__).parent / "fault_serve.py")]
 SLOW = 479  # tests/fault_serve.py
+KEY = "a-shared-migration-secret"
 
 
 def start(model_dir, *extra: str):
@@ -33,8 +34,8 @@ def servers(tiny_dir):
     model_dir = tiny_dir("llama")
     dead = f"http://127.0.0.1:{free_port()}"
     reference, reference_url = start(model_dir)
-    target, target_url = start(model_dir)
-    source, source_url = start(model_dir, "--migration-targets", f"{target_url},{dead}")
+    target, target_url = start(model_dir, "--migration-key", KEY)
+    source, source_url = start(model_dir, "--migration-targets", f"{target_url},{dead}", "--migration-key", KEY)
     yield {"reference": reference_url, "target": target_url, "source": source_url, "dead": dead, "source_proc": source}
     for proc in (reference, target, source):
         stop_server(proc)
@@ -127,6 +128,30 @@ def test_migration_refusals_are_clear(servers):
     off = httpx.post(servers["reference"] + "/v1/kv/migrate", json={"request_id": "x", "target": servers["target"]})
     assert off.status_code == 403 and "migration is off" in off.text
     assert httpx.post(source + "/v1/kv/migrate", json={"request_id": 5, "target": "x"}).status_code == 400
-    junk = httpx.post(servers["target"] + "/v1/kv/import", content=b"\x10\x00\x00\x00not json at all!")
+    keyed = {"x-kvserve-migration-key": KEY}
+    junk = httpx.post(servers["target"] + "/v1/kv/import", content=b"\x10\x00\x00\x00not json at all!", headers=keyed)
     assert junk.status_code == 400 and "migration state" in junk.text
+    assert "Traceback" not in server_log(servers["source_proc"])
+
+
+def test_only_a_server_with_the_migration_key_can_put_a_request_and_its_kv_into_another(servers):
+    """/v1/kv/import would let a client plant K/V in the prefix cache: it takes the group's secret,
+    not the API key; a server without --migration-key takes none; hostile states get a 400 early."""
+    from kvserve.engine.migration import RequestState
+    from kvserve.sampling_params import SamplingParams
+
+    state = RequestState([5] * 40, [], SamplingParams(max_tokens=4), 0, 0).to_bytes()
+    import_ = lambda url, headers, content=state: httpx.post(url + "/v1/kv/import", content=content, headers=headers, timeout=60)  # noqa: E731
+    assert import_(servers["target"], {}).status_code == 403
+    assert import_(servers["target"], {"x-kvserve-migration-key": KEY + "x"}).status_code == 403
+    off = import_(servers["reference"], {"x-kvserve-migration-key": KEY})
+    assert off.status_code == 403 and "--migration-key" in off.text
+    keyed = {"x-kvserve-migration-key": KEY}
+    foreign = import_(servers["target"], keyed)  # identity 0: another model
+    assert foreign.status_code == 400 and "another model" in foreign.text
+    empty_records = state + b"\x00\x00\x00\x00" * 1000
+    assert import_(servers["target"], keyed, empty_records).status_code == 400
+    for bad in (b'{"version": 1, "params": "x"}', b'{"version": 1, "prompt_token_ids": [1], "output_token_ids": [], "params": null}'):
+        response = import_(servers["target"], keyed, len(bad).to_bytes(4, "little") + bad)
+        assert response.status_code == 400 and "migration state" in response.text, response.text
     assert "Traceback" not in server_log(servers["source_proc"])

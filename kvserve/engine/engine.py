@@ -19,7 +19,7 @@ from kvserve import kernels
 from kvserve.attention.backend import create_backend
 from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
-from kvserve.engine.migration import RequestState
+from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
@@ -35,7 +35,7 @@ from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
 from kvserve.kv.tiers.offload import KVOffloader
-from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key, record_head
+from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_head, record_key, record_overhead
 from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
@@ -417,8 +417,33 @@ class LLMEngine:
             raise ValueError("the request's logprobs do not match its output tokens")
         if self.eviction_policy(state.params) is not None:
             raise ValueError("this engine compresses the request's cache (--kv-compression): it cannot continue it exactly")
+        if len(state.prompt_token_ids) + state.params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={state.params.max_tokens} plus the prompt's {len(state.prompt_token_ids)} tokens exceeds "
+                             f"max_model_len={self.max_model_len}")  # fmt: skip
+        if len(state.records) > self.max_migrated_records(len(tokens)):
+            raise ValueError(f"{len(state.records)} KV records are more than {len(tokens)} tokens have blocks")
 
-    def import_request(self, state: RequestState, request_id: str | None = None) -> Sequence:
+    def max_migrated_records(self, num_tokens: int) -> int:
+        """The most block records a migrated request of num_tokens tokens can carry (one per group per block)."""
+        return (num_tokens // self.kv.block_size + 1) * len(self.kv.groups)
+
+    def max_migration_bytes(self) -> int:
+        """The largest state (engine/migration.py) a request can need here: its JSON and its records."""
+        records = self.max_migrated_records(self.max_model_len)
+        return MAX_STATE_BYTES + records * (4 + self.kv_spec.bytes_per_block + record_overhead(self.kv.block_size))
+
+    def decode_records(self, state: RequestState) -> list[BlockRecord]:
+        """The state's KV records that pass their checks (the others are counted, then recomputed);
+        pure, so a server runs it off the engine thread."""
+        records = []
+        for data in state.records:
+            try:
+                records.append(decode_record(data, state.identity, record_key(*record_head(data))))
+            except (CorruptRecord, ValueError):
+                self.migrations["records_rejected"] += 1
+        return records
+
+    def import_request(self, state: RequestState, request_id: str | None = None, records: list[BlockRecord] | None = None) -> Sequence:
         """Continue a request exported by an engine with the same model and KV settings: its blocks
         (the records in the state, else the tiers, else recomputed) and its draws go on where they
         were, so it produces the tokens it would have produced there. Its outputs hold what is new."""
@@ -427,12 +452,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        records = []
-        for data in state.records:
-            try:
-                records.append(decode_record(data, state.identity, record_key(*record_head(data))))
-            except (CorruptRecord, ValueError):
-                self.migrations["records_rejected"] += 1
+        if records is None:
+            records = self.decode_records(state)
         if records and self.pool is not None:
             self.kv.adopt_blocks(tokens, state.cache_salt, records, self.pool.write_block_bytes)
         text = None
@@ -488,7 +509,8 @@ class LLMEngine:
             return []
         done = [output for stored, output in self._handing_over if stored.done()]
         self._handing_over = [(stored, output) for stored, output in self._handing_over if not stored.done()]
-        self.handovers_published += len(done)
+        if self.kv.offloader.remote.up:  # during an outage the blocks did not get there: the consumer recomputes
+            self.handovers_published += len(done)
         return done
 
     @property

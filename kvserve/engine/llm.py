@@ -88,7 +88,9 @@ class LLM:
         return self.engine.export_request(request_id, with_records)
 
     def import_request(self, state: RequestState) -> RequestOutput:
-        """Continue an exported request here to its end; its finished output (all its tokens)."""
+        """Continue an exported request here to its end; its finished output (all its tokens). It steps
+        the engine as generate() does: outputs of requests queued with llm.engine.add_request finish
+        unseen; to keep them, call llm.engine.import_request and step the engine yourself."""
         seq = self.engine.import_request(state)
         seq.stream = False
         while True:

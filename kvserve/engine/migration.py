@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass
 
 from kvserve.engine.sequence import TokenLogprobs
+from kvserve.kv.tiers.record import record_overhead
 from kvserve.sampling_params import SamplingParams
 
 FORMAT_VERSION = 1
@@ -61,7 +62,7 @@ class RequestState:
             raise ValueError("migration state: its JSON part is truncated or too large")
         try:
             state = json.loads(bytes(view[_LENGTH.size : _LENGTH.size + size]))
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             raise ValueError(f"migration state: not JSON ({error})") from None
         if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
             raise ValueError(f"migration state: not a version-{FORMAT_VERSION} kvserve request state")
@@ -73,24 +74,53 @@ class RequestState:
             offset += _LENGTH.size
             if offset + length > len(view):
                 raise ValueError("migration state: a record is truncated")
+            if length < record_overhead(0):
+                raise ValueError("migration state: a record is shorter than a record's header")
             records.append(bytes(view[offset : offset + length]))
             offset += length
         try:
-            tokens = [_token_list(state, name) for name in ("prompt_token_ids", "output_token_ids")]
-            params = SamplingParams(**{k: v for k, v in state["params"].items() if k in _PARAM_FIELDS})
-            seed, cached = state["seed"], state.get("num_cached_tokens", 0)
-            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-                raise ValueError("seed must be an unsigned 64-bit integer")
-            if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= len(tokens[0]):
-                raise ValueError("num_cached_tokens must count prompt tokens")
-            logprobs = [TokenLogprobs(int(t), float(lp), {int(k): float(v) for k, v in top}) for t, lp, top in state.get("logprobs", [])]
-            salt, prompt = state.get("cache_salt"), state.get("prompt")
-            if not (salt is None or isinstance(salt, str)) or not (prompt is None or isinstance(prompt, str)):
-                raise ValueError("cache_salt and prompt must be strings or null")
-            return cls(tokens[0], tokens[1], params, seed, int(state["identity"], 16), salt, prompt, bool(state.get("stream")),
-                       logprobs, cached, records)  # fmt: skip
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"migration state: {error}") from None
+            return cls._from_json(state, records)
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
+            message = str(error) if isinstance(error, ValueError) else f"a field is missing or of the wrong type ({type(error).__name__})"
+            raise ValueError(f"migration state: {message}") from None
+
+    @classmethod
+    def _from_json(cls, state: dict, records: list[bytes]) -> "RequestState":
+        tokens = [_token_list(state, name) for name in ("prompt_token_ids", "output_token_ids")]
+        params = state["params"]
+        if not isinstance(params, dict):
+            raise ValueError("params must be an object of sampling parameters")
+        params = SamplingParams(**{k: v for k, v in params.items() if k in _PARAM_FIELDS})
+        seed, cached, identity = state["seed"], state.get("num_cached_tokens", 0), state["identity"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError("seed must be an unsigned 64-bit integer")
+        if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= len(tokens[0]):
+            raise ValueError("num_cached_tokens must count prompt tokens")
+        if not isinstance(identity, str) or len(identity) != 32 or any(c not in "0123456789abcdef" for c in identity):
+            raise ValueError("identity must be 32 hex digits")
+        salt, prompt, stream = state.get("cache_salt"), state.get("prompt"), state.get("stream", False)
+        if not (salt is None or isinstance(salt, str)) or not (prompt is None or isinstance(prompt, str)):
+            raise ValueError("cache_salt and prompt must be strings or null")
+        if not isinstance(stream, bool):
+            raise ValueError("stream must be true or false")
+        logprobs = state.get("logprobs", [])
+        if not isinstance(logprobs, list) or not all(_is_logprob(entry) for entry in logprobs):
+            raise ValueError("logprobs must be a list of [token id, logprob, [[token id, logprob], ...]]")
+        logprobs = [TokenLogprobs(t, float(lp), {k: float(v) for k, v in top}) for t, lp, top in logprobs]
+        return cls(tokens[0], tokens[1], params, seed, int(identity, 16), salt, prompt, stream, logprobs, cached, records)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_logprob(entry) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and _is_token(entry[0]) and _is_number(entry[1]) and isinstance(entry[2], list)
+            and all(isinstance(p, list) and len(p) == 2 and _is_token(p[0]) and _is_number(p[1]) for p in entry[2]))  # fmt: skip
 
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

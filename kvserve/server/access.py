@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.config import ServerConfig
-from kvserve.server.migration import IMPORT_PATH, MAX_IMPORT_BYTES
+from kvserve.server.migration import IMPORT_PATH, MIGRATION_KEY_HEADER
 
 # a client's own X-Request-Id is used when it is this plain (it reaches log lines)
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
@@ -36,11 +36,13 @@ def needs_api_key(method: str, path: str) -> bool:
 
 
 class AccessGuard:
-    def __init__(self, app: ASGIApp, config: ServerConfig, reject: Reject) -> None:
+    def __init__(self, app: ASGIApp, config: ServerConfig, reject: Reject, max_import_bytes: int = 0) -> None:
         self.app = app
         self.config = config
         self.reject = reject
         self._key = config.api_key.encode() if config.api_key else None
+        self._migration_key = config.migration_key.encode() if config.migration_key else None
+        self.max_import_bytes = max_import_bytes  # the largest migrated request this engine can need (its KV included)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,7 +85,17 @@ class AccessGuard:
                 await refuse(401, "missing or incorrect API key: send `Authorization: Bearer <key>`", "invalid_request_error",
                              "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return
-        limit = self.config.max_request_bytes if scope["path"] != IMPORT_PATH else MAX_IMPORT_BYTES  # a state carries its KV
+        limit = self.config.max_request_bytes
+        if scope["path"] == IMPORT_PATH:  # a migrated request, from a server that holds the migration key only
+            if self._migration_key is None:
+                await refuse(403, "this server takes no migrated request: start it with --migration-key", "permission_error",
+                             "migration_disabled")  # fmt: skip
+                return
+            if not hmac.compare_digest(headers.get(MIGRATION_KEY_HEADER.encode(), b""), self._migration_key):
+                await refuse(403, "missing or incorrect migration key (the --migration-key servers of a group share)",
+                             "permission_error", "invalid_migration_key")  # fmt: skip
+                return
+            limit = max(limit, self.max_import_bytes)  # a state carries its KV
         too_large = f"request body is larger than --max-request-bytes {limit}"
         if declared is not None and declared > limit:
             await refuse(413, too_large, "invalid_request_error", "request_too_large")

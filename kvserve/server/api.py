@@ -471,12 +471,18 @@ class OpenAIServer:
     async def import_request(self, request: Request) -> StreamingResponse:
         """Continue a request another server exported; its outputs as JSON lines (server/migration.py)."""
         raw = await request.body()
-        try:
-            state = await asyncio.to_thread(RequestState.from_bytes, raw)
+
+        def parse() -> tuple[RequestState, list]:
+            state = RequestState.from_bytes(raw)
             self.engine.check_import(state)
+            return state, self.engine.decode_records(state)  # the checksums, off the event loop and the engine thread
+
+        try:
+            state, records = await asyncio.to_thread(parse)
         except ValueError as exc:
             raise APIError(400, str(exc), None, "invalid_request_error", "invalid_migration_state") from None
-        sub = self._submit(request, [PromptGroup(state.prompt_token_ids, [state.params])], state.cache_salt, state.stream, state)
+        sub = self._submit(request, [PromptGroup(state.prompt_token_ids, [state.params])], state.cache_salt, state.stream,
+                           (state, records))  # fmt: skip
 
         async def lines() -> AsyncIterator[str]:
             try:
@@ -608,7 +614,7 @@ def build_asgi(server: OpenAIServer) -> AccessGuard:
     def reject(request_id: str, where: str, status: int, message: str, kind: str, reason: str) -> Response:
         return server.reject(request_id, where, status, message, kind, reason)
 
-    return AccessGuard(create_app(server), server.config, reject)
+    return AccessGuard(create_app(server), server.config, reject, server.engine.max_migration_bytes())
 
 
 def run_server(args) -> int:

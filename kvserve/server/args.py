@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.server.config import API_KEY_ENV, ServerConfig
+from kvserve.server.config import API_KEY_ENV, MIGRATION_KEY_ENV, ServerConfig
 
 _DEFAULTS = ServerConfig()
 
@@ -37,5 +37,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--migration-targets", default=None, metavar="URLS",
                        help="comma-separated base URLs of kvserve servers (same model and KV settings) that POST /v1/kv/migrate "
                        "may move a running request to; the client's response goes on through this server. Unset: migration "
-                       "is refused (403). Servers in a group share one --api-key. See docs/kv-sharing.md")
+                       "is refused (403). Needs --migration-key. Servers in a group share one --api-key. See docs/kv-sharing.md")
+    group.add_argument("--migration-key", default=None, metavar="SECRET",
+                       help=f"the secret a migration group's servers share (16+ characters): a source sends it, and "
+                       f"POST /v1/kv/import takes a request (and its KV) only with it; without it this server takes no migrated "
+                       f"request (403). Default: ${MIGRATION_KEY_ENV}, else none")
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -110,7 +110,7 @@ class Submission:
         self.aborted: RequestAborted | None = None  # why it ended unfinished, once it has
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
-        self.imported = None  # a RequestState to continue (live migration) instead of its prompt
+        self.imported = None  # (RequestState, its decoded KV records) to continue (live migration) instead of its prompt
         self.relays: set[asyncio.Task] = set()  # samples migrated away: their target's outputs relayed in (server/migration.py)
 
     @property
@@ -227,8 +227,8 @@ class AsyncEngine:
         timeout: float | None = None, elapsed: float = 0.0, imported=None,
     ) -> Submission:
         """Admit every sample of every prompt, or none (raising). `timeout` counts from the request's
-        arrival, `elapsed` seconds ago. `imported`: a migrated request's RequestState to continue
-        (groups then name its prompt and its one sample)."""
+        arrival, `elapsed` seconds ago. `imported`: a migrated request's (RequestState, decoded KV
+        records) to continue (groups then name its prompt and its one sample)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         if not self._accepting:
@@ -315,7 +315,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             if sub.imported is not None:
-                self.engine.import_request(sub.imported, sub.ids[0][0])
+                state, records = sub.imported
+                self.engine.import_request(state, sub.ids[0][0], records)
                 added.append(sub.ids[0][0])
             for group, ids in zip(sub.groups, sub.ids) if sub.imported is None else ():
                 self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream)

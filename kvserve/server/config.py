@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from kvserve.model.tokenizer import read_chat_template
 
 API_KEY_ENV = "KVSERVE_API_KEY"
+MIGRATION_KEY_ENV = "KVSERVE_MIGRATION_KEY"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -37,6 +38,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     trust_request_chat_template: bool = False
     migration_targets: tuple[str, ...] = ()  # base URLs POST /v1/kv/migrate may move a request to (none: migration off)
+    migration_key: str | None = None  # the secret servers of a migration group share: /v1/kv/import takes a request only with it
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +58,10 @@ class ServerConfig:
             if not target.startswith(("http://", "https://")):
                 raise ValueError(f"--migration-targets must list http:// or https:// base URLs, got {target!r}")
         object.__setattr__(self, "migration_targets", targets)
+        if self.migration_key is not None and len(self.migration_key.strip()) < 16:
+            raise ValueError("--migration-key must be at least 16 characters (a shared secret: it lets a server put KV into this one)")
+        if targets and self.migration_key is None:
+            raise ValueError(f"--migration-targets needs --migration-key (or ${MIGRATION_KEY_ENV}): the secret the targets accept")
         if self.allowed_hosts is None:
             hosts = LOOPBACK_HOSTS if is_loopback(self.host) else ("*",)
         else:
@@ -81,6 +87,8 @@ class ServerConfig:
         values["chat_template"] = read_chat_template(values.get("chat_template"))
         if values.get("api_key") is None:
             values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        if values.get("migration_key") is None:
+            values["migration_key"] = os.environ.get(MIGRATION_KEY_ENV) or None
         hosts = values.get("allowed_hosts")
         if hosts is not None:
             values["allowed_hosts"] = tuple(hosts.split(","))

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MIGRATE_PATH = "/v1/kv/migrate"
 IMPORT_PATH = "/v1/kv/import"
-MAX_IMPORT_BYTES = 1 << 30  # a state with its KV records (--max-request-bytes bounds every other body)
+MIGRATION_KEY_HEADER = "x-kvserve-migration-key"
 _CONNECT_TIMEOUT_S = 5.0
 
 
@@ -85,8 +85,11 @@ class Migrator:
             await self._client.aclose()
 
     def _headers(self) -> dict[str, str]:
-        key = self.server.config.api_key
-        return {"content-type": "application/octet-stream", **({"authorization": f"Bearer {key}"} if key else {})}
+        config = self.server.config
+        headers = {"content-type": "application/octet-stream", MIGRATION_KEY_HEADER: config.migration_key or ""}
+        if config.api_key:
+            headers["authorization"] = f"Bearer {config.api_key}"
+        return headers
 
     async def migrate(self, sub: Submission, target: str) -> int:
         """Move the request's unfinished samples to target; returns how many moved. Raises

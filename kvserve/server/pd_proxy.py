@@ -15,13 +15,15 @@ import argparse
 import copy
 import json
 import logging
-import socket
 import sys
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.kv.tiers.remote import masked_url
+from kvserve.server.shutdown import bound_socket
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,33 @@ class PDProxy:
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.max_request_bytes = max_request_bytes
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(max_connections=256))
-        self.counts = {"handed_over": 0, "prefill_failed": 0}
+        self.counts = {"prefilled": 0, "prefill_failed": 0}  # the producer answered (its blocks stored, unless Redis was down) / not
         self._producer_down = False
 
     @staticmethod
     def _headers(request: Request) -> dict[str, str]:
         return {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
 
+    async def _body(self, request: Request) -> bytes | None:
+        """The request's body, or None when it is over --max-request-bytes (read no further than that)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            return None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return None
+        return bytes(body)
+
     async def generate(self, request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > self.max_request_bytes:
-            return _error(413, f"request body over {self.max_request_bytes} bytes", "request_too_large")
+        raw = await self._body(request)
+        if raw is None:
+            return _error(413, f"request body over --max-request-bytes {self.max_request_bytes}", "request_too_large")
         try:
             body = json.loads(raw, parse_constant=_refuse_constant)
+        except RecursionError:
+            return _error(400, "the body's JSON is nested too deeply", "invalid_json")
         except (ValueError, UnicodeDecodeError) as error:
             return _error(400, f"the body is not valid JSON ({error})", "invalid_json")
         if not isinstance(body, dict):
@@ -89,6 +105,11 @@ class PDProxy:
             try:
                 async for chunk in response.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as error:  # the decode instance died mid-answer: the client hears it, as from kvserve itself
+                log.warning("the decode instance %s broke off a streamed answer (%s)", self.decode_url, type(error).__name__)
+                failure = {"error": {"message": f"the decode instance broke off the answer ({type(error).__name__})",
+                                     "type": "server_error", "param": None, "code": "decode_failed"}}  # fmt: skip
+                yield f"\n\ndata: {json.dumps(failure)}\n\n".encode()
             finally:
                 await response.aclose()
 
@@ -111,7 +132,7 @@ class PDProxy:
         if self._producer_down:
             log.warning("the prefill instance %s answers again", self.prefill_url)
             self._producer_down = False
-        self.counts["handed_over"] += 1
+        self.counts["prefilled"] += 1
         return None
 
     def _producer_failed(self, reason: str) -> None:
@@ -121,9 +142,9 @@ class PDProxy:
             self._producer_down = True
 
     async def forward(self, request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > self.max_request_bytes:
-            return _error(413, f"request body over {self.max_request_bytes} bytes", "request_too_large")
+        raw = await self._body(request)
+        if raw is None:
+            return _error(413, f"request body over --max-request-bytes {self.max_request_bytes}", "request_too_large")
         try:
             response = await self.client.request(request.method, self.decode_url + request.url.path, content=raw,
                                                   params=request.query_params, headers=self._headers(request))  # fmt: skip
@@ -133,13 +154,15 @@ class PDProxy:
         return Response(response.content, status_code=response.status_code, headers=passed)
 
     async def health(self) -> Response:
+        """200 while the decode instance is healthy (requests succeed: without the prefill instance the
+        consumer computes prompts itself); the body says how each instance is."""
+        states = {}
         for name, url in (("prefill", self.prefill_url), ("decode", self.decode_url)):
             try:
-                if (await self.client.get(url + "/health", timeout=5.0)).status_code != 200:
-                    return _error(503, f"the {name} instance {url} is not healthy", "unhealthy")
+                states[name] = "ok" if (await self.client.get(url + "/health", timeout=5.0)).status_code == 200 else "unhealthy"
             except httpx.HTTPError:
-                return _error(503, f"the {name} instance {url} does not answer", "unhealthy")
-        return Response(status_code=200)
+                states[name] = "unreachable"
+        return JSONResponse(states, status_code=200 if states["decode"] == "ok" else 503)
 
 
 def create_proxy_app(proxy: PDProxy) -> FastAPI:
@@ -165,15 +188,15 @@ def add_pd_proxy_args(parser: argparse.ArgumentParser) -> None:
 def run_pd_proxy(args: argparse.Namespace) -> int:
     for flag, url in (("--prefill", args.prefill), ("--decode", args.decode)):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{flag} must be an http:// or https:// base URL, got {url!r}")
+            raise ValueError(f"{flag} must be an http:// or https:// base URL, got {masked_url(url)!r}")
     if not 0 < args.timeout <= 86400:
         raise ValueError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
+    if args.max_request_bytes <= 0:
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
     proxy = PDProxy(args.prefill, args.decode, args.timeout, args.max_request_bytes)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = bound_socket(args.host, args.port)
     port = sock.getsockname()[1]
-    print(f"kvserve: serving pd-proxy on http://{args.host}:{port} (prefill {proxy.prefill_url}, decode {proxy.decode_url})",
-          file=sys.stdout, flush=True)  # fmt: skip
+    print(f"kvserve: serving pd-proxy on http://{args.host}:{port} (prefill {masked_url(proxy.prefill_url)}, "
+          f"decode {masked_url(proxy.decode_url)})", file=sys.stdout, flush=True)  # fmt: skip
     uvicorn.Server(uvicorn.Config(create_proxy_app(proxy), log_level="warning")).run(sockets=[sock])
     return 0

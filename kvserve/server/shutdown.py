@@ -68,12 +68,23 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening socket's address taken, or ValueError naming --host/--port and why not."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        raise ValueError(f"cannot listen on --host {host} --port {port}: {error.strerror or error}") from None
+    return sock
+
+
 def serve(server, app, uvicorn_log_level: str) -> int:
     """Bind, print the startup line, serve until a signal has drained the server; returns 0."""
     config = server.config
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
+    sock = bound_socket(config.host, config.port)
     port = sock.getsockname()[1]
     uv_config = uvicorn.Config(app, host=config.host, port=port, log_level=uvicorn_log_level,
                                timeout_graceful_shutdown=_CONNECTIONS_GRACE_S)  # fmt: skip

@@ -228,7 +228,7 @@ class KVOffloader:
         fetched = self._fetch_remote([key for key, store in zip(keys, local) if store is None])
         loaded: list[str | None] = []
         touched: set[str] = set()
-        for key, block_id, store in zip(keys, block_ids, local):
+        for i, (key, block_id, store) in enumerate(zip(keys, block_ids, local)):
             start = time.perf_counter()
             if store is not None:
                 data = store.get(key)
@@ -242,6 +242,8 @@ class KVOffloader:
             except (CorruptRecord, ValueError) as error:
                 self.counters[store.name].corrupt_records += 1
                 store.delete(key)
+                if store.shared:  # the rest of the chain is recomputed and sent again: stale copies must not stand in its way
+                    store.delete_many([k for k, where in zip(keys[i + 1 :], local[i + 1 :]) if where is None])
                 if not self._warned_corrupt:
                     logger.warning("the %s tier held an unusable KV record (%s); its prefix is recomputed from there", store.name, error)
                     self._warned_corrupt = True

@@ -32,14 +32,14 @@ _T = TypeVar("_T")
 
 
 def masked_url(url: str) -> str:
-    """The URL without its password (for logs and errors)."""
+    """The URL without its password, whether in the user part or the query (for logs and errors)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{host}{port}").geturl()
+    user, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user:
+        user = user.split(":", 1)[0] + ":***"
+    query = "&".join(f"{k}=***" if k.lower() == "password" else f"{k}={v}" if sep else k
+                     for k, sep, v in (item.partition("=") for item in parts.query.split("&") if item))  # fmt: skip
+    return parts._replace(netloc=f"{user}{at}{host}", query=query).geturl()
 
 
 class RemoteStore(BlockStore):
@@ -52,6 +52,13 @@ class RemoteStore(BlockStore):
             raise ValueError(f"--kv-remote-url must be redis://[:password@]host:port/db or rediss://..., got {masked_url(url)!r}")
         if ca_file is not None and scheme != "rediss":
             raise ValueError("--kv-remote-ca-file verifies a TLS server: give a rediss:// --kv-remote-url")
+        if ca_file is not None:
+            try:
+                with open(ca_file, "rb") as pem:
+                    if b"-----BEGIN CERTIFICATE-----" not in pem.read(1 << 20):
+                        raise ValueError(f"--kv-remote-ca-file {ca_file}: not a PEM certificate")
+            except OSError as error:
+                raise ValueError(f"--kv-remote-ca-file {ca_file}: {error.strerror}") from None
         self.url = masked_url(url)
         self.ttl_s = ttl_s
         seconds = timeout_ms / 1000
@@ -144,7 +151,11 @@ class RemoteStore(BlockStore):
         return self._call(call, [False] * len(keys))
 
     def delete(self, key: str) -> None:
-        self._call(lambda: self._client.delete(self._key(key)), None)
+        self.delete_many([key])
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._call(lambda: self._client.delete(*(self._key(key) for key in keys)), None)
 
     def usage(self) -> TierUsage:
         """The server's memory and key count (refreshed at most every few seconds): shared with every

@@ -41,6 +41,10 @@ class BlockStore(abc.ABC):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
     def close(self) -> None:
         """Release connections and threads (the engine's shutdown)."""
 
