@@ -48,16 +48,6 @@ def _yield_to_the_step_loop() -> None:
         pass
 
 
-def _hand_back_the_interpreter() -> None:
-    """Between two records, the worker releases the GIL so a step thread waiting for it takes it now:
-    a worker with queued records would otherwise keep it for a whole switch interval (5 ms) at a time."""
-    if _YIELD:
-        time.sleep(0)
-
-
-_YIELD = os.environ.get("KVSERVE_TIERS_NO_YIELD") != "1"  # experiment switch (removed once measured)
-
-
 @dataclass
 class TierCounters:
     bytes_written: int = 0
@@ -163,7 +153,6 @@ class KVOffloader:
                 if self._pending.pop(key, None) is not None:
                     self._pending_bytes -= len(record.payload)
                     self._room.notify_all()
-            _hand_back_the_interpreter()
 
     def _store(self, store: BlockStore, key: str, data: bytes) -> None:
         start = time.perf_counter()
@@ -251,7 +240,6 @@ class KVOffloader:
             if not store.shared:  # the shared tier's reads were measured as they were fetched
                 self._measure(store, len(data), time.perf_counter() - start, touched)
             loaded.append(store.name)
-            _hand_back_the_interpreter()
         return loaded + [None] * (len(keys) - len(loaded))
 
     def _fetch_remote(self, keys: list[str]) -> dict[str, bytes]:
