@@ -352,9 +352,12 @@ def test_the_tiers_show_in_prometheus_and_in_top(tiny_dir, tmp_path):
     render("http://x", scraped, {"gen": 0.0, "prompt": 0.0})
 
 
-def test_other_requests_keep_stepping_while_a_prefix_loads(tiny_dir, tmp_path):
+def test_other_requests_keep_stepping_while_a_prefix_loads(tiny_dir, tmp_path, monkeypatch):
     """A load runs on the tiers' worker: a streaming request gets its tokens while another request's
     prefix is read from a (deliberately slow) disk tier, and the loaded request's tokens are right."""
+    from kvserve.kv.tiers import offload
+
+    monkeypatch.setattr(offload, "MIN_PATIENCE_S", 60.0)  # the slowness is the test's: the load is not cut
     path = str(tiny_dir("llama"))
     prefix, other = random_prompts(2, 100, 100, seed=8)
     plain = LLM(path, dtype="float32", num_kv_blocks=64)
@@ -423,3 +426,25 @@ def test_computed_blocks_wait_for_a_slow_writer_and_evicted_ones_are_dropped(mon
         back.offload(i, record.block_hash, 0, record.token_ids)
     back.drain()
     assert back.dropped_blocks > 0 and store.usage().entries == 20 - back.dropped_blocks
+
+
+def test_a_load_past_its_patience_is_cut_and_the_request_takes_a_partial_hit(tiny_dir, tmp_path):
+    """A tier that reads far slower than measured: the load is cut after 3x its estimate, the request
+    takes the blocks loaded so far (a partial hit, counted) and recomputes the rest, same tokens."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 100, 120, seed=7)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in one_by_one(plain, prompts, GREEDY)]
+    llm = tiered(path, tmp_path, "host", kv_offload_policy="write_through")
+    assert [trace(o) for o in one_by_one(llm, prompts, GREEDY)] == expected
+    offloader = llm.engine.kv.offloader
+    store = offloader.stores[0]
+    counters = offloader.counters["host"]
+    counters.loads, counters.latency, counters.bandwidth = 10, 1e-4, 1e10  # measured fast: a few hundred microseconds expected
+    slow_get = store.get
+    store.get = lambda key: (time.sleep(0.03), slow_get(key))[1]  # 30 ms a record: far past 3x the estimate
+    llm.reset_prefix_cache()
+    outs = one_by_one(llm, prompts, GREEDY)
+    assert [trace(o) for o in outs] == expected
+    assert offloader.loads_cut >= 1
+    assert all(0 < o.num_cached_tokens < len(p) - 16 for o, p in zip(outs, prompts))  # partial: some blocks, not all

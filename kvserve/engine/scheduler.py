@@ -7,6 +7,8 @@ sequence needs a block and none is free, the newest running sequence is preempte
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -110,8 +112,12 @@ class Scheduler:
         return batch
 
     def _finish_loads(self) -> None:
-        """Loads that are done put their blocks in the prefix cache, where the next lookup finds them."""
+        """Loads that are done put their blocks in the prefix cache, where the next lookup finds them;
+        an overdue one is cut, so its request takes the prefix loaded so far (a partial hit)."""
+        now = time.monotonic()
         for request_id, job in list(self.loading.items()):
+            if not job.future.done() and job.overdue(now):
+                self.kv.cut_tier_load(request_id, job)
             if job.future.done():
                 del self.loading[request_id]
                 self.kv.finish_tier_load(job)

@@ -78,6 +78,7 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         self.offloader: KVOffloader | None = None  # the tiers under the pool (kv/tiers/), set by the engine
         self._recompute_decided: dict[str, int] = {}  # request -> the tier hit's end it chose to recompute
+        self._load_cut: set[str] = set()  # requests whose load was cut (overdue): no second load
         if prefix_cache is not None:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
@@ -226,6 +227,8 @@ class KVCacheManager:
             return None
         if self._recompute_decided.get(request_id) == end:
             return None  # decided already (a request waiting for room asks again every step)
+        if request_id in self._load_cut:
+            return None  # its last load ran past its patience: it recomputes the rest
         keys = [record_key(hashes[i], g) for i, g in entries]
         if not offloader.worth_loading([where[key] for key in keys], self.spec.bytes_per_block, (end - start) * bs):
             self._recompute_decided[request_id] = end
@@ -236,10 +239,15 @@ class KVCacheManager:
         self.pool.free(list(reversed(held)))
         salt = self._salts.get(request_id)
         parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
-        job = LoadJob(keys, targets)
+        job = LoadJob(keys, targets, expected_seconds=offloader.load_seconds([where[key] for key in keys], self.spec.bytes_per_block)[0])
         job.entries = [(i, g, hashes[i], parents[i], tuple(token_ids[i * bs : (i + 1) * bs]), salt) for i, g in entries]
         offloader.load(job, [t.block_id for t in targets])
         return job
+
+    def cut_tier_load(self, request_id: str, job: LoadJob) -> None:
+        """An overdue load stops after the record in hand; the request takes what has come (a partial hit)."""
+        self.offloader.cut(job)
+        self._load_cut.add(request_id)
 
     def finish_tier_load(self, job: LoadJob) -> int:
         """A finished load's blocks join the prefix cache up to the first block index that failed in
@@ -512,6 +520,7 @@ class KVCacheManager:
         self._published.pop(request_id, None)
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
+        self._load_cut.discard(request_id)
         if tables is None:
             return
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None

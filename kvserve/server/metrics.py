@@ -77,6 +77,8 @@ class ServerMetrics:
                                         "256 MiB behind: not stored (recomputed when needed)")
         self._writer_waits = counter("kv_offload_writer_waits", "Computed blocks (write-through, the shared tier) that waited for "
                                      "the tiers' writer to fall below 256 MiB behind")
+        self._loads_cut = counter("kv_offload_loads_cut", "Loads from a KV tier cut for running past 3x their estimate: "
+                                  "their requests took the prefix loaded so far and recomputed the rest")
         self._offload_decisions = Counter("kvserve:kv_offload_decisions", "Per request with a tier hit: loaded or recomputed "
                                           "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
         self._tier_requests = Counter("kvserve:kv_tier_requests_served", "Requests whose prefix a load from a KV tier served "
@@ -150,6 +152,7 @@ class ServerMetrics:
             self._advance("kv_tier_query_tokens", stats["kv_tier_query_tokens_total"], self._tier_queries)
             self._advance("kv_offload_dropped", stats["kv_offload_dropped_blocks_total"], self._offload_dropped)
             self._advance("kv_offload_writer_waits", stats["kv_offload_writer_waits_total"], self._writer_waits)
+            self._advance("kv_offload_loads_cut", stats["kv_offload_loads_cut_total"], self._loads_cut)
             for decision, total in stats["kv_offload_decisions_total"].items():
                 self._advance(f"decision:{decision}", total, self._offload_decisions.labels(name, decision))
 

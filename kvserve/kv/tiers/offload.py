@@ -36,6 +36,10 @@ _FIRST_GUESS = {"host": (2e-4, 2e9), "disk": (2e-3, 3e8), "remote": (1e-3, 2e8)}
 _FIRST_PREFILL_RATE = 2000.0  # tokens/s until a prefill step is measured
 _LOADS_TO_MEASURE = 3  # a tier's first loads are taken whatever the guess says, to measure it
 REMOTE_BATCH = 64  # records per pipelined read from the shared tier
+# a load running past PATIENCE x its estimate (and MIN_PATIENCE_S) is cut: the request takes the
+# prefix loaded so far and recomputes the rest, instead of waiting behind a slow medium
+PATIENCE = 3.0
+MIN_PATIENCE_S = 0.05
 MAX_PENDING_BYTES = 256 << 20  # copied out, not yet stored: past this an evicted block is dropped, a computed one waits
 
 
@@ -70,6 +74,13 @@ class LoadJob:
     targets: list  # KVBlock, held by the job
     future: Future | None = None
     entries: list[tuple] = field(default_factory=list)  # the manager's: (block index, group, hash, parent, tokens, salt) per key
+    expected_seconds: float = 0.0  # the load-or-recompute estimate
+    started: float = 0.0  # time.monotonic() when it was queued
+    cut: threading.Event = field(default_factory=threading.Event)  # set: stop after the record in hand (a partial hit)
+
+    def overdue(self, now: float) -> bool:
+        """Running past PATIENCE x its estimate (at least MIN_PATIENCE_S): the request takes what has come."""
+        return now - self.started > max(PATIENCE * self.expected_seconds, MIN_PATIENCE_S)
 
 
 class KVOffloader:
@@ -97,6 +108,7 @@ class KVOffloader:
         self._pending_bytes = 0
         self.dropped_blocks = 0  # evicted while the worker was MAX_PENDING_BYTES behind
         self.waits_for_writer = 0  # computed blocks that waited for the worker to fall below MAX_PENDING_BYTES
+        self.loads_cut = 0  # loads past their patience: their requests took a partial hit
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
@@ -184,9 +196,9 @@ class KVOffloader:
                     found[i] = self.remote
         return found
 
-    def worth_loading(self, tiers: Sequence[BlockStore], record_bytes: int, tokens: int) -> bool:
-        """Loading records from these tiers (one per record) is expected to beat recomputing `tokens`
-        prompt tokens at the measured prefill rate; counted either way."""
+    def load_seconds(self, tiers: Sequence[BlockStore], record_bytes: int) -> tuple[float, bool]:
+        """The expected time to read one record from each of these tiers, and whether a tier among
+        them is not measured yet."""
         seconds = 0.0
         by_tier: dict[str, int] = {}
         for store in tiers:
@@ -196,6 +208,12 @@ class KVOffloader:
             c = self.counters[name]
             seconds += c.latency + count * record_bytes / c.bandwidth
             unmeasured |= c.loads < _LOADS_TO_MEASURE
+        return seconds, unmeasured
+
+    def worth_loading(self, tiers: Sequence[BlockStore], record_bytes: int, tokens: int) -> bool:
+        """Loading records from these tiers (one per record) is expected to beat recomputing `tokens`
+        prompt tokens at the measured prefill rate; counted either way."""
+        seconds, unmeasured = self.load_seconds(tiers, record_bytes)
         load = unmeasured or seconds < tokens / self.prefill_rate  # a tier never read cannot be measured
         self.decisions["load" if load else "recompute"] += 1
         return load
@@ -208,16 +226,25 @@ class KVOffloader:
     # ------------------------------------------------------------------ up
     def load(self, job: LoadJob, block_ids: Sequence[int]) -> None:
         """Start reading job.keys into the blocks block_ids (held by the caller until it is done)."""
-        job.future = self._worker.submit(self._read, job.keys, list(block_ids))
+        job.started = time.monotonic()
+        job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.cut)
 
-    def _read(self, keys: list[str], block_ids: list[int]) -> list[str | None]:
-        """Each record into its block, in prefix order; the first that fails ends the prefix. Per
-        key: the tier it came from, or None."""
+    def cut(self, job: LoadJob) -> None:
+        """Stop an overdue load after the record in hand: what it loaded is still published."""
+        if not job.cut.is_set():
+            job.cut.set()
+            self.loads_cut += 1
+
+    def _read(self, keys: list[str], block_ids: list[int], cut: threading.Event | None = None) -> list[str | None]:
+        """Each record into its block, in prefix order; the first that fails ends the prefix, and so
+        does `cut`. Per key: the tier it came from, or None."""
         local = [self._local_tier_of(key) for key in keys]
         fetched = self._fetch_remote([key for key, store in zip(keys, local) if store is None])
         loaded: list[str | None] = []
         touched: set[str] = set()
         for i, (key, block_id, store) in enumerate(zip(keys, block_ids, local)):
+            if cut is not None and cut.is_set():
+                break
             start = time.perf_counter()
             if store is not None:
                 data = store.get(key)
@@ -308,5 +335,5 @@ class KVOffloader:
             tiers["remote"].update(up=remote.up, outages=remote.outages, timeouts=remote.timeouts, errors=remote.errors)
         return {"kv_offload_policy": self.policy, "kv_tiers": tiers, "kv_tier_query_tokens_total": self.query_tokens,
                 "kv_offload_dropped_blocks_total": self.dropped_blocks,
-                "kv_offload_writer_waits_total": self.waits_for_writer,
+                "kv_offload_writer_waits_total": self.waits_for_writer, "kv_offload_loads_cut_total": self.loads_cut,
                 "kv_offload_decisions_total": dict(self.decisions), "kv_offload_prefill_rate": self.prefill_rate}  # fmt: skip
