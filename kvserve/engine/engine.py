@@ -443,7 +443,8 @@ class LLMEngine:
                 self.migrations["records_rejected"] += 1
         return records
 
-    def import_request(self, state: RequestState, request_id: str | None = None, records: list[BlockRecord] | None = None) -> Sequence:
+    def import_request(self, state: RequestState, request_id: str | None = None, records: list[BlockRecord] | None = None,
+                       returning: bool = False) -> Sequence:  # fmt: skip
         """Continue a request exported by an engine with the same model and KV settings: its blocks
         (the records in the state, else the tiers, else recomputed) and its draws go on where they
         were, so it produces the tokens it would have produced there. Its outputs hold what is new."""
@@ -471,7 +472,8 @@ class LLMEngine:
         seq.num_cached_tokens = state.num_cached_tokens
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self.migrations["in"] += 1
+        if not returning:  # a request back from a failed migration counts as failed, not as in
+            self.migrations["in"] += 1
         return seq
 
     def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:

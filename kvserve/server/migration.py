@@ -185,6 +185,5 @@ class Migrator:
 
     def _resume(self, sub: Submission, rid: str, state: RequestState) -> None:
         """Engine thread: the sample continues in this engine, its outputs to its request again."""
-        self.server.engine.import_request(state, rid)
-        self.server.engine.migrations["in"] -= 1  # back home: it counts as out and failed, not in
+        self.server.engine.import_request(state, rid, returning=True)
         self.server.async_engine.attach(rid, sub)
