@@ -38,8 +38,9 @@ constexpr int kTile = 16;  // output rows per packed tile (one f32x16)
 constexpr int kMaxRows = 8;
 constexpr int kTiles = 3;
 #else
-// an f32x16 is two ymm registers: 8 accumulators, a weight vector and a broadcast fit 16
-constexpr int kMaxRows = 4;
+// a tile is two ymm registers (micro_kernel's AVX2 form): 12 accumulators, a tile's two weight
+// vectors and a broadcast fit the 16 ymm registers
+constexpr int kMaxRows = 6;
 constexpr int kTiles = 1;
 #endif
 
@@ -99,6 +100,52 @@ struct Problem {
   int out_dtype;
 };
 
+#if !defined(__AVX512F__) && defined(__FMA__)
+// AVX2: the same FMA per output and step as below, on explicit ymm halves of each tile. gcc keeps
+// 64-byte generic vectors in memory on a 256-bit machine (every FMA a store and two loads): this
+// form ran 20-50x faster on a Zen 3 EPYC.
+template <int DT>
+inline void load_weight_halves(const void* packed, int64_t offset, __m256& lo, __m256& hi) {
+  if constexpr (DT == kBFloat16) {
+    const uint16_t* w = static_cast<const uint16_t*>(packed) + offset;
+    const __m256i half_lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i half_hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(half_lo, 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(half_hi, 16));
+  } else {
+    const float* w = static_cast<const float*>(packed) + offset;
+    lo = _mm256_loadu_ps(w);
+    hi = _mm256_loadu_ps(w + 8);
+  }
+}
+
+template <int DT, int MR, int NT>
+inline void micro_kernel(const void* packed, int64_t first, int k, const float* x, int64_t ldx, f32x16 (&acc)[MR][NT]) {
+  const int64_t tile_stride = static_cast<int64_t>(k) * kTile;
+  __m256 lo[MR][NT], hi[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) lo[m][t] = hi[m][t] = _mm256_setzero_ps();
+  for (int kk = 0; kk < k; ++kk) {
+    __m256 w_lo[NT], w_hi[NT];
+    for (int t = 0; t < NT; ++t)
+      load_weight_halves<DT>(packed, (first + t) * tile_stride + static_cast<int64_t>(kk) * kTile, w_lo[t], w_hi[t]);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(x + m * ldx + kk);
+      for (int t = 0; t < NT; ++t) {
+        lo[m][t] = _mm256_fmadd_ps(a, w_lo[t], lo[m][t]);
+        hi[m][t] = _mm256_fmadd_ps(a, w_hi[t], hi[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) {
+      float lanes[kTile];
+      _mm256_storeu_ps(lanes, lo[m][t]);
+      _mm256_storeu_ps(lanes + 8, hi[m][t]);
+      std::memcpy(&acc[m][t], lanes, sizeof(lanes));
+    }
+}
+#else
 template <int DT, int MR, int NT>
 inline void micro_kernel(const void* packed, int64_t first, int k, const float* x, int64_t ldx, f32x16 (&acc)[MR][NT]) {
   const int64_t tile_stride = static_cast<int64_t>(k) * kTile;
@@ -113,6 +160,7 @@ inline void micro_kernel(const void* packed, int64_t first, int k, const float* 
     }
   }
 }
+#endif
 
 inline void store_tile(void* out, int out_dtype, int64_t offset, f32x16 values, int valid) {
   if (out_dtype == kFloat32) {
