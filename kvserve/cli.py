@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | plan | eval | top | pd-proxy`."""
+"""`kvserve serve | generate | plan | eval | top | pd-proxy | cluster`."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def _pd_proxy(args: argparse.Namespace) -> int:
     from kvserve.server.pd_proxy import run_pd_proxy
 
     return run_pd_proxy(args)
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from kvserve.server.cluster import run_cluster
+
+    return run_cluster(args)
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -167,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_pd_proxy_args(pd)
     _add_log_level(pd)
     pd.set_defaults(func=_pd_proxy)
+
+    from kvserve.server.cluster import ROUTER_SERVER_FLAGS, add_cluster_args
+
+    cluster = sub.add_parser("cluster", help="several `kvserve serve` replicas on this machine behind smg, a cache-aware router "
+                             "(pip install 'kvserve[cluster]')", formatter_class=HelpFormatter)  # fmt: skip
+    add_cluster_args(cluster)
+    add_server_args(cluster, skip=ROUTER_SERVER_FLAGS)
+    add_engine_args(cluster)
+    _add_log_level(cluster)
+    cluster.set_defaults(func=_cluster)
     return parser
 
 

@@ -95,6 +95,7 @@ class EngineConfig:
     kv_remote_ttl: int = 3600  # seconds every remote entry lives after it was last written or read
     kv_remote_ca_file: str | None = None  # rediss://: the CA certificate that signed the server's
     kv_role: str = "both"  # both | producer (prefills, publishes to the remote tier) | consumer (reads it, never writes)
+    threads: int | None = None  # CPU threads of the process's kernels (torch and ours); None: torch's default (all cores)
 
     def __post_init__(self) -> None:
         try:
@@ -190,6 +191,8 @@ class EngineConfig:
             raise ValueError(f"--kv-role (kv_role) must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_role != "both" and url is None:
             raise ValueError(f"--kv-role {self.kv_role} hands blocks over through the remote tier: give --kv-remote-url")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
+            raise ValueError(f"--threads (threads) must be an integer in [1, 4096], got {self.threads!r}")
 
     @property
     def eviction(self) -> EvictionPolicy:

@@ -34,7 +34,7 @@ at hand). See [kernels](kernels.md).
 
 SECTIONS = (
     # (title, subcommand, argument group titles to include, what the section is)
-    ("Engine flags (`serve`, `generate`, `eval`)", "serve", ("engine",),
+    ("Engine flags (`serve`, `generate`, `eval`, `cluster`)", "serve", ("engine",),
      "The model, its dtype, the KV cache (format, size, prefix caching, eviction) and the scheduler's limits."),
     ("`kvserve serve`", "serve", ("server", None),
      "The OpenAI-compatible HTTP server; see [server and API](server-and-api.md) and "
@@ -48,6 +48,9 @@ SECTIONS = (
     ("`kvserve top`", "top", ("*",), "A live view of a running server's metrics; see [metrics and monitoring](metrics-and-monitoring.md)."),
     ("`kvserve pd-proxy`", "pd-proxy", ("*",),
      "One OpenAI endpoint in front of a prefill and a decode instance; see [KV sharing](kv-sharing.md#disaggregated-prefill)."),
+    ("`kvserve cluster`", "cluster", ("cluster", None),
+     "Several `kvserve serve` replicas on this machine behind smg, the cache-aware router; see [scale-out](scale-out.md). "
+     "Takes the engine flags and the server flags too (they go to every replica; `--host` and `--port` are the router's)."),
 )
 
 

@@ -60,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "compiled on first use; torch_sdpa gathers blocks and runs torch SDPA (any device); "
                        "auto takes cpu_paged on CPU when a C++ compiler is present")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads the engine computes with (torch's and kvserve's kernels); default: one per core. "
+                       "Replicas sharing a machine each take their share (kvserve cluster does)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the K/V of prompt prefixes already computed (system prompts, documents, earlier turns); "
                        "--no-enable-prefix-caching turns it off")

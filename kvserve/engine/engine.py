@@ -127,6 +127,8 @@ class LLMEngine:
     step_fault_hook: Callable[[ScheduledBatch], None] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)  # torch's OpenMP runtime, which the native kernels share (kernels/build.py)
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path, checkpoint.config.architecture)
@@ -802,6 +804,9 @@ class LLMEngine:
             "kv_cache_usage_peak": self.peak_num_blocks_used / self.kv.num_blocks,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            # prompt (and, after a preemption, output) tokens the waiting sequences still have to compute, before prefix hits
+            "num_waiting_tokens": sum(len(seq.token_ids) - seq.num_computed_tokens for seq in self.scheduler.waiting),
+            "max_num_seqs": self.config.max_num_seqs,
             "max_model_len": self.max_model_len,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,

@@ -32,7 +32,7 @@ Reject = Callable[[str, str, int, str, str, str], Response]
 
 
 def needs_api_key(method: str, path: str) -> bool:
-    return path.startswith("/v1/") or (method == "POST" and path == "/reset_prefix_cache")
+    return path.startswith("/v1/") or (method == "POST" and path == "/reset_prefix_cache") or path == "/flush_cache"
 
 
 class AccessGuard:

@@ -41,6 +41,7 @@ from kvserve.server.async_engine import (
     Submission,
 )
 from kvserve.server.config import ServerConfig
+from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, MigrateRequest
@@ -49,6 +50,9 @@ from kvserve.server.templates import TemplateRenderer
 log = logging.getLogger(__name__)
 
 
+# endpoints of other engines that routers try on every worker (smg: /loads before /v1/loads at every load poll,
+# /server_info when it tells SGLang from vLLM): kvserve has none of them
+_ROUTER_PROBES = frozenset({"/loads", "/server_info", "/get_server_info", "/get_model_info"})
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
 _NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
@@ -59,9 +63,10 @@ class APIError(Exception):
     """A request refused before admission: status, message, the field at fault, error type and reason (the code)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 reason: str = "invalid_request") -> None:  # fmt: skip
+                 reason: str = "invalid_request", headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.reason = status, message, param, kind, reason
+        self.headers = headers or {}
 
 
 def error_body(message: str, kind: str, param: str | None, code: str) -> dict:
@@ -125,6 +130,7 @@ class OpenAIServer:
         # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
         self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
         self.migrator = Migrator(self, config.migration_targets)
+        self._unknown_fields: set[str] = set()
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
     def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
@@ -138,6 +144,14 @@ class OpenAIServer:
         if model is not None and model not in (self.model_name, self.engine.config.model):
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found",
                            "model_not_found")  # fmt: skip
+
+    def _note_unknown_fields(self, body) -> None:
+        """Fields this server does not know (a router's additions, newer OpenAI fields) are ignored: each
+        name logged once, at debug level (a bounded set: a client cannot grow it without end)."""
+        for name in body.model_extra or ():
+            if name not in self._unknown_fields and len(self._unknown_fields) < 256:
+                self._unknown_fields.add(name)
+                log.debug("ignoring request field %s (not implemented; logged once)", reprlib.repr(name))
 
     def _max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         room = self.engine.max_model_len - prompt_len
@@ -223,9 +237,12 @@ class OpenAIServer:
             return self.async_engine.submit(_request_id(request), groups, cache_salt, stream, self.config.request_timeout,
                                             time.monotonic() - arrival, imported)  # fmt: skip
         except EngineOverloadedError as exc:
-            raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded") from None
+            # a router (smg) retries a 503 on another replica; a client learns when to come back
+            raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded",
+                           {"Retry-After": "1"}) from None  # fmt: skip
         except EngineDrainingError:
-            raise APIError(503, "the server is shutting down; retry later", None, "server_unavailable", "shutting_down") from None
+            raise APIError(503, "the server is shutting down; retry later", None, "server_unavailable", "shutting_down",
+                           {"Retry-After": "1"}) from None  # fmt: skip
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "server_error", "engine_unavailable") from None
 
@@ -282,6 +299,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
+        self._note_unknown_fields(body)
         num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
         self._check_choices(num_prompts, body.n)
         prompts = await self._tokenize_prompts(body.prompt)
@@ -324,6 +342,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._note_unknown_fields(body)
         self._check_choices(1, body.n)
         if self.tokenizer is None:
             raise APIError(400, _NO_TOKENIZER, "messages")
@@ -530,7 +549,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return server.reject(_request_id(request), where(request), exc.status, exc.message, exc.kind, exc.reason, exc.param)
+        response = server.reject(_request_id(request), where(request), exc.status, exc.message, exc.kind, exc.reason, exc.param)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -541,6 +562,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         reason = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 404 and request.url.path in _ROUTER_PROBES:  # asked again at every poll: neither logged nor counted
+            log.debug("%s %s: 404 (a router's probe for another engine's endpoint)", _request_id(request), where(request))
+            return error_response(404, str(exc.detail), None, kind, reason)
         return server.reject(_request_id(request), where(request), exc.status_code, str(exc.detail), kind, reason)
 
     @app.exception_handler(RequestAborted)
@@ -581,6 +605,19 @@ def create_app(server: OpenAIServer) -> FastAPI:
     async def reset_prefix_cache():
         forgotten = await asyncio.to_thread(server.async_engine.reset_prefix_cache)
         return {"reset": True, "blocks_forgotten": forgotten}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang's name for /reset_prefix_cache, which routers (smg's POST /flush_cache) fan out to every worker."""
+        forgotten = await asyncio.to_thread(server.async_engine.reset_prefix_cache)
+        return {"flushed": True, "blocks_forgotten": forgotten}
+
+    @app.get("/v1/loads")
+    async def loads(include: str | None = None):
+        engine = server.async_engine
+        stats = engine.stats
+        return load_report(stats, parse_include(include), kvserve.__version__, engine.num_admitting,
+                           engine.generation_rate.rate(stats["generation_tokens_total"]))  # fmt: skip
 
     @app.get("/v1/models")
     async def models():

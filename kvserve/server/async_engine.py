@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.loads import GenerationRate
 from kvserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        metrics.update_from_stats(engine.stats())
+        self.generation_rate = GenerationRate()
+        self.stats: dict = {}  # the engine's latest stats() snapshot, refreshed after every step (and twice a second when idle)
+        self._publish_stats()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -221,6 +224,11 @@ class AsyncEngine:
     # ------------------------------------------------------------------ API for handlers
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending_adds
+
+    @property
+    def num_admitting(self) -> int:
+        """Requests admitted by the API and not yet handed to the engine (at its next step)."""
+        return self._pending_adds
 
     def submit(
         self, request_id: str, groups: list[PromptGroup], cache_salt: str | None = None, stream: bool = False,
@@ -355,6 +363,12 @@ class AsyncEngine:
                 if dropped and cmd.report is not None:
                     self.report_abort(cmd.submission.request_id, cmd.report)
 
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        self.metrics.update_from_stats(stats)
+        self.generation_rate.observe(stats["generation_tokens_total"])
+        self.stats = stats
+
     def _fail_all_dead(self, exc: BaseException) -> None:
         self.abort_all(RequestAborted("engine_dead", f"the engine loop stopped ({type(exc).__name__}: {exc})", 500))
 
@@ -364,12 +378,12 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
-                    self.metrics.update_from_stats(self.engine.stats())
+                    self._publish_stats()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 self._deliver(self.engine.step())
-                self.metrics.update_from_stats(self.engine.stats())
+                self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter at once rather than hang them
             log.exception("engine loop crashed")
             self.error = exc
