@@ -107,7 +107,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        if "default" in help or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        if "default" in help or action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or not action.option_strings:  # (not `in (None, False)`: 0 == False, and a default of 0 is shown)
             return help
         return help + " (default: %(default)s)"
 

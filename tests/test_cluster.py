@@ -274,3 +274,43 @@ def test_replicas_get_the_flags_given_and_never_the_api_key():
     assert engine == ["--kv-cache-dtype", "int8", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
     assert server == ["--trust-request-chat-template"]
     assert isinstance(args, argparse.Namespace)
+
+
+def test_a_killed_cluster_takes_its_replicas_and_router_with_it(model_dir):
+    """SIGKILL (or the OOM killer) gives the cluster no chance to stop anything: the parent-death
+    signal must, or replicas would go on serving with no router in front."""
+    log = Path(tempfile.mkstemp(prefix="kvserve-cluster-", suffix=".log")[1])
+    command = [sys.executable, "-m", "kvserve.cli", "cluster", "--replicas", "1", "--port", "0", "--model", str(model_dir),
+               *MODEL_FLAGS]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while "kvserve cluster: serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        assert len(pids) == 2, text  # the replica and the router
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, [pid for pid in pids if _alive(pid)]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its new parent) is gone for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

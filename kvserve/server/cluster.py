@@ -12,6 +12,9 @@ router or every replica is gone.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import math
 import os
 import re
 import shlex
@@ -109,8 +112,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--balance-abs-threshold must be >= 0, got {args.balance_abs_threshold}")
     if args.balance_rel_threshold is not None and not args.balance_rel_threshold >= 1.0:
         raise ValueError(f"--balance-rel-threshold must be >= 1.0, got {args.balance_rel_threshold}")
-    if args.startup_timeout <= 0:
-        raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
+    if not (math.isfinite(args.startup_timeout) and args.startup_timeout > 0):
+        raise ValueError(f"--startup-timeout must be a finite number > 0, got {args.startup_timeout}")
     try:
         shlex.split(args.router_args)
     except ValueError as exc:
@@ -128,6 +131,15 @@ def _free_port(host: str, port: int) -> int:
         sock.close()
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the cluster process dies, however it dies (SIGKILL, OOM),
+    so that no replica outlives it serving on its own. Linux only; elsewhere a no-op."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class _Child:
     """A started process whose output is copied, each line prefixed with its name, to our stdout."""
 
@@ -139,7 +151,7 @@ class _Child:
         self.tail: list[str] = []
         self._watch = watch
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                     text=True, errors="replace", start_new_session=True)  # fmt: skip
+                                     text=True, errors="replace", start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         self._reader = threading.Thread(target=self._copy, name=f"kvserve-cluster-{name}", daemon=True)
         self._reader.start()
 
@@ -180,6 +192,7 @@ class Cluster:
         self.router: _Child | None = None
         self.urls: list[str] = []
         self._stop = threading.Event()
+        self.forced = False  # a second signal killed everything
         self._reported: set[int] = set()
 
     def _env(self) -> dict[str, str]:
@@ -271,6 +284,7 @@ class Cluster:
 
     def request_stop(self) -> None:
         if self._stop.is_set():  # a second signal: no more waiting
+            self.forced = True
             for child in [self.router, *self.replicas]:
                 if child is not None:
                     child.stop(signal.SIGKILL)
@@ -278,6 +292,9 @@ class Cluster:
 
     def stop(self) -> None:
         """The router first (no new requests reach a stopping replica), then every replica at once."""
+        if self._stop.is_set() and not self.forced:
+            print(f"kvserve cluster: stopping the router, then {len(self.replicas)} replicas (each drains for up to "
+                  f"--shutdown-timeout {self.args.shutdown_timeout:g} s); a second Ctrl-C kills them", file=sys.stderr, flush=True)  # fmt: skip
         if self.router is not None:
             self.router.stop()
             self.router.wait(15)
@@ -311,8 +328,12 @@ def run_cluster(args: argparse.Namespace) -> int:
             print(f"kvserve cluster: replica {i} on {replica_url} (pid {r.proc.pid}, {threads} threads)", flush=True)
         print(f"kvserve cluster: serving {len(cluster.replicas)} replicas behind smg ({args.router_policy}, pid "
               f"{cluster.router.proc.pid}) on {url} (router metrics: {cluster.metrics_url}; Ctrl-C stops all)", flush=True)  # fmt: skip
-        return cluster.watch()
-    finally:
+        status = cluster.watch()
         cluster.stop()
+        return 130 if cluster.forced else status
+    except BaseException:
+        cluster.stop()
+        raise
+    finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
