@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from redis_server import free_port
 from server_process import launch_server, stop_server
 
 from kvserve.server.cluster import SMG_VERSION, find_smg, replica_flags
@@ -314,3 +315,72 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_smg_retries_an_overloaded_workers_503_on_another_worker(tmp_path):
+    """What kvserve's 503 + Retry-After (--max-waiting-requests, tests/test_hardening.py) relies on:
+    smg sends the request to another worker. One worker here always answers as an overloaded
+    kvserve does; every request through smg must still succeed, by way of the other."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits = {"overloaded": 0, "ok": 0}
+
+    def worker(kind: str) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _send(self, code: int, body: dict, headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                for name, value in {"content-type": "application/json", "content-length": str(len(data)), **(headers or {})}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.startswith("/v1/models"):
+                    return self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]})
+                return self._send(200 if self.path in ("/health", "/version") else 404, {})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                hits[kind] += 1
+                if kind == "overloaded":
+                    return self._send(503, {"error": {"message": "server overloaded", "type": "server_overloaded", "code": "overloaded"}},
+                                      {"Retry-After": "1"})  # fmt: skip
+                return self._send(200, {"id": "c", "object": "text_completion", "model": "tiny", "choices": [
+                    {"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}]})  # fmt: skip
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    workers = [worker("overloaded"), worker("ok")]
+    port, metrics_port = free_port(), free_port()
+    urls = [f"http://127.0.0.1:{w.server_address[1]}" for w in workers]
+    router = subprocess.Popen([find_smg(None), "launch", "--worker-urls", *urls, "--policy", "round_robin", "--host", "127.0.0.1",
+                               "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                               "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=2).json().get("healthy_workers") == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for i in range(6):
+            body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 2}
+            assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+        assert hits["overloaded"] >= 1 and hits["ok"] == 6, hits
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        for w in workers:
+            w.shutdown()
