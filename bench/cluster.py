@@ -36,13 +36,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from common import PROSE_FILES  # noqa: E402
+from common import PROSE_FILES, percentile  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
 
 
 def metrics(url: str) -> dict[str, float]:

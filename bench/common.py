@@ -41,3 +41,9 @@ def best_call_seconds(fn, repeat: int, rounds: int = 3) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / repeat)
     return best
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (nan for no values)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")

@@ -31,14 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from common import prose_token_ids  # noqa: E402
+from common import percentile, prose_token_ids  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from server_process import launch_server, stop_server  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
 
 
 async def stream(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> list[float]:
