@@ -369,6 +369,7 @@ def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows
     real_pack, real_matmul = kernels.amx_pack_weight, kernels.amx_matmul
     calls = []
     monkeypatch.setattr(kernels, "amx_ready", lambda: True)
+    monkeypatch.setattr(kernels, "bf16_dot_available", lambda: True)  # every AMX CPU has AVX512-BF16 (this one may not)
     monkeypatch.setattr(kernels, "amx_pack_weight", lambda w: real_pack(w, library=emulated))
     monkeypatch.setattr(kernels, "amx_matmul", lambda x, w, **k: calls.append(x.shape[0]) or real_matmul(x, w, library=emulated, **k))
     torch.manual_seed(rows)
