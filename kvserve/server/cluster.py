@@ -166,6 +166,10 @@ class _Child:
             with self.lock:
                 print(f"[{self.name}] {line}", flush=True)
 
+    def drained(self, timeout: float) -> None:
+        """Wait until an exited process's last lines are read (its reader sees the pipe's end)."""
+        self._reader.join(timeout)
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             try:
@@ -202,6 +206,7 @@ class Cluster:
         return env
 
     def _failed(self, child: _Child, what: str) -> ValueError:
+        child.drained(timeout=2.0)
         tail = "\n  ".join(child.tail[-8:]) or "(no output)"
         return ValueError(f"{child.name} {what} (exit code {child.proc.returncode}); its last lines:\n  {tail}")
 
@@ -325,7 +330,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         url = cluster.start()
         for i, (r, replica_url) in enumerate(zip(cluster.replicas, cluster.urls)):
-            print(f"kvserve cluster: replica {i} on {replica_url} (pid {r.proc.pid}, {threads} threads)", flush=True)
+            print(f"kvserve cluster: replica {i} on {replica_url} (pid {r.proc.pid}, {threads} thread{'s' * (threads != 1)})", flush=True)
         print(f"kvserve cluster: serving {len(cluster.replicas)} replicas behind smg ({args.router_policy}, pid "
               f"{cluster.router.proc.pid}) on {url} (router metrics: {cluster.metrics_url}; Ctrl-C stops all)", flush=True)  # fmt: skip
         status = cluster.watch()
