@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="16 requests and HF at batch 16 only")
+    parser.add_argument("--weight-dtype", default=None, help="kvserve's --weight-dtype (default: the engine's auto)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every setting this many times, in turns, and report medians (this machine's "
@@ -83,7 +84,7 @@ def main() -> None:
         args.requests = 16
     batch_sizes = [16] if args.quick else [8, 16, 32, 64]
 
-    llm = LLM(args.model, max_num_seqs=args.requests)
+    llm = LLM(args.model, max_num_seqs=args.requests, **({"weight_dtype": args.weight_dtype} if args.weight_dtype else {}))
     tok = llm.tokenizer
     bos = llm.engine.model_config.bos_token_id
     prompts = make_prompts(tok, args.requests, 64, 512, seed=0, bos=bos)

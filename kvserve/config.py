@@ -51,12 +51,14 @@ MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
 MAX_KV_QUANT_RESIDUAL = 65536
+WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; bfloat16; float32
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale
@@ -106,6 +108,11 @@ class EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}; got {self.weight_dtype!r}")
+        if self.weight_dtype in DTYPES and self.weight_dtype != dtype:
+            raise ValueError(f"--weight-dtype {self.weight_dtype} holds the weights in the activations' dtype: it needs --dtype "
+                             f"{self.weight_dtype} (--dtype is {dtype})")  # fmt: skip
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {self.prefix_cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

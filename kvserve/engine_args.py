@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import EngineConfig
+from kvserve.config import WEIGHT_DTYPES, EngineConfig
 from kvserve.kv.eviction import KV_COMPRESSIONS, SNAPKV_QUERIES
 from kvserve.kv.spec import KV_DTYPES
 from kvserve.model.registry import DEFAULT_MODEL, PACKAGED_MODELS
@@ -18,6 +18,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="weights and activations; auto: bfloat16 on CUDA and on x86 CPUs with avx512_bf16 or amx_bf16 (the CPU "
                        "multiplies bf16 natively), float32 on other x86 CPUs (bf16 GEMMs are emulated there and ran 3-5x slower); "
                        "on other CPUs the faster of the two in a timed matmul")
+    group.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
+                       help="how the weights are held: gguf keeps a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+                       "Q5_K, Q6_K; one copy, the file's size) and computes on them in float32; bfloat16 / float32 dequantize them "
+                       "into --dtype (which must match). auto: gguf for GGUF files where --dtype is float32 on the CPU (with "
+                       "bf16 activations the AMX and bf16-dot kernels run on bf16 weights), else --dtype. "
+                       "See docs/models.md")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES, "fp8"],
                        help="KV cache format; auto follows --dtype. int8 and fp8 (fp8 = fp8_e4m3) keep one scale per token and "
                        "head; int4 and int2 are KIVI-style (keys per channel, values per token, in groups), the most recent "

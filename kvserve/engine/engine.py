@@ -39,7 +39,7 @@ from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, e
 from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import build_model, load_checkpoint
+from kvserve.model.loader import build_model, load_checkpoint, resolve_weight_format
 from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.outputs import RequestOutput
@@ -130,13 +130,14 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # torch's OpenMP runtime, which the native kernels share (kernels/build.py)
         path = resolve_model_path(config.model)
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, resolve_weight_format(path, config.weight_dtype, config.device, config.dtype))
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path, checkpoint.config.architecture)
         backend = resolve_attention_backend(config.attention_backend, torch.device(config.device), DTYPES[config.kv_cache_dtype]
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
         weights, tokenizer_digest = checkpoint_digests(path)
         self._setup(config, checkpoint.config, tokenizer,
-                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend)))  # fmt: skip
+                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend,
+                                                                                                    checkpoint.weight_format)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
                                 key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
@@ -205,9 +206,11 @@ class LLMEngine:
         return engine
 
     @staticmethod
-    def _identity_fields(config: EngineConfig, model_config: ModelConfig, backend: str) -> dict:
+    def _identity_fields(config: EngineConfig, model_config: ModelConfig, backend: str, weight_format: str = "float") -> dict:
         return {
-            "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
+            # GGUF blocks compute in float32 from the exact dequantized values: other K/V than --dtype weights
+            "dtype": config.dtype if weight_format == "float" else f"{config.dtype}/weights {weight_format}",
+            "kv_cache_dtype": config.kv_cache_dtype,
             "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
             "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/sink {config.kv_quant_sink_block}"
                                f"/scales {config.kv_cache_scales}"

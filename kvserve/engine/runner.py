@@ -60,7 +60,7 @@ class ModelRunner:
         picked = [i for i in rest if not samplers[i].params.greedy and samplers[i].params.logprobs is None]
         if not picked or len(picked) > SCREENED_SAMPLE_MAX_ROWS or not self.sampler.native or self.device.type != "cpu":
             return rest
-        rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.lm_head.weight.shape[0])
+        rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.config.vocab_size)
         tokens = self.model.screened_sample(hidden[torch.tensor(picked)], rows, penalty_ids, penalty_counts)
         if tokens is None:
             return rest

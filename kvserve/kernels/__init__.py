@@ -203,6 +203,109 @@ def float_matmul(
     return out, argmax
 
 
+# ggml's type codes the GGUF kernel reads, with (values, bytes) per block
+GGUF_BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+               "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GgufWeight:
+    """A weight [n, k] kept in its GGUF blocks (kvserve_gguf_matmul dequantizes them inside the
+    product): `data` holds the file's bytes interleaved by tiles of 16 rows, [ceil(n/16)][blocks
+    per row][block bytes][16] (gguf_matmul.cpp), the same size as the file's tensor."""
+
+    data: torch.Tensor  # uint8 [tiles, blocks per row, block bytes, 16]
+    type_name: str
+    n: int
+    k: int
+
+    @property
+    def type_code(self) -> int:
+        return GGUF_BLOCKS[self.type_name][0]
+
+    @staticmethod
+    def row_bytes(type_name: str, k: int) -> int:
+        _, values, size = GGUF_BLOCKS[type_name]
+        if k % values:
+            raise ValueError(f"a {type_name} row holds whole blocks of {values} values; {k} is not a multiple")
+        return k // values * size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def gguf_weight(data: torch.Tensor, type_name: str, n: int, k: int) -> GgufWeight:
+    """A GGUF tensor's bytes (n rows of blocks, in the file's order; any shape) as a GgufWeight:
+    copied once into the kernel's tile-interleaved layout."""
+    if type_name not in GGUF_BLOCKS:
+        raise ValueError(f"GGUF type {type_name} is not one the kernels read ({', '.join(GGUF_BLOCKS)})")
+    _, values, size = GGUF_BLOCKS[type_name]
+    row_bytes = GgufWeight.row_bytes(type_name, k)
+    if data.dtype != torch.uint8 or data.numel() != n * row_bytes:
+        raise ValueError(f"a {type_name} [{n}, {k}] weight is {n * row_bytes} bytes; got {data.numel()} of {data.dtype}")
+    tiles = -(-n // 16)
+    rows = data.reshape(n, k // values, size)
+    if tiles * 16 != n:
+        rows = torch.cat([rows, rows.new_zeros(tiles * 16 - n, k // values, size)])
+    interleaved = rows.view(tiles, 16, k // values, size).permute(0, 2, 3, 1).contiguous()
+    return GgufWeight(interleaved, type_name, n, k)
+
+
+def gguf_dequantize(weight: GgufWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (int64, any shape; all rows when None) of the weight as float32 [..., k], each value
+    exactly gguf-py's dequantized one."""
+    library = _require()
+    if ids is None:
+        flat, shape = None, (weight.n,)
+    else:
+        flat, shape = ids.reshape(-1).to(torch.int64).contiguous(), tuple(ids.shape)
+    count = weight.n if flat is None else flat.numel()
+    out = torch.empty(count, weight.k, dtype=torch.float32)
+    if count:
+        status = library.kvserve_gguf_dequantize(weight.data.data_ptr(), weight.type_code, weight.n, weight.k,
+                                                 None if flat is None else flat.data_ptr(), count, out.data_ptr())  # fmt: skip
+        if status == 2:
+            raise IndexError(f"gguf_dequantize: row ids must lie in [0, {weight.n})")
+        _check(status, "gguf_dequantize")
+    return out.reshape(*shape, weight.k)
+
+
+def gguf_matmul(
+    x: torch.Tensor, weight: GgufWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """x [R, k] (float32 or bf16) @ weight^T on the GGUF blocks, one float32 FMA chain per output in
+    k order over the exact dequantized values (so a row's result does not depend on the other
+    rows): (output [R, n] in out_dtype (x's by default), or None; row-wise argmax [R] or None).
+    `out` may be a column slice of a wider contiguous-row matrix (its row stride is kept)."""
+    library = _require()
+    if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
+        raise ValueError(f"gguf_matmul: x must be float32 or bf16 [rows > 0, {weight.k}] with unit inner stride")
+    if x.device.type != "cpu":
+        raise ValueError("gguf_matmul: x must be on the CPU")
+    rows = x.shape[0]
+    dtype = out_dtype or x.dtype
+    if out is not None:
+        if tuple(out.shape) != (rows, weight.n) or out.dtype != dtype or out.stride(1) != 1 or (rows > 1 and out.stride(0) < weight.n):
+            raise ValueError(f"gguf_matmul: out must be {dtype} [{rows}, {weight.n}] with unit inner stride")
+        ldo = out.stride(0) if rows > 1 else weight.n
+        out_ptr = out.data_ptr()
+    elif want_output:
+        out = torch.empty(rows, weight.n, dtype=dtype)
+        ldo, out_ptr = weight.n, out.data_ptr()
+    else:
+        ldo, out_ptr = weight.n, None
+    argmax = torch.empty(rows, dtype=torch.int64) if want_argmax else None
+    ldx = x.stride(0) if rows > 1 else weight.k
+    call = args.GgufMatmulArgs(
+        weight.data.data_ptr(), x.data_ptr(), out_ptr, argmax.data_ptr() if argmax is not None else None, weight.n, ldx, ldo, weight.k,
+        rows, weight.type_code, _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], 0,
+    )  # fmt: skip
+    _check(library.kvserve_gguf_matmul(ctypes.byref(call)), "gguf_matmul")
+    return out, argmax
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A bf16 weight [n, k] re-laid for kvserve_packed_matmul: tiles of 16 rows with k-pairs interleaved."""

@@ -44,6 +44,13 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "GgufMatmulArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(GgufMatmulArgs)), KVSERVE_FIELD(GgufMatmulArgs, blocks), KVSERVE_FIELD(GgufMatmulArgs, x), KVSERVE_FIELD(GgufMatmulArgs, out), KVSERVE_FIELD(GgufMatmulArgs, argmax), KVSERVE_FIELD(GgufMatmulArgs, n), KVSERVE_FIELD(GgufMatmulArgs, ldx), KVSERVE_FIELD(GgufMatmulArgs, ldo), KVSERVE_FIELD(GgufMatmulArgs, k), KVSERVE_FIELD(GgufMatmulArgs, rows), KVSERVE_FIELD(GgufMatmulArgs, type), KVSERVE_FIELD(GgufMatmulArgs, x_dtype), KVSERVE_FIELD(GgufMatmulArgs, out_dtype), KVSERVE_FIELD(GgufMatmulArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   if (!std::strcmp(name, "PackedMatmulArgs")) {
     const int64_t layout[] = {static_cast<int64_t>(sizeof(PackedMatmulArgs)), KVSERVE_FIELD(PackedMatmulArgs, packed), KVSERVE_FIELD(PackedMatmulArgs, x), KVSERVE_FIELD(PackedMatmulArgs, out), KVSERVE_FIELD(PackedMatmulArgs, argmax), KVSERVE_FIELD(PackedMatmulArgs, n), KVSERVE_FIELD(PackedMatmulArgs, ldx), KVSERVE_FIELD(PackedMatmulArgs, k), KVSERVE_FIELD(PackedMatmulArgs, rows), KVSERVE_FIELD(PackedMatmulArgs, out_dtype), KVSERVE_FIELD(PackedMatmulArgs, pad_)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));

@@ -85,6 +85,23 @@ struct FloatMatmulArgs {
   int32_t pad_;
 };
 
+// x @ weight^T on a weight kept in its GGUF blocks (gguf_matmul.cpp)
+struct GgufMatmulArgs {
+  const uint8_t* blocks;  // the file's blocks interleaved by 16-row tiles (gguf_matmul.cpp)
+  const void* x;          // [rows, k] in x_dtype (float32 or bf16), row stride ldx
+  void* out;              // [rows, ldo] in out_dtype (columns 0..n-1 written), or null
+  int64_t* argmax;        // [rows], or null
+  int64_t n;
+  int64_t ldx;
+  int64_t ldo;
+  int32_t k;
+  int32_t rows;
+  int32_t type;           // ggml's type code (GGMLQuantizationType)
+  int32_t x_dtype;
+  int32_t out_dtype;
+  int32_t pad_;
+};
+
 // x @ weight^T on a weight packed by kvserve_pack_bf16_weight (packed_matmul.cpp)
 struct PackedMatmulArgs {
   const uint16_t* packed;  // bf16 [ceil(n/16) * 16 * k]

@@ -44,6 +44,13 @@ class FloatMatmulArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class GgufMatmulArgs(ctypes.Structure):
+    _fields_ = [
+        ("blocks", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("ldo", _i64), ("k", _i32), ("rows", _i32),
+        ("type", _i32), ("x_dtype", _i32), ("out_dtype", _i32), ("pad_", _i32),
+    ]  # fmt: skip
+
+
 class PackedMatmulArgs(ctypes.Structure):
     _fields_ = [
         ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),
@@ -126,7 +133,7 @@ class KVStoreArgs(ctypes.Structure):
 
 
 STRUCTS = (
-    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
+    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
     AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
 )  # fmt: skip
 

@@ -25,10 +25,10 @@ from kvserve.kernels.args import layout_mismatches
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    "paged_attention.cpp", "float_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
+    "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "abi.cpp",
 ]  # fmt: skip
-HEADERS = ["simd.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h"]
+HEADERS = ["simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h"]
 # test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
 AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]
 AMX_EMULATION_FLAGS = ["-DKVSERVE_AMX_EMULATE", "-ffp-contract=off"]
@@ -130,7 +130,7 @@ def load_kernels() -> ctypes.CDLL | None:
     signatures = {
         # the compute kernels take one pointer to their argument struct (args.h / args.py)
         **{name: [_ptr] for name in (
-            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_packed_matmul",
+            "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_gguf_matmul", "kvserve_packed_matmul",
             "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
             "kvserve_sample", "kvserve_kv_store",
         )},  # fmt: skip
@@ -140,6 +140,8 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_set_attention_amx": [_c_int],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [_ptr, _c_int64, _c_int, _ptr],
+        # blocks, type, n, k, row ids (or null), count, out
+        "kvserve_gguf_dequantize": [_ptr, _c_int, _c_int64, _c_int, _ptr, _c_int64, _ptr],
         # weight, weight dtype, n, k, packed
         "kvserve_pack_float_weight": [_ptr, _c_int, _c_int64, _c_int, _ptr],
         # weight, n, k, group, int8 packed, row scale, row error, row |q| per group

@@ -29,17 +29,28 @@ def fits_float_matmul(x: torch.Tensor, weight: kernels.FloatPackedWeight) -> boo
 class Linear(nn.Linear):
     """nn.Linear that runs on the native kernels once enable_native() ran. Every kernel it takes
     computes a row's output in one fixed order whatever rows ride with it (so a token's projections
-    have the same bits alone, batched or in any prefill chunk), and the weight is held once, packed:
-    a bf16 weight on AMX tiles where the CPU has them (amx_matmul), else with AVX512-BF16 dot
-    products (packed_matmul); a float32 weight, or bf16 without AVX512-BF16, for float_matmul."""
+    have the same bits alone, batched or in any prefill chunk), and the weight is held once: in its
+    GGUF blocks (gguf_matmul, set by the loader, one part per fused projection), or packed: a bf16
+    weight on AMX tiles where the CPU has them (amx_matmul), else with AVX512-BF16 dot products
+    (packed_matmul); a float32 weight, or bf16 without AVX512-BF16, for float_matmul."""
 
     native = False
     amx: kernels.AmxWeight | None = None
     packed: kernels.PackedWeight | None = None
     float_packed: kernels.FloatPackedWeight | None = None
+    gguf: tuple[kernels.GgufWeight, ...] | None = None  # the fused projection's parts, stacked on the output axis
+
+    def hold_gguf(self, parts: tuple[kernels.GgufWeight, ...]) -> None:
+        """Keep the weight as these GGUF tensors (their outputs side by side) instead of a float copy."""
+        if sum(p.n for p in parts) != self.out_features or any(p.k != self.in_features for p in parts):
+            raise ValueError(f"GGUF parts {[(p.n, p.k) for p in parts]} do not make a [{self.out_features}, {self.in_features}] weight")
+        self.gguf = parts
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="cpu"), requires_grad=False)
 
     def enable_native(self) -> None:
         self.native = True
+        if self.gguf is not None:
+            return
         if kernels.can_pack(self.weight) and kernels.amx_ready():
             self.amx = kernels.amx_pack_weight(self.weight)
         elif kernels.can_pack(self.weight):
@@ -59,6 +70,8 @@ class Linear(nn.Linear):
 
     def _native_product(self, x: torch.Tensor) -> torch.Tensor | None:
         rows_ok = x.dim() == 2 and x.shape[0] > 0 and x.stride(1) == 1
+        if self.gguf is not None and rows_ok and x.dtype in kernels.FLOAT_PACK_DTYPES:
+            return gguf_product(x, self.gguf)
         if self.amx is not None and rows_ok and x.dtype == torch.bfloat16:
             return kernels.amx_matmul(x, self.amx)[0]
         if self.packed is not None and rows_ok and x.dtype == torch.bfloat16:
@@ -69,6 +82,8 @@ class Linear(nn.Linear):
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, rebuilt from its packed copy where the row-major one was freed."""
+        if self.gguf is not None:
+            return torch.cat([kernels.gguf_dequantize(part) for part in self.gguf])
         if self.amx is not None:
             return kernels.amx_unpack_weight(self.amx)
         if self.packed is not None:
@@ -76,6 +91,39 @@ class Linear(nn.Linear):
         if self.float_packed is not None:
             return kernels.unpack_float_weight(self.float_packed)
         return self.weight
+
+
+def gguf_product(
+    x: torch.Tensor, parts: tuple[kernels.GgufWeight, ...], out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W^T for W the parts stacked on the output axis, each written into its columns (of `out`
+    when given)."""
+    if len(parts) == 1 and out is None:
+        return kernels.gguf_matmul(x, parts[0], out_dtype=out_dtype)[0]
+    if out is None:
+        out = torch.empty(x.shape[0], sum(p.n for p in parts), dtype=out_dtype or x.dtype)
+    column = 0
+    for part in parts:
+        kernels.gguf_matmul(x, part, out_dtype=out_dtype, out=out[:, column : column + part.n])
+        column += part.n
+    return out
+
+
+class GgufEmbedding(nn.Module):
+    """The token embedding read from its GGUF blocks: the looked-up rows are dequantized (exactly
+    gguf-py's values) and cast to the activations' dtype. The same blocks may serve as the lm_head."""
+
+    def __init__(self, weight: kernels.GgufWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = weight
+        self.dtype = dtype
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.blocks.n
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.gguf_dequantize(self.blocks, ids.cpu()).to(device=ids.device, dtype=self.dtype)
 
 
 class RMSNorm(nn.Module):

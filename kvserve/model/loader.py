@@ -1,7 +1,10 @@
 """Load weights from an HF directory (safetensors) or a GGUF file into CausalLM.
 
-GGUF tensors are dequantized with the `gguf` package's codecs once and cached on disk as
-safetensors under the file's hash, so the second start only maps the cached file.
+A GGUF file's quantized projections, embedding and lm_head are kept in their blocks (one copy, the
+file's bytes; kernels/gguf_matmul.cpp computes on them) under `--weight-dtype gguf`, the default
+for GGUF files where the CPU kernels run. Under `--weight-dtype float32|bfloat16` its tensors are
+dequantized with the `gguf` package's codecs once and cached on disk as safetensors under the
+file's hash, so the second start only maps the cached file.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -19,9 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvserve import kernels
 from kvserve.cache_dir import cache_root, file_digest
 from kvserve.model.config import ModelConfig, RopeConfig
 from kvserve.model.errors import ModelLoadError, describe
+from kvserve.model.layers import GgufEmbedding
 from kvserve.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -130,25 +136,34 @@ def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
 
 
 def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
-        except Exception as exc:  # noqa: BLE001 - a tensor the codecs cannot read is the file's fault
-            raise ModelLoadError(path, f"tensor {tensor.name!r} cannot be read: {describe(exc)}") from None
-        name = gguf_to_hf_name(tensor.name, config.architecture)
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            weight = _unpermute_rope(weight, heads)
-        if config.is_gemma and name.endswith("norm.weight"):
-            weight = weight - 1.0  # llama.cpp stores Gemma's (1 + w); keep HF's w
-        state[name] = weight
+        state.update(_dequantize_tensor(path, tensor, gguf_to_hf_name(tensor.name, config.architecture), config))
     return state
+
+
+def _dequantize_tensor(path: Path, tensor, name: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """{name: the tensor as float32}, in HF's conventions."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+    except Exception as exc:  # noqa: BLE001 - a tensor the codecs cannot read is the file's fault
+        raise ModelLoadError(path, f"tensor {tensor.name!r} cannot be read: {describe(exc)}") from None
+    return {name: _hf_conventions(name, weight, config)}
+
+
+def _hf_conventions(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A float tensor as HF's checkpoints hold it (llama.cpp permutes llama's q/k rows and stores
+    Gemma's norms as 1 + w)."""
+    if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        weight = _unpermute_rope(weight, config.num_heads if "q_proj" in name else config.num_kv_heads)
+    if config.is_gemma and name.endswith("norm.weight"):
+        weight = weight - 1.0
+    return weight
 
 
 def gguf_cache_dir(path: Path) -> Path:
@@ -219,8 +234,9 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], tor
 
 
 # --------------------------------------------------------------------------- assembly
-def _internal_state(config: ModelConfig, get: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """Map HF-named tensors onto CausalLM's fused parameters."""
+def _internal_state(config: ModelConfig, get: Callable[[str], torch.Tensor | None], held: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Map HF-named tensors onto CausalLM's fused parameters, but for those in `held` (kept in GGUF
+    blocks)."""
 
     def need(name: str) -> torch.Tensor:
         tensor = get(name)
@@ -232,22 +248,28 @@ def _internal_state(config: ModelConfig, get: Callable[[str], torch.Tensor | Non
         weight = need(name).float()
         return weight + 1.0 if config.is_gemma else weight
 
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": need("model.embed_tokens.weight"), "norm.weight": norm("model.norm.weight")}
-    if not config.tie_word_embeddings:
+    out: dict[str, torch.Tensor] = {"norm.weight": norm("model.norm.weight")}
+    if "embed_tokens.weight" not in held:
+        out["embed_tokens.weight"] = need("model.embed_tokens.weight")
+    if not config.tie_word_embeddings and "lm_head.weight" not in held:
         out["lm_head.weight"] = need("lm_head.weight")
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([need(attn + f"{p}_proj.weight") for p in "qkv"])
+        if dst + "self_attn.qkv_proj.weight" not in held:
+            out[dst + "self_attn.qkv_proj.weight"] = torch.cat([need(attn + f"{p}_proj.weight") for p in "qkv"])
+        if dst + "self_attn.o_proj.weight" not in held:
+            out[dst + "self_attn.o_proj.weight"] = need(attn + "o_proj.weight")
         if config.attention_bias:
             out[dst + "self_attn.qkv_proj.bias"] = torch.cat([need(attn + f"{p}_proj.bias") for p in "qkv"])
-        out[dst + "self_attn.o_proj.weight"] = need(attn + "o_proj.weight")
         if config.qk_norm:
             out[dst + "self_attn.q_norm.weight"] = norm(attn + "q_norm.weight")
             out[dst + "self_attn.k_norm.weight"] = norm(attn + "k_norm.weight")
         mlp = src + "mlp."
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([need(mlp + "gate_proj.weight"), need(mlp + "up_proj.weight")])
-        out[dst + "mlp.down_proj.weight"] = need(mlp + "down_proj.weight")
+        if dst + "mlp.gate_up_proj.weight" not in held:
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([need(mlp + "gate_proj.weight"), need(mlp + "up_proj.weight")])
+        if dst + "mlp.down_proj.weight" not in held:
+            out[dst + "mlp.down_proj.weight"] = need(mlp + "down_proj.weight")
         norms = ["input_layernorm", "post_attention_layernorm"]
         if config.is_gemma:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -265,16 +287,102 @@ def _normalize_hf_name(name: str) -> str:
     return name
 
 
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
     config: ModelConfig
-    weight_files: tuple[Path, ...]
+    weight_files: tuple[Path, ...]  # safetensors files; () when the weights are read from the GGUF file itself
     metadata: dict  # GGUF scalar metadata; {} for HF directories
+    weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint's config and locate its weights (dequantizing a GGUF once, then cached)."""
+def gguf_index(path: Path) -> dict:
+    """{"config", "metadata", "tensors": [{name, type, shape (HF order), offset, bytes}]} of a GGUF
+    file, read once (GGUFReader parses the whole vocabulary: seconds) and cached under its hash."""
+    index_file = gguf_cache_dir(path) / "index.json"
+    if index_file.exists():
+        return json.loads(index_file.read_text())
+    from gguf import GGUFValueType
+
+    reader = open_gguf(path)
+    meta = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
+            continue  # vocabularies and merges: the tokenizer reads those itself
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed for the model
+            continue
+    tensors = [
+        {"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape.tolist())], "offset": int(t.data_offset),
+         "bytes": int(t.n_bytes)}
+        for t in reader.tensors
+    ]  # fmt: skip
+    try:
+        config = ModelConfig.from_gguf_metadata(meta, {t["name"]: tuple(t["shape"]) for t in tensors})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(path, f"its metadata does not describe a model kvserve runs: {describe(exc)}") from None
+    scalar_meta = {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}
+    index = {"config": asdict(config), "metadata": scalar_meta, "tensors": tensors}
+    index_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = index_file.with_suffix(".partial")
+    partial.write_text(json.dumps(index))
+    partial.replace(index_file)
+    return index
+
+
+def model_config_from_index(index: dict) -> ModelConfig:
+    return _config_from_cached(index["config"])
+
+
+def gguf_unreadable_types(path: Path) -> list[str]:
+    """The quantized tensor types in a GGUF file that the GGUF kernels do not read ([] when all are)."""
+    types = {t["type"] for t in gguf_index(path)["tensors"]}
+    return sorted(types - set(kernels.GGUF_BLOCKS) - set(FLOAT_GGUF_TYPES))
+
+
+def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str) -> str:
+    """"gguf" (keep the file's blocks) or "float" (dequantize into --dtype) for this checkpoint.
+
+    auto takes the blocks where the activations are float32 (CPUs without native bf16 products,
+    where float32 weights took the same kernels at 4-7x the bytes). With bf16 activations (AMX or
+    AVX512-BF16 CPUs) the bf16 weights keep their AMX / bf16-dot kernels: the GGUF kernel computes
+    in float32 FMAs and does not feed AMX tiles yet (docs/models.md)."""
+    if weight_dtype in ("bfloat16", "float32"):  # EngineConfig checked it equals --dtype
+        return "float"
+    is_gguf = path.is_file()
+    on_cpu = torch.device(device).type == "cpu" and kernels.cpu_kernels_available()
+    if weight_dtype == "auto":
+        if not (is_gguf and on_cpu and dtype == "float32"):
+            return "float"
+        unreadable = gguf_unreadable_types(path)
+        if unreadable:
+            log.warning("%s holds %s tensors, which the GGUF kernels do not read: its weights are dequantized into %s instead "
+                        "(--weight-dtype)", path.name, ", ".join(unreadable), dtype)  # fmt: skip
+            return "float"
+        return "gguf"
+    if not is_gguf:
+        raise ValueError(f"--weight-dtype gguf keeps a GGUF file's quantized blocks; {path} is not a GGUF file")
+    if not on_cpu:
+        raise ValueError("--weight-dtype gguf computes on the GGUF blocks with the CPU kernels: it needs --device cpu and a C++ compiler")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--weight-dtype gguf takes float32 or bfloat16 activations; --dtype is {dtype}")
+    unreadable = gguf_unreadable_types(path)
+    if unreadable:
+        raise ModelLoadError(path, f"holds {', '.join(unreadable)} tensors; the GGUF kernels read {', '.join(kernels.GGUF_BLOCKS)} "
+                             "(start with --weight-dtype float32 or bfloat16 to dequantize them)")  # fmt: skip
+    return "gguf"
+
+
+def load_checkpoint(path: Path, weight_format: str = "float") -> Checkpoint:
+    """Read a checkpoint's config and locate its weights (weight_format "float": dequantizing a GGUF
+    once, then cached; "gguf": the file's own blocks, read at build)."""
+    if path.is_file() and weight_format == "gguf":
+        index = gguf_index(path)
+        return Checkpoint(path, model_config_from_index(index), (), index["metadata"], "gguf")
     if path.is_file():
         config, weight_file, metadata = load_gguf_checkpoint(path)
         return Checkpoint(path, config, (weight_file,), metadata)
@@ -292,10 +400,87 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         raise ModelLoadError(where, f"the model config does not match the weights: {describe(exc)}") from None
 
 
+def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, kernels.GgufWeight]]:
+    """The file's float tensors (as float32, HF-named) and its quantized ones kept in their blocks."""
+    tensors = gguf_index(path)["tensors"]
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    floats: dict[str, torch.Tensor] = {}
+    blocks: dict[str, kernels.GgufWeight] = {}
+    for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
+        name = gguf_to_hf_name(tensor["name"], config.architecture)
+        shape, type_name = tuple(tensor["shape"]), tensor["type"]
+        try:
+            raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+            if len(raw) != tensor["bytes"]:
+                raise ValueError(f"the file ends inside it ({len(raw):,} of {tensor['bytes']:,} bytes)")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the file's read-only map: copied below
+                raw_tensor = torch.from_numpy(np.asarray(raw))
+            if type_name in FLOAT_GGUF_TYPES:
+                floats[name] = _hf_conventions(name, _float_tensor(raw_tensor, type_name).reshape(shape), config)
+                continue
+            rows = raw_tensor.reshape(shape[0], -1)
+            if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                rows = _unpermute_rope(rows, config.num_heads if "q_proj" in name else config.num_kv_heads)
+            blocks[name] = kernels.gguf_weight(rows, type_name, shape[0], shape[-1])
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(path, f"tensor {tensor['name']!r} ({type_name}, shape {shape}) cannot be read: {describe(exc)}") from None
+    return floats, blocks
+
+
+def _float_tensor(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A GGUF F32 / F16 / BF16 tensor's bytes as a float32 tensor (a copy)."""
+    if type_name == "F32":
+        return raw.view(torch.float32).clone()
+    return raw.view(torch.float16 if type_name == "F16" else torch.bfloat16).float()
+
+
+def _gguf_groups(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """{CausalLM parameter: the HF tensors it is made of, stacked on the output axis}, for every
+    weight that may be held in GGUF blocks."""
+    groups = {"embed_tokens.weight": ("model.embed_tokens.weight",)}
+    if not config.tie_word_embeddings:
+        groups["lm_head.weight"] = ("lm_head.weight",)
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        groups[dst + "self_attn.qkv_proj.weight"] = tuple(src + f"self_attn.{p}_proj.weight" for p in "qkv")
+        groups[dst + "self_attn.o_proj.weight"] = (src + "self_attn.o_proj.weight",)
+        groups[dst + "mlp.gate_up_proj.weight"] = (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        groups[dst + "mlp.down_proj.weight"] = (src + "mlp.down_proj.weight",)
+    return groups
+
+
+def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kernels.GgufWeight, ...]], dtype: torch.dtype) -> None:
+    """Give the projections, the embedding and the lm_head whose tensors are all quantized their
+    GGUF blocks (the tied lm_head reads the embedding's)."""
+    modules = dict(model.named_modules())
+    for param, parts in held.items():
+        module = param.removesuffix(".weight")
+        if module == "embed_tokens":
+            model.embed_tokens = GgufEmbedding(parts[0], dtype)
+            if config.tie_word_embeddings:
+                model.hold_gguf_lm_head(parts[0])
+        elif module == "lm_head":
+            model.hold_gguf_lm_head(parts[0])
+        else:
+            modules[module].hold_gguf(parts)
+
+
 def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
     config = checkpoint.config
-    getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
-    state = _internal_state(config, lambda name: getters[name]() if name in getters else None)
+    held: dict[str, tuple[kernels.GgufWeight, ...]] = {}
+    if checkpoint.weight_format == "gguf":
+        floats, blocks = _read_gguf_tensors(checkpoint.path, config)
+        groups = {param: names for param, names in _gguf_groups(config).items() if all(n in blocks for n in names)}
+        held = {param: tuple(blocks[n] for n in names) for param, names in groups.items()}
+        # a weight made of float and quantized tensors (or a quantized tensor that is no projection) is dequantized
+        kept = {n for names in groups.values() for n in names}
+        loose = {name: weight for name, weight in blocks.items() if name not in kept}
+        floats.update({name: kernels.gguf_dequantize(weight) for name, weight in loose.items()})
+        state = _internal_state(config, floats.get, frozenset(held))
+    else:
+        getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
+        state = _internal_state(config, lambda name: getters[name]() if name in getters else None)
     with torch.device("meta"):
         model = CausalLM(config, max_positions)
     model = model.to_empty(device=device)
@@ -303,8 +488,10 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
     for rotary in model.rotaries:
         fresh = type(rotary)(_rope_of(model, rotary), config.head_dim, max_positions)
         rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
+    _hold_gguf(model, config, held, dtype)
     params = dict(model.named_parameters())
-    missing = set(params) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    tied = {"lm_head.weight"} if config.tie_word_embeddings or model.gguf_lm_head is not None else set()
+    missing = set(params) - set(state) - set(held) - tied
     if missing:
         raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}")
     with torch.no_grad():
@@ -314,7 +501,7 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             want = torch.float32 if name.endswith("norm.weight") else dtype
             target.data = tensor.to(device=device, dtype=want)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.gguf_lm_head is None:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 

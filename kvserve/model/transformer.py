@@ -14,7 +14,9 @@ from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm
+from kvserve.model.layers import (
+    GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, gguf_product, packs_as_float, residual_add_norm,
+)
 
 
 LOGITS_CHUNK = 16384
@@ -135,15 +137,25 @@ class CausalLM(nn.Module):
         self.amx_lm_head: kernels.AmxWeight | None = None  # instead of packed_lm_head where AMX tiles run
         self.float_lm_head: kernels.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
         self.screened_lm_head: kernels.ScreenedWeight | None = None
+        self.gguf_lm_head: kernels.GgufWeight | None = None  # the lm_head (or tied embedding) in its GGUF blocks
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
         self._screen_scratch: torch.Tensor | None = None  # screened_sample's approximations, reused
 
+    def hold_gguf_lm_head(self, weight: kernels.GgufWeight) -> None:
+        """Compute the logits on these GGUF blocks (the tied embedding's, or the file's output tensor)."""
+        if (weight.n, weight.k) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"lm_head is [{weight.n}, {weight.k}], expected [{self.config.vocab_size}, {self.config.hidden_size}]")
+        self.gguf_lm_head = weight
+        self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
     def enable_native_kernels(self) -> None:
         """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
         row-major weight stays: it may be the tied embedding, and the torch fallbacks read it."""
-        if kernels.can_pack(self.lm_head.weight):
+        if self.gguf_lm_head is not None:
+            pass
+        elif kernels.can_pack(self.lm_head.weight):
             # one bf16 copy: AMX tiles for every row count where they run (the screen's exact
             # rescoring takes the same tiles, so screened and full logits agree bit for bit)
             if kernels.amx_ready() and self.config.hidden_size % 32 == 0:
@@ -185,6 +197,9 @@ class CausalLM(nn.Module):
         the result is only valid until the next call.
         """
         normed = self.norm(hidden)
+        if self.gguf_lm_head is not None:
+            out = self._native_logits_buffer(normed.shape[0])
+            return self._softcap(gguf_product(self._gguf_rows(normed), (self.gguf_lm_head,), out_dtype=torch.float32, out=out))
         if self._use_bf16_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(self._bf16_lm_head(normed, out_dtype=torch.float32, out=out)[0])
@@ -210,10 +225,17 @@ class CausalLM(nn.Module):
     def _native_logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [rows, vocab] for the native lm_head products, reused across steps (grown when
         a step has more rows): a fresh output would page-fault all its memory in on every step."""
-        vocab = self.lm_head.weight.shape[0]
+        vocab = self.config.vocab_size
         if self._native_logits is None or self._native_logits.shape[0] < rows:
             self._native_logits = torch.empty(rows, vocab, dtype=torch.float32)
         return self._native_logits[:rows]
+
+    @staticmethod
+    def _gguf_rows(normed: torch.Tensor) -> torch.Tensor:
+        """The rows as gguf_matmul takes them: float32 or bf16, unit inner stride."""
+        if normed.dtype not in kernels.FLOAT_PACK_DTYPES:
+            normed = normed.float()
+        return normed if normed.stride(-1) == 1 else normed.contiguous()
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
@@ -254,6 +276,8 @@ class CausalLM(nn.Module):
         keeps only its per-row maximum and index. Ties go to the lowest token id, as argmax does.
         Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
         normed = self.norm(hidden)
+        if self.gguf_lm_head is not None:
+            return kernels.gguf_matmul(self._gguf_rows(normed), self.gguf_lm_head, want_output=False, want_argmax=True)[1]
         if self._use_bf16_lm_head(normed):
             if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
                 return kernels.screened_argmax(normed, self.screened_lm_head)[0]

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvserve.config import WEIGHT_DTYPES
 from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan, tier_tokens
@@ -48,6 +49,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--dtype", default="bfloat16", choices=list(_DTYPE_BYTES), help="the model's dtype (the engine's --dtype auto takes bfloat16 on CPUs with AVX512-BF16 or AMX, float32 on other "
                      "x86 CPUs): its weights when they come from --model, the KV dtype with --kv-dtype auto, and int4/int2's "
                      "full-precision residual blocks (default: %(default)s)")
+    mem.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
+                     help="how the engine holds the weights, as its flag: gguf, a GGUF file's quantized blocks (its tensor bytes); "
+                     "float32 / bfloat16, every parameter at that size plus the lm_head's packed copy (and with bf16 on AVX512-VNNI "
+                     "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
+                     "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
     mem.add_argument("--kv-offload-host-gib", type=float, default=None,
                      help="a host-memory KV tier's budget, as the engine's flag: how many tokens it holds (besides the pool)")
@@ -66,7 +72,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model_config(model: str) -> ModelConfig:
-    from kvserve.model.loader import read_gguf_metadata
+    from kvserve.model.loader import gguf_index, model_config_from_index
     from kvserve.model.registry import resolve_model_path
 
     path = Path(model)
@@ -76,9 +82,25 @@ def load_model_config(model: str) -> ModelConfig:
         return ModelConfig.from_hf_file(path)
     path = resolve_model_path(model)
     if path.is_file():
-        meta, shapes = read_gguf_metadata(path)
-        return ModelConfig.from_gguf_metadata(meta, shapes)
+        return model_config_from_index(gguf_index(path))
     return ModelConfig.from_hf_file(path)
+
+
+def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dtype: str) -> tuple[int, str]:
+    """The bytes of weights the engine holds for --model under --weight-dtype, and how it holds them."""
+    from kvserve.model.loader import gguf_index
+    from kvserve.model.registry import resolve_model_path
+
+    path = resolve_model_path(model) if Path(model).suffix != ".json" else Path(model)
+    is_gguf = path.is_file() and path.suffix != ".json"
+    if weight_dtype == "gguf" and not is_gguf:
+        raise ValueError(f"--weight-dtype gguf keeps a GGUF file's blocks; {model} is not a GGUF model")
+    if weight_dtype == "gguf" or (weight_dtype == "auto" and is_gguf and dtype == "float32"):
+        return sum(t["bytes"] for t in gguf_index(path)["tensors"]), "GGUF blocks"
+    held = dtype if weight_dtype == "auto" else weight_dtype
+    # the native kernels' packed lm_head beside the row-major one (the embedding's, or the torch fallbacks')
+    packed_lm_head = config.vocab_size * config.hidden_size * _DTYPE_BYTES[held]
+    return model_weight_bytes(config, _DTYPE_BYTES[held]) + packed_lm_head, held
 
 
 def _shape(args: argparse.Namespace) -> tuple[KVShape, ModelConfig | None]:
@@ -159,7 +181,7 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     kv_dtype, required = result["kv_dtype"], result["required_kv_bytes"]
     lines = [
         f"KV budget {_fmt_bytes(result['kv_budget_bytes'])} = --memory-gib {budget.memory_gib:g} - "
-        f"{budget.weights_gib:.3f} GiB weights - {budget.headroom_gib:g} GiB headroom."
+        f"{budget.weights_gib:.3f} GiB weights ({result.get('weights_held_as', '--weights-gib')}) - {budget.headroom_gib:g} GiB headroom."
     ]
     need = f"{_fmt_bytes(required)} of {kv_dtype} KV"
     parts = []
@@ -253,14 +275,18 @@ def run_plan(args: argparse.Namespace) -> int:
         model_config.max_position_embeddings if model_config is not None else NO_LIMIT, args.max_num_seqs,
     )  # fmt: skip
     budget = None
+    held_as = "--weights-gib"
     if args.memory_gib is not None:
         weights = args.weights_gib
         if weights is None:
             if model_config is None:
                 raise ValueError("give --weights-gib (or --model, to compute the weights' size)")
-            weights = model_weight_bytes(model_config, _DTYPE_BYTES[args.dtype]) / GIB
+            weight_bytes, held_as = planned_weight_bytes(args.model, model_config, args.weight_dtype, args.dtype)
+            weights = weight_bytes / GIB
         budget = Budget(args.memory_gib, weights, args.headroom_gib)
     result = plan(shape, kv_dtype, workload, budget)
+    if budget is not None:
+        result["weights_held_as"] = held_as
     tiers = {}
     for tier, gib in (("host", args.kv_offload_host_gib), ("disk", args.kv_offload_disk_gib)):
         if gib is not None:

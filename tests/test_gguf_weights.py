@@ -1,0 +1,248 @@
+"""Weights kept in their GGUF blocks: the kernel decodes every block type to exactly gguf-py's values,
+its products are float32 FMA chains over them (a float64 reference within float32's accumulation
+error, the same bits for a row alone or batched, on this CPU's build and an AVX2-only one), and a
+GGUF model held that way is the file's size and gives the float32-weight path's bits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams, kernels
+from kvserve.model.errors import ModelLoadError
+from tiny_models import TINY_GGUF_TYPES, tiny_gguf
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+
+TYPES = list(kernels.GGUF_BLOCKS)
+# byte offsets of each block's fp16 scale fields (random bytes there could be inf or NaN)
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of k values as random blocks of this type (every code and scale bit pattern), with
+    finite fp16 scales."""
+    _, values, size = kernels.GGUF_BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // values, size), dtype=np.uint8)
+    for at in HALF_FIELDS[type_name]:
+        blocks[:, at : at + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def reference(type_name: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(blocks, GGMLQuantizationType[type_name]).reshape(n, k).astype(np.float32)
+
+
+def weight_of(type_name: str, n: int, k: int, seed: int = 0) -> tuple[kernels.GgufWeight, np.ndarray]:
+    blocks = random_blocks(type_name, n, k, seed)
+    return kernels.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_rows_decode_to_gguf_py_values_exactly(type_name):
+    weight, ref = weight_of(type_name, 37, 512)
+    assert np.array_equal(kernels.gguf_dequantize(weight).numpy().view(np.uint32), ref.view(np.uint32))
+    ids = torch.tensor([[5, 0], [36, 5]])
+    picked = kernels.gguf_dequantize(weight, ids)
+    assert picked.shape == (2, 2, 512)
+    assert np.array_equal(picked.numpy().view(np.uint32), ref[ids.numpy()].view(np.uint32))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_product_decodes_every_tile_exactly(type_name):
+    """Identity rows pick weight columns out of the product: one FMA of 1.0 per output, exact (up to
+    the sign of a zero: 0 + -0 is +0). k rows run the dequantize-a-tile path, one row the fused one."""
+    weight, ref = weight_of(type_name, 37, 256, seed=1)
+    eye = torch.eye(256)
+    assert np.array_equal(kernels.gguf_matmul(eye, weight)[0].numpy().T, ref)
+    for column in (0, 17, 255):
+        row = kernels.gguf_matmul(eye[column : column + 1].contiguous(), weight)[0][0]
+        assert np.array_equal(row.numpy(), ref[:, column])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+def test_the_product_matches_a_float64_reference(type_name, rows):
+    n, k = 37, 512
+    weight, ref = weight_of(type_name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+    w64 = torch.from_numpy(ref).double()
+    exact = x.double() @ w64.T
+    bound = k * 2.0**-23 * (x.double().abs() @ w64.abs().T)  # float32 accumulation over k terms
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert torch.equal(argmax, out.argmax(1))
+    bf16 = kernels.gguf_matmul(x.bfloat16(), weight, out_dtype=torch.bfloat16)[0]
+    assert torch.equal(bf16, kernels.gguf_matmul(x.bfloat16().float(), weight, out_dtype=torch.float32)[0].bfloat16())
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(type_name):
+    weight, _ = weight_of(type_name, 70, 512, seed=3)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    batched, argmax = kernels.gguf_matmul(x, weight, want_argmax=True)
+    for count in (1, 2, 5, 6, 7, 9, 13):
+        part, part_argmax = kernels.gguf_matmul(x[:count], weight, want_argmax=True)
+        assert torch.equal(part, batched[:count]) and torch.equal(part_argmax, argmax[:count])
+    for i in (0, 33, 63):
+        assert torch.equal(kernels.gguf_matmul(x[i : i + 1], weight)[0], batched[i : i + 1])
+
+
+def test_outputs_go_into_a_column_slice_and_argmax_alone():
+    weight, _ = weight_of("Q4_1", 40, 96, seed=4)
+    x = torch.randn(9, 96)
+    full = kernels.gguf_matmul(x, weight)[0]
+    wide = torch.zeros(9, 100)
+    kernels.gguf_matmul(x, weight, out=wide[:, 30:70])
+    assert torch.equal(wide[:, 30:70], full) and not wide[:, :30].any() and not wide[:, 70:].any()
+    out, argmax = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)
+    assert out is None and torch.equal(argmax, full.argmax(1))
+
+
+def test_bad_inputs_are_refused():
+    blocks = torch.from_numpy(random_blocks("Q8_0", 4, 64))
+    with pytest.raises(ValueError, match="not one the kernels read"):
+        kernels.gguf_weight(blocks, "Q2_K", 4, 64)
+    with pytest.raises(ValueError, match="bytes"):
+        kernels.gguf_weight(blocks[:3], "Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.gguf_weight(blocks, "Q8_0", 4, 48)
+    weight = kernels.gguf_weight(blocks, "Q8_0", 4, 64)
+    with pytest.raises(IndexError):
+        kernels.gguf_dequantize(weight, torch.tensor([4]))
+    with pytest.raises(ValueError):
+        kernels.gguf_matmul(torch.randn(2, 63), weight)
+    with pytest.raises(ValueError):
+        kernels.gguf_matmul(torch.randn(2, 64), weight, out=torch.empty(2, 3))
+
+
+AVX2_CHECK = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[2])
+from test_gguf_weights import TYPES, weight_of
+from kvserve import kernels
+out = []
+for type_name in TYPES:
+    weight, _ = weight_of(type_name, 35, 256, seed=5)
+    for rows in (1, 6, 8, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        out += list(kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True))
+    out.append(kernels.gguf_dequantize(weight))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_avx2_build_gives_the_same_bits(tmp_path):
+    """KVSERVE_MARCH=haswell builds the AVX2 kernel (ymm halves, 6-row blocks); this CPU's build may
+    be AVX-512 (8-row blocks, one zmm per tile): the same values and FMA chains, so the same bits."""
+    results = {}
+    for march in ("haswell", None):
+        env = {key: value for key, value in os.environ.items() if key != "KVSERVE_MARCH"}
+        if march:
+            env["KVSERVE_MARCH"] = march
+        path = tmp_path / f"{march or 'native'}.pt"
+        subprocess.run([sys.executable, "-c", AVX2_CHECK, str(path), os.path.dirname(__file__)], env=env, check=True, capture_output=True)
+        results[march] = torch.load(path)
+    assert len(results["haswell"]) == len(results[None]) > 0
+    for avx2, native in zip(results["haswell"], results[None]):
+        assert torch.equal(avx2, native)
+
+
+# --------------------------------------------------------------------------- a GGUF model
+PROMPTS = [[1, 5, 9, 20, 33, 7, 7, 100], [3, 4, 5], list(range(40, 90))]
+
+
+def tiny_llm(tiny_root, weight_dtype: str, dtype: str = "float32", **settings) -> LLM:
+    path = tiny_gguf(tiny_root, quantized=True)
+    return LLM(str(path), weight_dtype=weight_dtype, dtype=dtype, kv_cache_memory=0.02, skip_tokenizer_init=True, **settings)
+
+
+def traces(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(tuple(o.token_ids), tuple((lp.logprob, tuple(sorted(lp.top.items()))) for lp in o.logprobs or ())) for o in outs]
+
+
+def test_a_gguf_model_is_held_in_its_blocks_at_the_files_size(tiny_root):
+    from kvserve.model.layers import GgufEmbedding
+    from kvserve.model.loader import gguf_index
+
+    llm = tiny_llm(tiny_root, "auto")
+    model = llm.engine.model
+    assert isinstance(model.embed_tokens, GgufEmbedding) and model.gguf_lm_head is not None
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert [p.type_name for p in qkv.gguf] == ["Q5_0", "Q5_0", "Q8_0"] and qkv.weight.numel() == 0
+    assert [p.type_name for p in model.layers[0].mlp.gate_up_proj.gguf] == ["Q4_0", "Q4_1"]
+    assert model.layers[0].self_attn.o_proj.gguf is None  # an F32 tensor stays a float weight
+    held = {id(p.data): p.nbytes for m in model.modules() for p in getattr(m, "gguf", None) or ()}
+    held |= {id(model.embed_tokens.blocks.data): model.embed_tokens.blocks.nbytes, id(model.gguf_lm_head.data): model.gguf_lm_head.nbytes}
+    index = gguf_index(tiny_gguf(tiny_root, quantized=True))
+    quantized = sum(t["bytes"] for t in index["tensors"] if t["type"] in kernels.GGUF_BLOCKS)
+    assert sum(held.values()) == quantized  # every quantized tensor once, at its size in the file
+    assert set(TINY_GGUF_TYPES.values()) <= {t["type"] for t in index["tensors"]}
+
+
+def test_gguf_blocks_give_the_float32_weights_bits(tiny_root):
+    """Dequantized into float32, the weights hold the same values and float_matmul runs the same FMA
+    chains: greedy and seeded tokens with their logprobs agree to the bit. (bf16 weights round the
+    values, so only float32 compares.)"""
+    dtype = "float32"
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)]  # fmt: skip
+    batch = [(p, s) for p in PROMPTS for s in params]
+    gguf = traces(tiny_llm(tiny_root, "gguf", dtype), [p for p, _ in batch], [s for _, s in batch])
+    dense = traces(tiny_llm(tiny_root, dtype, dtype), [p for p, _ in batch], [s for _, s in batch])
+    assert gguf == dense
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_way_a_request_runs_gives_the_same_bits_on_gguf_blocks(tiny_root, dtype):
+    from conftest import random_prompts
+
+    shared = random_prompts(1, 37, 37, seed=41)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 30, seed=42)]
+    others = random_prompts(63, 5, 60, seed=43)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True, logprobs=2)
+    requests = [(p, s) for p in prompts for s in (greedy, seeded)]
+    llm = tiny_llm(tiny_root, "gguf", dtype, max_num_seqs=64, enable_prefix_caching=False)
+    alone = [traces(llm, [p], s)[0] for p, s in requests]
+    for count in (7, 63):
+        batch = requests + [(o, greedy) for o in others[:count]]
+        assert traces(llm, [p for p, _ in batch], [s for _, s in batch])[: len(requests)] == alone, f"batched with {count}"
+    cached = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=True)
+    traces(cached, [shared], greedy)
+    assert [traces(cached, [p], s)[0] for p, s in requests] == alone, "after a prefix hit"
+    chunked = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=False, max_num_batched_tokens=16)
+    assert [traces(chunked, [p], s)[0] for p, s in requests] == alone, "prefilled in chunks of 16"
+
+
+def test_weight_dtype_choices_are_checked(tiny_root, tiny_dir, tmp_path):
+    from kvserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs --dtype bfloat16"):
+        EngineConfig(weight_dtype="bfloat16", dtype="float32")
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        EngineConfig(weight_dtype="int3")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(tiny_dir("llama")), weight_dtype="gguf", dtype="float32", kv_cache_memory=0.02)
+    with pytest.raises(ValueError, match="float32 or bfloat16 activations"):
+        tiny_llm(tiny_root, "gguf", "float16")
+    # auto: the blocks with float32 activations; bf16 activations keep bf16 weights (their AMX/bf16-dot kernels)
+    assert tiny_llm(tiny_root, "auto", "float32").engine.model.gguf_lm_head is not None
+    assert tiny_llm(tiny_root, "auto", "bfloat16").engine.model.gguf_lm_head is None
+    # a type the kernels do not read: refused by name under gguf, dequantized under auto
+    odd = tiny_gguf(str(tmp_path), quantized=True, types={**TINY_GGUF_TYPES, "ffn_down": "IQ4_NL"})
+    with pytest.raises(ModelLoadError, match="IQ4_NL"):
+        LLM(str(odd), weight_dtype="gguf", dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
+    fallback = LLM(str(odd), weight_dtype="auto", dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
+    assert fallback.engine.model.gguf_lm_head is None
+    assert len(fallback.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].token_ids) == 3
