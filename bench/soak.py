@@ -9,7 +9,8 @@ off and tries again. A separate process polls /health throughout.
 
 After a warm-up (same load, then idle) the soak measures: requests by outcome, rejections by
 status and code, 5xx that are not the documented 503, blocks leaked, TTFT p50/p99, generated
-tokens/s, the worst /health latency, the server's RSS after warm-up and at the end; and checks
+tokens/s, the worst /health latency, the server's RSS after warm-up and at the end (and its slope
+per 1,000 requests); and checks
 that every 200 stream ended with [DONE], every greedy output equals its solo run, every block is
 free, and the server's counters (rejected by reason, aborted, finished) equal what clients saw.
 Every request carries its own X-Request-Id, so each rejection a client saw is matched to the
@@ -388,6 +389,11 @@ class SoakReport:
     def rss_growth(self) -> float:
         return self.rss_end_mib / self.rss_after_warmup_mib - 1
 
+    @property
+    def rss_slope_mib_per_1k(self) -> float:
+        """The server's RSS change after warm-up per 1,000 requests sent (a leak shows as a slope)."""
+        return (self.rss_end_mib - self.rss_after_warmup_mib) / max(1, self.requests) * 1000
+
     def failures(self) -> list[str]:
         problems = []
         if self.server_errors:
@@ -423,7 +429,7 @@ class SoakReport:
             ("generated tokens/s (server counter)", f"{self.generated_tokens_per_s:.1f}"),
             ("worst /health latency", f"{self.health_worst_s * 1000:.0f} ms ({self.health_polls:,} polls)"),
             ("server RSS after warm-up / at the end", f"{self.rss_after_warmup_mib:.0f} MiB / {self.rss_end_mib:.0f} MiB "
-                                                      f"({self.rss_growth:+.1%})"),  # fmt: skip
+                                                      f"({self.rss_growth:+.1%}; {self.rss_slope_mib_per_1k:+.2f} MiB per 1,000 requests)"),  # fmt: skip
         ]
         return "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
@@ -573,7 +579,7 @@ def main() -> int:
     for problem in failures:
         print(f"FAIL: {problem}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**asdict(rep), "failures": failures}, indent=2))
+        Path(args.json).write_text(json.dumps({**asdict(rep), "rss_slope_mib_per_1k": rep.rss_slope_mib_per_1k, "failures": failures}, indent=2))
     return 1 if failures else 0
 
 

@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
     stats = llm.stats()
     print(
         f"\n{generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} tokens/s "
-        f"(dtype {config.dtype}, {stats['num_blocks']} KV blocks of {stats['block_size']}, "
+        f"(dtype {config.dtype}, weights {llm.engine.weights_description()}, {stats['num_blocks']} KV blocks of {stats['block_size']}, "
         f"{stats['bytes_per_token']} B/token, {stats['num_preemptions']} preemptions)",
         file=sys.stderr,
     )

@@ -246,3 +246,15 @@ def test_weight_dtype_choices_are_checked(tiny_root, tiny_dir, tmp_path):
     fallback = LLM(str(odd), weight_dtype="auto", dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
     assert fallback.engine.model.gguf_lm_head is None
     assert len(fallback.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].token_ids) == 3
+
+
+def test_a_quantized_norm_is_dequantized_beside_the_blocks(tmp_path):
+    """A quantized 1-D tensor (a norm in Q8_0) is no product's weight: it is dequantized, and the
+    model still gives the float32-weights path's bits."""
+    path = str(tiny_gguf(str(tmp_path), quantized=True, types={**TINY_GGUF_TYPES, "attn_norm": "Q8_0"}))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    runs = []
+    for weight_dtype in ("gguf", "float32"):
+        llm = LLM(path, weight_dtype=weight_dtype, dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
+        runs.append(traces(llm, PROMPTS, params))
+    assert runs[0] == runs[1]

@@ -78,6 +78,20 @@ def test_each_broken_model_raises_one_line_naming_the_file(broken):
         assert str(names) in message and words in message and "\n" not in message, (name, message)
 
 
+@pytest.mark.parametrize("weight_dtype", ["gguf", "float32"])
+def test_a_gguf_whose_head_counts_do_not_fit_its_tensors_is_one_line(tiny_root, tmp_path, weight_dtype):
+    """A KV head count in the metadata that the k/v tensors do not have: one line naming the file, on
+    the quantized blocks and on the dequantized path alike (llama's q/k rows are un-interleaved per
+    head on both)."""
+    path = tiny_gguf(str(tmp_path), quantized=True, kv_heads=3)
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--model", str(path), "--dtype", "float32",
+                           "--weight-dtype", weight_dtype, "--kv-cache-memory", "0.01", "--prompt", "1 2 3",
+                           "--skip-tokenizer-init"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "tensor/s" not in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"kvserve: error: {path}: "), lines
+
+
 CLI_CASES = {
     "generate": ("gguf truncated to 0.001", "gguf truncated to 0.5", "safetensors truncated to 0.5", "config.json malformed",
                  "config.json hidden size", "config.json heads"),

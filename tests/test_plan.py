@@ -335,3 +335,11 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(tiny_root, weight_dtyp
         assert planned["weights_held_as"] == "GGUF blocks"
         assert abs(weights - sum(t["bytes"] for t in gguf_index(Path(path))["tensors"])) <= 64
         assert held <= weights  # the engine holds the blocks, plus the F32 norms the file has
+
+
+def test_plan_refuses_the_weight_dtypes_the_engine_refuses():
+    for flags, words in ((("--dtype", "float32", "--weight-dtype", "bfloat16"), "needs --dtype bfloat16"),
+                         (("--dtype", "float16", "--weight-dtype", "gguf"), "float32 or bfloat16 activations")):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "64",
+                               "--seq-lens", "100", *flags], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr

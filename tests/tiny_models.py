@@ -125,9 +125,10 @@ TINY_GGUF_TYPES = {
 }  # fmt: skip
 
 
-def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None = None) -> Path:
+def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None = None, kv_heads: int | None = None) -> Path:
     """The tiny Llama's weights as a GGUF file with llama metadata (no tokenizer): F32, or with its
-    matrices quantized as TINY_GGUF_TYPES (or `types`) says. Loads as weights."""
+    tensors quantized as TINY_GGUF_TYPES (or `types`) says. Loads as weights. `kv_heads`: a
+    metadata head count that does not match the tensors (a broken file)."""
     import gguf
     from gguf.quants import quantize
 
@@ -136,6 +137,8 @@ def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None =
     types = (types or TINY_GGUF_TYPES) if quantized else {}
     suffix = "-".join(f"{k}={v}" for k, v in sorted(types.items())) if types != TINY_GGUF_TYPES else "quantized"
     out = Path(root) / (f"tiny-llama-{suffix}.gguf" if quantized else "tiny-llama.gguf")
+    if kv_heads is not None:
+        out = out.with_name(f"{out.stem}-kv-heads-{kv_heads}.gguf")
     if out.exists():
         return out
     model_dir = tiny_model_dir("llama", root)
@@ -147,7 +150,7 @@ def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None =
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(kv_heads or config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(10000.0)
@@ -162,7 +165,7 @@ def tiny_gguf(root: str, quantized: bool = False, types: dict[str, str] | None =
                          "lm_head.weight": "output.weight"}[name]  # fmt: skip
         array = tensor.float().numpy()
         kind = types.get(gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0])
-        if kind is None or array.ndim != 2:
+        if kind is None or array.ndim not in (1, 2):
             writer.add_tensor(gguf_name, array)
             continue
         qtype = gguf.GGMLQuantizationType[kind]

@@ -139,6 +139,7 @@ class LLMEngine:
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend,
                                                                                                     checkpoint.weight_format)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
+        self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
         self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
                                 key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
         if backend == "cpu_paged":
@@ -148,6 +149,10 @@ class LLMEngine:
         self._attach_tiers(config)
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
+
+    def weights_description(self) -> str:
+        """How the weights are held, for start-up lines: "GGUF blocks" or the dtype of their copies."""
+        return "GGUF blocks" if getattr(self, "weight_format", "float") == "gguf" else self.config.dtype
 
     def _center_keys(self, vocab_size: int) -> None:
         """Calibrate the int8 / fp8 key centers (kv/centering.py) before anything is stored. They

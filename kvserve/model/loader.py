@@ -151,9 +151,9 @@ def _dequantize_tensor(path: Path, tensor, name: str, config: ModelConfig) -> di
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
-    except Exception as exc:  # noqa: BLE001 - a tensor the codecs cannot read is the file's fault
-        raise ModelLoadError(path, f"tensor {tensor.name!r} cannot be read: {describe(exc)}") from None
-    return {name: _hf_conventions(name, weight, config)}
+        return {name: _hf_conventions(name, weight, config)}
+    except Exception as exc:  # noqa: BLE001 - a tensor the codecs (or the metadata's head counts) cannot read is the file's fault
+        raise ModelLoadError(path, f"tensor {tensor.name!r} ({tensor.tensor_type.name}, shape {shape}) cannot be read: {describe(exc)}") from None
 
 
 def _hf_conventions(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -419,6 +419,10 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
             if type_name in FLOAT_GGUF_TYPES:
                 floats[name] = _hf_conventions(name, _float_tensor(raw_tensor, type_name).reshape(shape), config)
                 continue
+            if len(shape) != 2 or shape[-1] % kernels.GGUF_BLOCKS[type_name][1]:
+                # a quantized norm or a row that is no whole number of blocks: not a product's weight, dequantized
+                floats[name] = _hf_conventions(name, _dequantized(np.asarray(raw), type_name, shape), config)
+                continue
             rows = raw_tensor.reshape(shape[0], -1)
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 rows = _unpermute_rope(rows, config.num_heads if "q_proj" in name else config.num_kv_heads)
@@ -426,6 +430,13 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(path, f"tensor {tensor['name']!r} ({type_name}, shape {shape}) cannot be read: {describe(exc)}") from None
     return floats, blocks
+
+
+def _dequantized(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.array(dequantize(raw.reshape(1, -1), GGMLQuantizationType[type_name]), dtype=np.float32)).reshape(shape)
 
 
 def _float_tensor(raw: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -264,8 +264,18 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         )
 
 
+def _check_weight_dtype(weight_dtype: str, dtype: str) -> None:
+    """The engine's rules for --weight-dtype against --dtype, so a plan never suggests what it refuses."""
+    if weight_dtype in _DTYPE_BYTES and weight_dtype != dtype:
+        raise ValueError(f"--weight-dtype {weight_dtype} holds the weights in the activations' dtype: it needs --dtype {weight_dtype} "
+                         f"(--dtype is {dtype})")  # fmt: skip
+    if weight_dtype == "gguf" and dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--weight-dtype gguf takes float32 or bfloat16 activations; --dtype is {dtype}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Exit status 1 when a memory budget is given and the workload does not fit in it at once."""
+    _check_weight_dtype(args.weight_dtype, args.dtype)
     kv_dtype = normalize_kv_dtype(args.dtype if args.kv_dtype == "auto" else args.kv_dtype)
     shape, model_config = _shape(args)
     if args.replay and not (args.seq_lens or args.trace):
@@ -287,6 +297,7 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(shape, kv_dtype, workload, budget)
     if budget is not None:
         result["weights_held_as"] = held_as
+        result["weights_bytes"] = int(budget.weights_gib * GIB)
     tiers = {}
     for tier, gib in (("host", args.kv_offload_host_gib), ("disk", args.kv_offload_disk_gib)):
         if gib is not None:
