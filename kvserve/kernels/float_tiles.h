@@ -9,7 +9,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
+
+#include <omp.h>
 
 #include "simd.h"
 
@@ -239,6 +242,48 @@ void merge_best(const std::vector<RowBest>& best, std::vector<float>& merged_val
       merged_index[r] = at;
     }
   }
+}
+
+// The walk both products share: each thread takes a contiguous range of weight blocks (kTiles
+// tiles) and walks it once per chunk of rows small enough to stay in L2, instead of streaming all
+// of x again for every block. make_tiles() runs once per thread and returns a callable that, for a
+// block (first tile, tile count), gives the packed weight to read and the tile index in it:
+// float_matmul's packed weight itself, or the tiles gguf_matmul has just decoded.
+template <int DT, typename MakeTiles>
+void run_chunked(const Problem& p, int rows, int64_t* argmax, MakeTiles make_tiles) {
+  const int64_t tiles = (p.n + kTile - 1) / kTile;
+  const int64_t blocks = (tiles + kTiles - 1) / kTiles;
+  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> merged_index(rows, -1);
+#pragma omp parallel
+  {
+    std::vector<RowBest> best;
+    if (argmax) best.assign(rows, RowBest{f32x16{} - std::numeric_limits<float>::infinity(), i32x16{} - 1});
+    auto tiles_for = make_tiles();
+    Problem q = p;
+    const int threads = omp_get_num_threads();
+    const int me = omp_get_thread_num();
+    const int64_t block_begin = blocks * me / threads;
+    const int64_t block_end = blocks * (me + 1) / threads;
+    const int chunk_rows = std::max(kMaxRows, static_cast<int>((256 << 10) / (static_cast<int64_t>(p.k) * 4)) / kMaxRows * kMaxRows);
+    const int64_t out_bytes = p.out_dtype == kFloat32 ? 4 : 2;
+    for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
+      const int chunk = std::min(chunk_rows, rows - r0);
+      const float* xc = p.x + r0 * p.ldx;
+      void* oc = p.out ? static_cast<void*>(static_cast<char*>(p.out) + static_cast<int64_t>(r0) * p.ldo * out_bytes) : nullptr;
+      RowBest* bc = argmax ? best.data() + r0 : nullptr;
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        const int64_t first = b * kTiles;
+        const int64_t count = std::min<int64_t>(kTiles, tiles - first);
+        const std::pair<const void*, int64_t> packed = tiles_for(first, count);
+        q.packed = packed.first;
+        tiles_block<DT>(q, packed.second, first, count, xc, chunk, oc, bc);
+      }
+    }
+    if (argmax) merge_best(best, merged_value, merged_index);
+  }
+  if (argmax)
+    for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ struct BlockShape {
   int bytes;
 };
 
-BlockShape block_shape(int type) {
+constexpr BlockShape block_shape(int type) {
   switch (type) {
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
@@ -81,9 +81,7 @@ inline void scale_min_k4(const uint8_t* s, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
 // one row of `k` values from its blocks
 template <int T>
 void dequantize_row(const uint8_t* row, int k, float* out) {
-  constexpr BlockShape shape = T == kQ4_0 ? BlockShape{32, 18} : T == kQ4_1 ? BlockShape{32, 20} : T == kQ5_0 ? BlockShape{32, 22}
-                             : T == kQ5_1 ? BlockShape{32, 24} : T == kQ8_0 ? BlockShape{32, 34} : T == kQ4_K ? BlockShape{256, 144}
-                             : T == kQ5_K ? BlockShape{256, 176} : BlockShape{256, 210};  // fmt: skip
+  constexpr BlockShape shape = block_shape(T);
   const int blocks = k / shape.values;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + static_cast<int64_t>(b) * shape.bytes;
@@ -317,9 +315,7 @@ inline void dequantize_tile_block(const uint8_t* blk, Sink&& sink) {
 
 template <int T>
 void dequantize_tile(const uint8_t* tile, int k, float* out) {
-  constexpr BlockShape shape = T == kQ4_0 ? BlockShape{32, 18} : T == kQ4_1 ? BlockShape{32, 20} : T == kQ5_0 ? BlockShape{32, 22}
-                             : T == kQ5_1 ? BlockShape{32, 24} : T == kQ8_0 ? BlockShape{32, 34} : T == kQ4_K ? BlockShape{256, 144}
-                             : T == kQ5_K ? BlockShape{256, 176} : BlockShape{256, 210};  // fmt: skip
+  constexpr BlockShape shape = block_shape(T);
   for (int b = 0; b < k / shape.values; ++b)
   {
     float* block_out = out + static_cast<int64_t>(b) * shape.values * kTile;
@@ -393,9 +389,7 @@ inline V16 load_lanes(const float* p) {
 // the same FMA chain per output as the dequantize-the-tile-then-multiply path, so the same bits
 template <int T, int MR>
 void fused_tile(const Weight& w, int64_t t, const Problem& p, const float* x, void* out, RowBest* best) {
-  constexpr BlockShape shape = T == kQ4_0 ? BlockShape{32, 18} : T == kQ4_1 ? BlockShape{32, 20} : T == kQ5_0 ? BlockShape{32, 22}
-                             : T == kQ5_1 ? BlockShape{32, 24} : T == kQ8_0 ? BlockShape{32, 34} : T == kQ4_K ? BlockShape{256, 144}
-                             : T == kQ5_K ? BlockShape{256, 176} : BlockShape{256, 210};  // fmt: skip
+  constexpr BlockShape shape = block_shape(T);
   V16 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = broadcast(0.0f);
   const uint8_t* tile = w.tiles + t * w.tile_bytes;
@@ -460,40 +454,14 @@ void run_fused(const Weight& w, const Problem& p, int rows, FusedTile fused, int
     for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
 }
 
-void run(const Weight& w, const Problem& base, int rows, int64_t* argmax) {
-  const int64_t tiles = (w.n + kTile - 1) / kTile;
-  const int64_t blocks = (tiles + kTiles - 1) / kTiles;
-  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> merged_index(rows, -1);
-#pragma omp parallel
-  {
-    std::vector<RowBest> best;
-    if (argmax) best.assign(rows, RowBest{f32x16{} - std::numeric_limits<float>::infinity(), i32x16{} - 1});
-    std::vector<float> tile(static_cast<size_t>(kTiles) * w.k * kTile);
-    Problem p = base;
-    p.packed = tile.data();
-    const int threads = omp_get_num_threads();
-    const int me = omp_get_thread_num();
-    const int64_t block_begin = blocks * me / threads;
-    const int64_t block_end = blocks * (me + 1) / threads;
-    const int chunk_rows = std::max(kMaxRows, static_cast<int>((256 << 10) / (static_cast<int64_t>(p.k) * 4)) / kMaxRows * kMaxRows);
-    const int64_t out_bytes = p.out_dtype == kFloat32 ? 4 : 2;
-    for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
-      const int chunk = std::min(chunk_rows, rows - r0);
-      const float* xc = p.x + r0 * p.ldx;
-      void* oc = p.out ? static_cast<void*>(static_cast<char*>(p.out) + static_cast<int64_t>(r0) * p.ldo * out_bytes) : nullptr;
-      RowBest* bc = argmax ? best.data() + r0 : nullptr;
-      for (int64_t b = block_begin; b < block_end; ++b) {
-        const int64_t first = b * kTiles;
-        const int64_t count = std::min<int64_t>(kTiles, tiles - first);
-        dequantize_tiles(w, first, count, tile.data());
-        tiles_block<kFloat32>(p, 0, first, count, xc, chunk, oc, bc);
-      }
-    }
-    if (argmax) merge_best(best, merged_value, merged_index);
-  }
-  if (argmax)
-    for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
+// more rows: each tile decoded once per chunk of rows into a scratch tile, then float_matmul's walk
+void run(const Weight& w, const Problem& p, int rows, int64_t* argmax) {
+  run_chunked<kFloat32>(p, rows, argmax, [&w] {
+    return [&w, tile = std::vector<float>(static_cast<size_t>(kTiles) * w.k * kTile)](int64_t first, int64_t count) mutable {
+      dequantize_tiles(w, first, count, tile.data());
+      return std::pair<const void*, int64_t>{tile.data(), 0};
+    };
+  });
 }
 
 }  // namespace

@@ -119,22 +119,6 @@ def open_gguf(path: Path):
     return reader
 
 
-def read_gguf_metadata(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    from gguf import GGUFValueType
-
-    reader = open_gguf(path)
-    meta = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
-            continue  # vocabularies and merges: the tokenizer reads those itself
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are not needed for the model
-            continue
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    return meta, shapes
-
-
 def _dequantize_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     reader = open_gguf(path)
     state: dict[str, torch.Tensor] = {}
@@ -172,25 +156,15 @@ def gguf_cache_dir(path: Path) -> Path:
 
 def load_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Path, dict]:
     """Returns the config, the cached safetensors path of dequantized weights, and the metadata."""
-    cache = gguf_cache_dir(path)
-    weights = cache / "model.safetensors"
-    meta_file = cache / "metadata.json"
-    if weights.exists() and meta_file.exists():
-        cached = json.loads(meta_file.read_text())
-        return _config_from_cached(cached["config"]), weights, cached["metadata"]
-    meta, shapes = read_gguf_metadata(path)
-    try:
-        config = ModelConfig.from_gguf_metadata(meta, shapes)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(path, f"its metadata does not describe a model kvserve runs: {describe(exc)}") from None
-    state = _dequantize_gguf(path, config)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = weights.with_suffix(".partial")
-    save_file(state, str(tmp))
-    tmp.replace(weights)
-    scalar_meta = {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}
-    meta_file.write_text(json.dumps({"config": asdict(config), "metadata": scalar_meta}))
-    return config, weights, scalar_meta
+    index = gguf_index(path)
+    config = model_config_from_index(index)
+    weights = gguf_cache_dir(path) / "model.safetensors"
+    if not weights.exists():
+        state = _dequantize_gguf(path, config)
+        tmp = weights.with_suffix(".partial")
+        save_file(state, str(tmp))
+        tmp.replace(weights)
+    return config, weights, index["metadata"]
 
 
 def _config_from_cached(raw: dict) -> ModelConfig:
