@@ -18,6 +18,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the engine step running it failed)
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None  # likewise
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs: one per prompt token, the first None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     num_output_tokens: int = 0  # generated so far, in all

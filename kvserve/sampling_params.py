@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGPROBS = 20  # top-N alternatives per token, as OpenAI bounds them
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) and the top N, from the prefill
     include_stop_str_in_output: bool = False
     kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
     kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
@@ -74,8 +76,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {reprlib.repr(self.logprobs)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {reprlib.repr(value)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):

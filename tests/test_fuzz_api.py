@@ -114,7 +114,8 @@ SAMPLING = {  # values a client may well send; test_fuzz_the_request_models swap
     "user": TEXT,
 }
 COMPLETION = {"prompt": st.one_of(PROMPT, st.lists(PROMPT, min_size=1, max_size=3)), **SAMPLING,
-              "logprobs": st.one_of(st.none(), st.integers(min_value=0, max_value=5)), "echo": st.booleans()}  # fmt: skip
+              "logprobs": st.one_of(st.none(), st.integers(min_value=0, max_value=5)), "echo": st.booleans(),
+              "prompt_logprobs": st.one_of(st.none(), st.integers(min_value=0, max_value=5))}  # fmt: skip
 CHAT = {"messages": st.lists(MESSAGE, min_size=1, max_size=3), **SAMPLING, "logprobs": st.booleans(),
         "top_logprobs": st.integers(min_value=0, max_value=5), "max_completion_tokens": st.integers(min_value=1, max_value=16),
         "chat_template": TEMPLATES}  # fmt: skip

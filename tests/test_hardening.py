@@ -137,6 +137,9 @@ def test_api_key_guards_v1_and_admin_routes(guarded):
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
     assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+    for method, path, body in (("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}), ("GET", "/tokenizer_info", None)):
+        assert httpx.request(method, url + path, json=body).status_code == 401, path
+        assert httpx.request(method, url + path, json=body, headers=AUTH).status_code == 200, path
     assert httpx.post(url + "/reset_prefix_cache", headers=AUTH).status_code == 200
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(url + path).status_code == 200, path

@@ -236,7 +236,16 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages"),
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     # fields this server does not implement are refused, never silently ignored
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 scores the prompt only with echo
+    ("/v1/completions", {"prompt": list(range(3, 3 + 100_000)), "echo": True, "logprobs": 1}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, 400, None),
+    ("/tokenize", {"prompt": "hi", "tools": []}, 400, "tools"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),

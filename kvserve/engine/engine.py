@@ -398,6 +398,8 @@ class LLMEngine:
             raise KeyError(request_id)
         if seq.eviction is not None or seq.captured is not None:
             raise ValueError("a request with kv_compression (or a scoring one) cannot migrate: its cache is not a prefix chain")
+        if seq.params.prompt_logprobs is not None:
+            raise ValueError("a request with prompt logprobs (echo with logprobs) cannot migrate: its scores stay here")
         identity = root_hash(self.cache_identity)
         records = []
         if with_records and self.pool is not None:
@@ -751,6 +753,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
             num_output_tokens=seq.num_output_tokens,

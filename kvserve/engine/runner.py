@@ -9,7 +9,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledBatch
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.transformer import CausalLM
 
@@ -18,6 +18,8 @@ from kvserve.model.transformer import CausalLM
 # one full product (on Gemma 3 270M, one row 7.2 ms against 12.0, three 10.1 against 12.8, four
 # 12.6 against 13.6 before the top-p rows the screen leaves to the full product).
 SCREENED_SAMPLE_MAX_ROWS = 3
+# prompt logprobs take the logits of this many rows at a time: [32, 262K] float32 is 34 MB
+PROMPT_LOGPROB_ROWS = 32
 
 
 class ModelRunner:
@@ -28,6 +30,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        self._scored: list[tuple[Sequence, int, torch.Tensor]] = []  # this step's prompt-scoring rows (prompt logprobs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
@@ -37,6 +40,8 @@ class ModelRunner:
         and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs draw from its int8 screen.
         """
         samplers, hidden = self.forward_hidden(batch)
+        if self._scored:
+            self._score_prompts()
         if not samplers:
             return []
         plain = [i for i, s in enumerate(samplers) if s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties]
@@ -85,17 +90,61 @@ class ModelRunner:
         meta, input_ids, sample_rows, samplers = self.prepare(batch)
         captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None and seq.probe is None
                     for start in [self._first_row(batch, seq)]]  # fmt: skip
-        if captures:  # scoring: every row of these sequences, after the rows that sample
-            extra = np.concatenate([np.arange(start, start + n) for _, start, n in captures])
-            sample_rows = np.concatenate([sample_rows, extra])
+        prompt_rows = self._prompt_rows(batch)
+        extra = [np.arange(start, start + n) for _, start, n in captures] + [rows for _, _, rows in prompt_rows]
+        if extra:  # scoring: every row of these sequences (prompt logprobs: the rows that score prompt tokens), after the rows that sample
+            sample_rows = np.concatenate([sample_rows, *extra])
         ids = torch.from_numpy(input_ids).to(self.device)
-        rows = torch.from_numpy(sample_rows).to(self.device)
+        every_row = len(sample_rows) == len(input_ids) and bool((sample_rows == np.arange(len(input_ids))).all())  # a decode step
+        rows = None if every_row else torch.from_numpy(sample_rows).to(self.device)
         hidden = self.model(ids, self.attention, meta, output_rows=rows)
         at = len(samplers)
         for seq, _, n in captures:
             seq.captured.append(hidden[at : at + n].clone())
             at += n
+        self._scored = []
+        for seq, first, rows in prompt_rows:
+            self._scored.append((seq, first, hidden[at : at + len(rows)]))
+            at += len(rows)
         return samplers, hidden[: len(samplers)]
+
+    def _prompt_rows(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, np.ndarray]]:
+        """For each sequence still scoring its prompt: the first prompt position this step scores and the
+        flat rows that score it and the ones after (row of position p scores the token at p + 1)."""
+        out = []
+        for seq, n in batch.entries:
+            if not seq.prompt_scores_pending or seq.probe is not None:
+                continue
+            start = seq.num_computed_tokens
+            first = max(len(seq.prompt_logprobs), start + 1)  # a recomputed row (after a preemption) scores nothing new
+            last = min(start + n, seq.prompt_len - 1)  # the last prompt row predicts the first generated token
+            if first <= last:
+                row = self._first_row(batch, seq) + first - 1 - start
+                out.append((seq, first, np.arange(row, row + last - first + 1)))
+        return out
+
+    def _score_prompts(self) -> None:
+        """Prompt logprobs of the rows scored this step, in blocks of rows that bound the [rows, vocab] logits."""
+        for seq, first, hidden in self._scored:
+            if len(seq.prompt_logprobs) != first:  # positions must arrive in order
+                raise RuntimeError(f"prompt logprobs of {seq.request_id}: position {first} after {len(seq.prompt_logprobs)}")
+            targets = seq.prompt_token_ids[first : first + hidden.shape[0]]
+            seq.prompt_logprobs.extend(self.token_logprobs(hidden, targets, seq.params.prompt_logprobs))
+        self._scored = []
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
+        """Each row's logprob of its target token, the target's rank and the row's top `top` tokens."""
+        out: list[TokenLogprobs] = []
+        for begin in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[begin : begin + PROMPT_LOGPROB_ROWS]).float(), dim=-1)
+            target = torch.tensor(targets[begin : begin + PROMPT_LOGPROB_ROWS], device=logprobs.device)
+            chosen = logprobs.gather(1, target[:, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            values, ids = logprobs.topk(top, dim=1) if top else (logprobs[:, :0], target[:, None][:, :0])
+            for token, value, rank, top_ids, top_values in zip(target.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                                ids.tolist(), values.tolist()):  # fmt: skip
+                out.append(TokenLogprobs(token, value, dict(zip(top_ids, top_values)), rank))
+        return out
 
     @staticmethod
     def _first_row(batch: ScheduledBatch, seq: Sequence) -> int:

@@ -133,10 +133,14 @@ class Scheduler:
         """A compressing request reads at most its prompt's blocks less its budget's from the prefix
         cache: compaction writes no shared block, and moves the kept tokens it finds in shared blocks
         into blocks of its own that the budget frees (kv/manager.py compaction_targets)."""
+        limit = None
+        if seq.prompt_scores_pending:  # row i scores prompt token i + 1: a hit may only cover rows already scored
+            limit = len(seq.prompt_logprobs) - 1
         if seq.eviction is None:
-            return None
+            return limit
         point, bs = seq.compression_point, self.kv.block_size
-        return (blocks_for_tokens(point, bs) - blocks_for_tokens(seq.eviction.tokens_kept(point), bs)) * bs
+        kept = (blocks_for_tokens(point, bs) - blocks_for_tokens(seq.eviction.tokens_kept(point), bs)) * bs
+        return kept if limit is None else min(kept, limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
@@ -177,6 +181,8 @@ class Scheduler:
         parent = fork.fork_parent
         parent.forks.remove(fork)
         fork.fork_parent = None
+        if parent.prompt_logprobs is not None and not parent.prompt_scores_pending:
+            fork.prompt_logprobs = parent.prompt_logprobs  # scored once, as the prompt is computed once
         if parent.num_computed_tokens % self.kv.block_size and self.kv.num_free_blocks < len(self.kv.groups):
             self.add(fork)
             return

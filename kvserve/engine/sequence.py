@@ -26,6 +26,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None  # prompt tokens: 1 + how many tokens the model found more likely
 
 
 @dataclass(eq=False)
@@ -50,6 +51,8 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)  # siblings that start from this sequence's prompt
     fork_parent: "Sequence | None" = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt position scored so far (position 0's is None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     seed: int = 0  # of this request's draws (its own, or one the engine derived from its seed)
     penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)
     num_preemptions: int = 0
@@ -70,6 +73,13 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.uses_penalties and self.penalty_counts is None:
             self.penalty_counts = dict.fromkeys(self.prompt_token_ids, 0)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_scores_pending(self) -> bool:
+        """Prompt positions still to score: their rows must be computed, not taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len
 
     def append_token(self, token: int) -> None:
         self.token_ids.append(token)

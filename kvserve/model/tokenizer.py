@@ -61,6 +61,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def class_name(self) -> str:
+        return type(self._tok).__name__
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's own strings for these ids (byte-level 'Ġ' and all), as /tokenize's token_strs shows them."""
+        return list(self._tok.convert_ids_to_tokens(list(token_ids)))
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -176,14 +176,12 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, output_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Returns the last layer's hidden states [T, hidden], or only those of ``output_rows`` (the
-        rows that sample); norm and logits run only where sampled."""
+        rows that sample, in that order); norm and logits run only where sampled."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         normed = self.layers[0].input_layernorm(x)
         last = len(self.layers) - 1
-        if output_rows is not None and output_rows.numel() == x.shape[0]:
-            output_rows = None  # every row is wanted (a decode step): no selection
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i < last else None
             x, normed = layer(x, normed, attention, meta, next_norm, output_rows if i == last else None)

@@ -28,11 +28,13 @@ _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 # sending it reads the answer instead of a reset connection; beyond it the connection is cut
 _DRAIN_BYTES = 64 * 2**20
 # reject(request_id, method and path, status, message, kind, reason) -> the error response (logged and counted)
+# outside /v1 yet behind --api-key: cache control, and the tokenizer endpoints (vLLM serves them at the root)
+_KEYED_PATHS = frozenset({"/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info"})
 Reject = Callable[[str, str, int, str, str, str], Response]
 
 
 def needs_api_key(method: str, path: str) -> bool:
-    return path.startswith("/v1/") or (method == "POST" and path == "/reset_prefix_cache") or path == "/flush_cache"
+    return path.startswith("/v1/") or (method == "POST" and path == "/reset_prefix_cache") or path in _KEYED_PATHS
 
 
 class AccessGuard:

@@ -44,7 +44,7 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, MigrateRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MigrateRequest, TokenizeRequest
 from kvserve.server.templates import TemplateRenderer
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,11 @@ _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
 _NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
                  "send prompts as token ids to /v1/completions")  # fmt: skip
+
+
+def _top(top: dict[int, float], n: int) -> dict[int, float]:
+    """The n most likely of a token's alternatives."""
+    return dict(sorted(top.items(), key=lambda item: -item[1])[:n])
 
 
 class APIError(Exception):
@@ -185,13 +190,15 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), param) from exc
 
+    @staticmethod
+    def _prompt_list(prompt) -> list:
+        """A completion's prompt as a list of prompts, each a text or token ids."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+            return [prompt]
+        return list(prompt)
+
     async def _tokenize_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
+        prompts = self._prompt_list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "prompt must not be empty", "prompt")
         texts = [p for p in prompts if isinstance(p, str)]
@@ -207,16 +214,46 @@ class OpenAIServer:
             self._validate_prompt(ids, "prompt")
         return [list(ids) for ids in prompts]
 
-    def _chat_ids(self, template: str, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True,
+                  add_special_tokens: bool = False) -> list[int]:  # fmt: skip
         """Render and tokenize (blocking: run in a thread)."""
-        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS)
+        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt)
         self._check_text_length(len(text), "messages")
         # the template already carries BOS where the model wants it
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _params(self, body, max_tokens: int, logprobs: int | None, offset: int) -> SamplingParams:
+    def _chat_template_for(self, requested: str | None) -> str:
+        """The template that renders a request's messages: the request's own (when the server trusts
+        request templates) or the server's."""
+        if requested is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: a template is code the server runs; start the server "
+                           "with --trust-request-chat-template to accept it, or set --chat-template", "chat_template")  # fmt: skip
+        template = requested or self.chat_template
+        if template is None:
+            raise APIError(
+                400,
+                f"model {self.model_name!r} has no chat template (base models ship none), so chat messages cannot be "
+                "formatted; start the server with --chat-template (inline Jinja or a file), "
+                "or send a plain prompt to /v1/completions",
+                "messages",
+            )
+        return template
+
+    async def _render_messages(self, messages: list, requested_template: str | None, add_generation_prompt: bool = True,
+                               add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+        if self.tokenizer is None:
+            raise APIError(400, _NO_TOKENIZER, "messages")
+        template = self._chat_template_for(requested_template)
+        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_text_length(sum(len(m["content"]) for m in rendered), "messages")
         try:
-            params = body.sampling_params(max_tokens, logprobs, offset)
+            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "chat_template" if requested_template is not None else "messages") from None
+
+    def _params(self, body, max_tokens: int, logprobs: int | None, offset: int, prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            params = body.sampling_params(max_tokens, logprobs, offset, prompt_logprobs)
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0] if message else None) from exc
@@ -247,10 +284,10 @@ class OpenAIServer:
             raise APIError(503, str(exc), None, "server_error", "engine_unavailable") from None
 
     # ------------------------------------------------------------------ output helpers
-    def _usage(self, groups: list[PromptGroup], outs: dict[tuple[int, int], RequestOutput]) -> dict:
-        """Each prompt counted once, however many samples (n) it has."""
+    def _usage(self, groups: list[PromptGroup], outs: dict[tuple[int, int], RequestOutput], generated: bool = True) -> dict:
+        """Each prompt counted once, however many samples (n) it has; `generated` false: a prompt scored, nothing generated."""
         prompt_tokens = sum(len(group.token_ids) for group in groups)
-        completion = sum(o.num_output_tokens for o in outs.values())
+        completion = sum(o.num_output_tokens for o in outs.values()) if generated else 0
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -271,17 +308,36 @@ class OpenAIServer:
             out[text if text not in out else f"{text}#{token_id}"] = value
         return out
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], start: int = 0) -> dict:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], start: int = 0,
+                             echoed: tuple[list[int], list[TokenLogprobs | None], int] | None = None) -> dict:  # fmt: skip
         """OpenAI's legacy logprobs; text_offset: where each token's text starts in the completion,
-        `start` being the first token's (a stream's earlier tokens' text)."""
-        tokens = [self._token_text(lp.token_id) for lp in lps]
+        `start` being the first token's (a stream's earlier tokens' text). `echoed`: the prompt's token
+        ids, their logprobs (the first None) and how many alternatives to show, listed first (echo)."""
+        token_ids = [lp.token_id for lp in lps]
+        values: list[float | None] = [lp.logprob for lp in lps]
+        tops: list[dict | None] = [self._top_dict(lp.top) for lp in lps]
+        if echoed is not None:
+            prompt_ids, prompt_lps, top = echoed
+            token_ids = prompt_ids + token_ids
+            values = [lp.logprob if lp is not None else None for lp in prompt_lps] + values
+            tops = [self._top_dict(_top(lp.top, top)) if lp is not None else None for lp in prompt_lps] + tops
+        tokens = [self._token_text(t) for t in token_ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [self._top_dict(lp.top) for lp in lps],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None], top: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first None), {token id: logprob, rank, decoded_token},
+        the prompt's own token first, then the `top` most likely."""
+        out: list[dict | None] = []
+        for token_id, lp in zip(prompt_ids, lps):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._token_text(token_id)}}
+            for rank, (other, value) in enumerate(_top(lp.top, top).items(), 1):
+                entry.setdefault(str(other), {"logprob": value, "rank": rank, "decoded_token": self._token_text(other)})
+            out.append(entry)
+        return out
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
         tokenizer = self.tokenizer
@@ -300,34 +356,51 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         self._note_unknown_fields(body)
-        num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
+        num_prompts = len(self._prompt_list(body.prompt))
         self._check_choices(num_prompts, body.n)
+        if body.echo and self.tokenizer is None:
+            raise APIError(400, "echo needs a tokenizer to write the prompt's text; " + _NO_TOKENIZER.split(": ", 1)[0], "echo")
         prompts = await self._tokenize_prompts(body.prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        # echo with max_tokens 0 scores the prompt and generates nothing (vLLM's behaviour): one token is drawn and dropped
+        score_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if score_only else body.max_tokens if body.max_tokens is not None else 16
+        echo_top = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
+        prompt_top = max((t for t in (echo_top, body.prompt_logprobs) if t is not None), default=None)
         groups = [
-            PromptGroup(ids, [self._params(body, self._max_tokens(max_tokens, len(ids)), body.logprobs, i) for i in range(body.n)])
+            PromptGroup(ids, [self._params(body, self._max_tokens(max_tokens, len(ids)), body.logprobs, i, prompt_top)
+                              for i in range(body.n)])  # fmt: skip
             for ids in prompts
         ]
+        echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"cmpl-{sub.request_id}"
         created = int(time.time())
         n = body.n
 
         token_text_seen: dict[int, int] = {}  # a streamed choice's tokens' text so far, for text_offset
+        started: set[int] = set()  # choices whose first chunk (the one that carries the echoed prompt) went out
 
         def choice(index: int, out: RequestOutput, text: str, lps) -> dict:
+            first = index not in started
+            started.add(index)
+            if score_only:
+                text, lps = "", []
+            prompt_ids = groups[index // n].token_ids
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(lps, token_text_seen.get(index, 0))
+                echoed = (prompt_ids, out.prompt_logprobs, body.logprobs) if body.echo and first else None
+                logprobs = self._completion_logprobs(lps, token_text_seen.get(index, 0), echoed)
                 token_text_seen[index] = token_text_seen.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             c = {
                 "index": index,
-                "text": text,
+                "text": echoed_texts[index // n] + text if body.echo and first else text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
+            if body.prompt_logprobs is not None and first:
+                c["prompt_logprobs"] = self._prompt_logprobs(prompt_ids, out.prompt_logprobs, body.prompt_logprobs)
             if self.tokenizer is None:
-                c["token_ids"] = out.token_ids
+                c["token_ids"] = [] if score_only else out.token_ids
             return c
 
         def envelope(choices: list[dict]) -> dict:
@@ -335,35 +408,17 @@ class OpenAIServer:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope, include_usage)
+            return self._stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope, include_usage,
+                                generated=not score_only)
         outs = await self._collect(sub, request)
         choices = [choice(g * n + i, out, out.text, out.logprobs or []) for (g, i), out in sorted(outs.items())]
-        return {**envelope(choices), "usage": self._usage(groups, outs)}
+        return {**envelope(choices), "usage": self._usage(groups, outs, generated=not score_only)}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         self._note_unknown_fields(body)
         self._check_choices(1, body.n)
-        if self.tokenizer is None:
-            raise APIError(400, _NO_TOKENIZER, "messages")
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise APIError(400, "chat_template in a request is refused: a template is code the server runs; start the server "
-                           "with --trust-request-chat-template to accept it, or set --chat-template", "chat_template")  # fmt: skip
-        template = body.chat_template or self.chat_template
-        if template is None:
-            raise APIError(
-                400,
-                f"model {self.model_name!r} has no chat template (base models ship none), so chat messages cannot be "
-                "formatted; start the server with --chat-template (inline Jinja or a file), "
-                "or send a plain prompt to /v1/completions",
-                "messages",
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            ids = await asyncio.to_thread(self._chat_ids, template, messages)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "chat_template" if body.chat_template is not None else "messages") from None
+        ids = await self._render_messages(body.messages, body.chat_template)
         self._validate_prompt(ids, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = self._max_tokens(body.max_completion_tokens, len(ids), "max_completion_tokens")
@@ -376,7 +431,7 @@ class OpenAIServer:
             top = 0
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
-        groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i) for i in range(body.n)])]
+        groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)])]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
         created = int(time.time())
@@ -389,12 +444,15 @@ class OpenAIServer:
         def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
             first = index not in started
             started.add(index)
-            return envelope([{
+            c = envelope([{
                 "index": index,
                 "delta": {"role": "assistant", "content": delta} if first else {"content": delta},
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
                 "finish_reason": out.finish_reason if out.finished else None,
             }])
+            if body.prompt_logprobs is not None and first:
+                c["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, body.prompt_logprobs)
+            return c
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -409,7 +467,10 @@ class OpenAIServer:
             }
             for (_, i), out in sorted(outs.items())
         ]
-        return {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
+        response = {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
+        if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
+            response["prompt_logprobs"] = self._prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
+        return response
 
     async def _collect(self, sub: Submission, request: Request) -> dict[tuple[int, int], RequestOutput]:
         """Every sample's finished output; a client that leaves aborts the request."""
@@ -430,7 +491,7 @@ class OpenAIServer:
             watcher.cancel()
             sub.close()
 
-    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool) -> StreamingResponse:
+    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool, generated: bool = True) -> StreamingResponse:
         templates: dict[int, tuple[str, str]] = {}
         sent: set[int] = set()
 
@@ -458,10 +519,55 @@ class OpenAIServer:
                 yield f"data: {json.dumps(_aborted_body(exc))}\n\n"
                 return
             if include_usage:
-                yield f"data: {json.dumps({**envelope([]), 'usage': self._usage(sub.groups, finals)})}\n\n"
+                yield f"data: {json.dumps({**envelope([]), 'usage': self._usage(sub.groups, finals, generated)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return _SubmissionStream(events(), sub)
+
+    def _echo_texts(self, prompt, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text as echo writes it: the text sent, or token ids decoded (blocking: run in a thread)."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(self._prompt_list(prompt), prompts)]  # fmt: skip
+
+    # ------------------------------------------------------------------ tokenizer endpoints (vLLM's)
+    def _need_tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise APIError(400, "this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its "
+                           "directory)", param)  # fmt: skip
+        return self.tokenizer
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self._check_model(body.model)
+        if body.prompt is not None:
+            tokenizer = self._need_tokenizer("prompt")
+            self._check_text_length(len(body.prompt), "prompt")
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add)
+        else:
+            ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt,
+                                              bool(body.add_special_tokens))  # fmt: skip
+        strs = await asyncio.to_thread(self.tokenizer.token_strings, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        tokenizer = self._need_tokenizer("tokens")
+        vocab = self.engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {reprlib.repr(bad)}", "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+    def tokenizer_info(self) -> dict:
+        tokenizer = self._need_tokenizer("tokenizer")
+        special = tokenizer.special_tokens
+        return {
+            "tokenizer_class": tokenizer.class_name,
+            **{name: special.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
+            "model_max_length": self.engine.max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+            "chat_template": self.chat_template,
+        }
 
     # ------------------------------------------------------------------ live migration (server/migration.py)
     async def migrate(self, body: MigrateRequest) -> dict:
@@ -592,6 +698,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await server.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return server.tokenizer_info()
 
     @app.post(MIGRATE_PATH)
     async def migrate(body: MigrateRequest):

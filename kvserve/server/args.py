@@ -24,7 +24,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--max-waiting-requests", type=int, default=_DEFAULTS.max_waiting_requests,
          help="answer 503 at once when this many requests are already waiting")
     flag("--api-key", default=None,
-         help=f"require `Authorization: Bearer KEY` on /v1/*, /flush_cache and POST /reset_prefix_cache (401 otherwise); "
+         help=f"require `Authorization: Bearer KEY` on /v1/*, /flush_cache, POST /reset_prefix_cache and the tokenizer endpoints (401 otherwise); "
          f"default: ${API_KEY_ENV}, else no key")
     flag("--allowed-hosts", default=None,
          help="comma-separated Host header names this server answers to (others get 400; * = any); "

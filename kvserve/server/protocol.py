@@ -94,6 +94,7 @@ class _SamplingFields(BaseModel):
     snapkv_query: StrictStr | None = None  # kvserve extension: window | generic | both, whose attention scores snapkv's positions
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: Count | None = None  # vLLM's extension: each prompt token's logprob and the top N
     # OpenAI fields this server does not implement: refused when they would change the result
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
@@ -134,7 +135,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("best_of other than n is not supported by this server (use n)")
         return value
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -152,6 +154,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             kv_compression=self.kv_compression,
             kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
             snapkv_query=self.snapkv_query,
@@ -161,14 +164,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: Count | None = None
-    echo: StrictBool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _refuse_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported by this server")
-        return value
+    echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
 
 
 class ContentPart(BaseModel):
@@ -204,3 +200,38 @@ class MigrateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: StrictStr = Field(max_length=200)  # the response's id (cmpl-..., chatcmpl-...) or the X-Request-Id
     target: StrictStr = Field(max_length=2000)  # a base URL listed in --migration-targets
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shapes): a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+    chat_template: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        path = _unpaired_surrogate(data, "")
+        if path is not None:
+            raise UnpairedSurrogateError(path)
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
