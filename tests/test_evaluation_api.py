@@ -130,3 +130,30 @@ def test_tokenizer_endpoints_in_vllms_shapes(server, reference):
     assert info["chat_template"] == CHAT_TEMPLATE and info["eos_token"] == "</s>" and info["bos_token"] == "<s>"
     eos = httpx.post(server + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
     assert eos == [tokenizer.eos_token_id]  # lm-eval's remote tokenizer finds the EOS id this way
+
+
+def test_every_fork_carries_the_prompt_scores(server):
+    """n > 1 scores the prompt once; every choice echoes it with its logprobs, max_tokens 0 included."""
+    for max_tokens in (0, 3):
+        body = complete(server, prompt="The KV cache of a transformer", max_tokens=max_tokens, echo=True, logprobs=1, n=3,
+                        temperature=0.7, prompt_logprobs=1)  # fmt: skip
+        first = body["choices"][0]
+        count = len(first["prompt_logprobs"])
+        for choice in body["choices"]:
+            assert choice["logprobs"]["token_logprobs"][:count] == first["logprobs"]["token_logprobs"][:count], max_tokens
+            assert choice["prompt_logprobs"] == first["prompt_logprobs"] and None not in choice["logprobs"]["token_logprobs"][1:]
+            if max_tokens == 0:
+                assert len(choice["logprobs"]["tokens"]) == count
+
+
+def test_text_offset_counts_characters_of_the_text(server):
+    """A character split across byte tokens counts once: every offset indexes the choice's text."""
+    prompt = "h\u00e9llo \U0001f916 w\u00f6rld \u65e5\u672c"
+    for stream in (False, True):
+        resp = httpx.post(server + "/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3,
+                                                            "temperature": 0, "stream": stream}, timeout=60)  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")] if stream else [resp.json()]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+        assert text.startswith(prompt) and offsets == sorted(offsets) and offsets[-1] <= len(text), (stream, offsets, len(text))
+    assert complete(server, prompt="hi", max_tokens=1, echo=None)["choices"][0]["logprobs"] is None  # null means the default (no echo)

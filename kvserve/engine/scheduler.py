@@ -164,6 +164,7 @@ class Scheduler:
             seq.fork_parent.forks.remove(seq)
         for fork in seq.forks:  # the prompt will not be computed here: they compute it themselves
             fork.fork_parent = None
+            _share_prompt_scores(seq, fork)
             self.add(fork)
         seq.forks = []
         self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
@@ -181,8 +182,7 @@ class Scheduler:
         parent = fork.fork_parent
         parent.forks.remove(fork)
         fork.fork_parent = None
-        if parent.prompt_logprobs is not None and not parent.prompt_scores_pending:
-            fork.prompt_logprobs = parent.prompt_logprobs  # scored once, as the prompt is computed once
+        _share_prompt_scores(parent, fork)
         if parent.num_computed_tokens % self.kv.block_size and self.kv.num_free_blocks < len(self.kv.groups):
             self.add(fork)
             return
@@ -192,3 +192,9 @@ class Scheduler:
         fork.first_scheduled_time = parent.first_scheduled_time  # its prompt was computed (and counted) once
         fork.status = SequenceStatus.RUNNING
         self.running.append(fork)
+
+
+def _share_prompt_scores(parent: Sequence, fork: Sequence) -> None:
+    """A fork of a prompt whose scores are complete takes them: the prompt is scored once, as it is computed once."""
+    if parent.prompt_logprobs is not None and not parent.prompt_scores_pending:
+        fork.prompt_logprobs = parent.prompt_logprobs

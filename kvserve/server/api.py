@@ -9,8 +9,8 @@ admission (deadline, shutdown, a failed engine step), with one error event.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
-import itertools
 import json
 import logging
 import reprlib
@@ -57,6 +57,24 @@ _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
 _NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
                  "send prompts as token ids to /v1/completions")  # fmt: skip
+
+
+class TextOffsets:
+    """Where each token's text starts in a choice's text, in characters, chunk after chunk: the
+    tokens' bytes decoded as the text was, so a character split across tokens counts once."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.chars = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token_ids: list[int]) -> list[int]:
+        out = []
+        for token_id in token_ids:
+            out.append(self.chars)
+            raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else f"token_id:{token_id}".encode()
+            self.chars += len(self.decoder.decode(raw))
+        return out
 
 
 def _top(top: dict[int, float], n: int) -> dict[int, float]:
@@ -308,11 +326,11 @@ class OpenAIServer:
             out[text if text not in out else f"{text}#{token_id}"] = value
         return out
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], start: int = 0,
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offsets: "TextOffsets",
                              echoed: tuple[list[int], list[TokenLogprobs | None], int] | None = None) -> dict:  # fmt: skip
-        """OpenAI's legacy logprobs; text_offset: where each token's text starts in the completion,
-        `start` being the first token's (a stream's earlier tokens' text). `echoed`: the prompt's token
-        ids, their logprobs (the first None) and how many alternatives to show, listed first (echo)."""
+        """OpenAI's legacy logprobs; text_offset: where each token's text starts in the choice's text,
+        counted on from the choice's earlier chunks by `offsets`. `echoed`: the prompt's token ids,
+        their logprobs (the first None) and how many alternatives to show, listed first (echo)."""
         token_ids = [lp.token_id for lp in lps]
         values: list[float | None] = [lp.logprob for lp in lps]
         tops: list[dict | None] = [self._top_dict(lp.top) for lp in lps]
@@ -322,8 +340,7 @@ class OpenAIServer:
             values = [lp.logprob if lp is not None else None for lp in prompt_lps] + values
             tops = [self._top_dict(_top(lp.top, top)) if lp is not None else None for lp in prompt_lps] + tops
         tokens = [self._token_text(t) for t in token_ids]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets.take(token_ids)}
 
     def _prompt_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None], top: int) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token (the first None), {token id: logprob, rank, decoded_token},
@@ -377,7 +394,7 @@ class OpenAIServer:
         created = int(time.time())
         n = body.n
 
-        token_text_seen: dict[int, int] = {}  # a streamed choice's tokens' text so far, for text_offset
+        text_offsets: dict[int, TextOffsets] = {}  # per choice: its text so far, for text_offset
         started: set[int] = set()  # choices whose first chunk (the one that carries the echoed prompt) went out
 
         def choice(index: int, out: RequestOutput, text: str, lps) -> dict:
@@ -389,8 +406,8 @@ class OpenAIServer:
             logprobs = None
             if body.logprobs is not None:
                 echoed = (prompt_ids, out.prompt_logprobs, body.logprobs) if body.echo and first else None
-                logprobs = self._completion_logprobs(lps, token_text_seen.get(index, 0), echoed)
-                token_text_seen[index] = token_text_seen.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                offsets = text_offsets.setdefault(index, TextOffsets(self.tokenizer))
+                logprobs = self._completion_logprobs(lps, offsets, echoed)
             c = {
                 "index": index,
                 "text": echoed_texts[index // n] + text if body.echo and first else text,

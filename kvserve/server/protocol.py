@@ -65,6 +65,14 @@ class UnpairedSurrogateError(ValueError):
         self.param = path.split(".")[0]
 
 
+class FieldError(ValueError):
+    """A check across fields that still names the field at fault (`param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -166,6 +174,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: Count | None = None
     echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, value):
+        return False if value is None else value
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -225,7 +238,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt and messages")
+            raise FieldError("prompt", "send exactly one of prompt and messages")
         return self
 
 
