@@ -15,8 +15,10 @@ MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 .PHONY: setup serve generate test bench clean
 
 $(VENV)/.setup-done: pyproject.toml Makefile
-	# redis-server (and openssl for its TLS test): the shared KV tier's tests start a real one (Debian's; root here, as on CI)
-	command -v redis-server >/dev/null && command -v openssl >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server openssl; }
+	# redis-server (and openssl for its TLS test): the shared KV tier's tests start a real one (Debian's; root here, as on CI);
+	# prometheus brings promtool, which checks and unit-tests deploy/prometheus/kvserve-rules.yml
+	command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server openssl prometheus; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel on this machine's disk; pinning first keeps pip from pulling CUDA builds

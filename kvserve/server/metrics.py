@@ -83,7 +83,9 @@ class ServerMetrics:
                                           "(measured rates)", ["model_name", "decision"], registry=r)  # fmt: skip
         self._tier_requests = Counter("kvserve:kv_tier_requests_served", "Requests whose prefix a load from a KV tier served "
                                       "(the remote tier on a --kv-role consumer: hand-overs received)", tier, registry=r)  # fmt: skip
-        self.kv_remote_up = gauge("kv_remote_up", "1 while the remote KV tier (--kv-remote-url) answers, 0 during an outage")
+        # exported only with a remote tier: a 0 must mean an outage an alert can fire on, never "no tier"
+        self._remote_up = Gauge("kvserve:kv_remote_up", "1 while the remote KV tier (--kv-remote-url) answers, 0 during an outage",
+                                ["model_name"], registry=r)  # fmt: skip
         self._remote_timeouts = counter("kv_remote_timeouts", "Calls to the remote KV tier past --kv-remote-timeout-ms")
         self._remote_outages = counter("kv_remote_outages", "Times the remote KV tier went down (each logged once)")
         self._handovers = counter("kv_handovers_published", "Requests a --kv-role producer answered once their blocks were in the remote tier")
@@ -141,7 +143,7 @@ class ServerMetrics:
             self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
             self._advance(f"tier_requests:{tier}", t["requests_served"], self._tier_requests.labels(name, tier))
             if tier == "remote":
-                self.kv_remote_up.set(1 if t["up"] else 0)
+                self._remote_up.labels(name).set(1 if t["up"] else 0)
                 self._advance("remote_timeouts", t["timeouts"], self._remote_timeouts)
                 self._advance("remote_outages", t["outages"], self._remote_outages)
         self._advance("handovers", stats.get("kv_handovers_published_total", 0), self._handovers)
