@@ -351,3 +351,50 @@ def test_top_once_prints_only_its_table(server):
     assert proc.stderr == ""
     for line in proc.stdout.splitlines():
         assert not any(word in line for word in ("INFO", "WARNING", "DEBUG", "HTTP Request", "httpx")), line
+
+
+# Every field of the OpenAI SDK's request types is honoured, refused with a 400 naming it, or inert (it
+# cannot change the answer: bookkeeping and hints); a field the SDK gains fails here until it is sorted.
+CHAT_HONOURED = {"messages", "model", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "max_tokens",
+                 "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p"}  # fmt: skip
+COMPLETION_HONOURED = {"prompt", "model", "best_of", "echo", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n",
+                       "seed", "stop", "stream", "stream_options", "temperature", "top_p"}  # fmt: skip
+INERT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
+         "prompt_cache_retention": "in_memory", "prompt_cache_options": {}, "safety_identifier": "s-1",
+         "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": True}  # fmt: skip
+CHAT_REFUSED = {"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required", "functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"},
+                "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "reasoning_effort": "low",
+                "verbosity": "low", "web_search_options": {}, "moderation": {"policy": {}}, "logit_bias": {"5": 10}}  # fmt: skip
+COMPLETION_REFUSED = {"logit_bias": {"5": 10}, "suffix": "end"}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_no_openai_field_is_silently_ignored(server, kind):
+    import typing
+
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = kind == "chat"
+    base = (chat_create_params if chat else completion_create_params).CompletionCreateParamsBase
+    honoured, refused = (CHAT_HONOURED, CHAT_REFUSED) if chat else (COMPLETION_HONOURED, COMPLETION_REFUSED)
+    schema = set(typing.get_type_hints(base)) | {"stream"}
+    assert not schema - honoured - set(refused) - set(INERT), "OpenAI fields neither honoured, refused nor inert"
+    assert honoured <= set((ChatCompletionRequest if chat else CompletionRequest).model_fields)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    for name, value in refused.items():
+        resp = httpx.post(server + path, json={**body, "max_tokens": 2, name: value}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == name, (name, resp.text)
+    for name, value in INERT.items():
+        if name in schema:
+            assert httpx.post(server + path, json={**body, "max_tokens": 2, name: value}, timeout=30).status_code == 200, name
+    if chat:  # the plain forms of the refused fields mean what the server does anyway
+        plain = {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "modalities": ["text"]}
+        assert httpx.post(server + path, json={**body, "max_tokens": 2, **plain}, timeout=30).status_code == 200
+        image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        resp = httpx.post(server + path, json={"messages": [{"role": "user", "content": image}], "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"

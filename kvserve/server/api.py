@@ -169,7 +169,7 @@ class OpenAIServer:
                            "model_not_found")  # fmt: skip
 
     def _note_unknown_fields(self, body) -> None:
-        """Fields this server does not know (a router's additions, newer OpenAI fields) are ignored: each
+        """Fields OpenAI does not define (a router's additions, vLLM extensions not implemented) are ignored: each
         name logged once, at debug level (a bounded set: a client cannot grow it without end)."""
         for name in body.model_extra or ():
             if name not in self._unknown_fields and len(self._unknown_fields) < 256:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -186,6 +187,13 @@ class ContentPart(BaseModel):
     type: StrictStr
     text: StrictStr | None = None
 
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value):
+        if value != "text":  # an image or audio part dropped silently would answer another question
+            raise ValueError(f"content parts of type {reprlib.repr(value)} are not supported by this server (text only)")
+        return value
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -205,6 +213,56 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Count | None = None
     chat_template: StrictStr | None = None
+    # OpenAI fields that would change the answer and that this server does not implement: a 400 naming the
+    # field when set, never ignored (the client would believe it got what it asked for)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    functions: list | None = None
+    function_call: StrictStr | dict | None = None
+    audio: dict | None = None
+    modalities: list | None = None
+    reasoning_effort: StrictStr | None = None
+    verbosity: StrictStr | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value):
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"response_format {reprlib.repr(value.get('type'))} is not supported by this server yet (structured "
+                             "outputs); only {\"type\": \"text\"}")  # fmt: skip
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server yet (tool calls)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        if value is not None and value not in ("none", "auto"):  # with no tools, none and auto both mean plain text
+            raise ValueError(f"{info.field_name} {reprlib.repr(value)} is not supported by this server yet (tool calls)")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, value):
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("modalities other than text are not supported by this server")
+        return value
+
+    @field_validator("audio", "reasoning_effort", "verbosity", "web_search_options", "moderation")
+    @classmethod
+    def _refuse_unimplemented_chat(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server (it would change nothing here: refused "
+                             "rather than ignored)")  # fmt: skip
+        return value
 
 
 class MigrateRequest(BaseModel):
