@@ -16,6 +16,7 @@ import logging
 import reprlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +42,7 @@ from kvserve.server.async_engine import (
     Submission,
 )
 from kvserve.server.config import ServerConfig
+from kvserve.server.kv_snapshot import kv_snapshot as take_snapshot
 from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 # endpoints of other engines that routers try on every worker (smg: /loads before /v1/loads at every load poll,
 # /server_info when it tells SGLang from vLLM): kvserve has none of them
 _ROUTER_PROBES = frozenset({"/loads", "/server_info", "/get_server_info", "/get_model_info"})
+DASHBOARD_PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
 _NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
@@ -753,6 +756,16 @@ def create_app(server: OpenAIServer) -> FastAPI:
         stats = engine.stats
         return load_report(stats, parse_include(include), kvserve.__version__, engine.num_admitting,
                            engine.generation_rate.rate(stats["generation_tokens_total"]))  # fmt: skip
+
+    @app.get("/v1/kv/snapshot")
+    async def kv_snapshot():
+        """The KV cache now (server/kv_snapshot.py), taken between two engine steps."""
+        return await server.async_engine.call(lambda: take_snapshot(server.engine, server.model_name))
+
+    @app.get("/dashboard")
+    async def dashboard():
+        """The live KV page: static, no data of its own (it reads /v1/kv/snapshot, which needs the API key)."""
+        return Response(DASHBOARD_PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
 
     @app.get("/v1/models")
     async def models():
