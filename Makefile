@@ -16,9 +16,11 @@ MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 
 $(VENV)/.setup-done: pyproject.toml Makefile
 	# redis-server (and openssl for its TLS test): the shared KV tier's tests start a real one (Debian's; root here, as on CI);
-	# prometheus brings promtool, which checks and unit-tests deploy/prometheus/kvserve-rules.yml
-	command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v promtool >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq redis-server openssl prometheus; }
+	# prometheus brings promtool, which checks and unit-tests deploy/prometheus/kvserve-rules.yml; chromium and its
+	# driver load /dashboard headless in tests/test_kv_snapshot.py
+	command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v promtool >/dev/null && \
+		command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server openssl prometheus chromium chromium-driver; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel on this machine's disk; pinning first keeps pip from pulling CUDA builds

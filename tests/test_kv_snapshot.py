@@ -7,6 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import shutil
+import time
+import zlib
 
 import httpx
 import numpy as np
@@ -97,3 +100,68 @@ def test_snapshot_needs_the_key_and_the_page_is_self_contained(server):
     assert "v1/kv/snapshot" in page.text and "Bearer" in page.text
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text)  # no CDN: works offline
     assert snapshot(server)["model"]
+
+
+def png_pixels(png: bytes) -> tuple[int, int, bytes]:
+    """Width, height and the decompressed scanlines of a PNG (stdlib only)."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    at, data, width, height = 8, b"", 0, 0
+    while at < len(png):
+        length = int.from_bytes(png[at : at + 4], "big")
+        kind, body = png[at + 4 : at + 8], png[at + 8 : at + 8 + length]
+        if kind == b"IHDR":
+            width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+        elif kind == b"IDAT":
+            data += body
+        at += 12 + length
+    return width, height, zlib.decompress(data)
+
+
+def test_dashboard_in_headless_chromium_under_load(server, tmp_path):
+    """The page loads in a real browser, draws the pool, updates while requests run, shows the block
+    counts /metrics shows once they settle, and screenshots as a PNG that is not blank."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for binary in ("chromium", "chromedriver"):
+        assert shutil.which(binary), f"{binary} is missing: `make setup` installs it (apt-get install chromium chromium-driver)"
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,1300"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    bodies = [{"prompt": f"Everyone is permitted to copy {i} " * 6, "max_tokens": 400, "ignore_eos": True, "n": 2, "temperature": 1.0}
+              for i in range(16)]  # fmt: skip
+    try:
+        browser.get(server + "/version")  # same origin: the key goes where the page looks for it
+        browser.execute_script("sessionStorage.setItem('kvserve-key', arguments[0])", KEY)
+        browser.get(server + "/dashboard")
+        updates = lambda: int(browser.execute_script("return document.body.dataset.updates || 0"))  # noqa: E731
+        deadline = time.monotonic() + 30
+        while updates() < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert updates() >= 1, browser.find_element("id", "status").text
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(httpx.post, server + "/v1/completions", json=b, headers=headers, timeout=300) for b in bodies]
+            held = []
+            while not all(f.done() for f in futures):
+                held.append(int(browser.execute_script("return document.body.dataset.numBlocks - document.body.dataset.freeBlocks")))
+                time.sleep(0.3)
+            assert all(f.result().status_code == 200 for f in futures)
+        assert max(held) > 0  # the page showed blocks held while the requests ran
+        screenshot = browser.get_screenshot_as_png()
+        seen = updates()
+        while updates() < seen + 2:
+            time.sleep(0.2)
+        metrics = httpx.get(server + "/metrics").text
+        free = float(re.search(r"^kvserve:kv_cache_blocks_free{[^}]*} (\S+)$", metrics, re.M).group(1))
+        assert int(browser.execute_script("return document.body.dataset.freeBlocks")) == free
+        counts = json.loads(browser.execute_script("return document.querySelector('[data-pool=pool]').dataset.counts"))
+        assert counts["cached"] > 0 and sum(counts.values()) == int(browser.execute_script("return document.body.dataset.numBlocks"))
+    finally:
+        browser.quit()
+    width, height, pixels = png_pixels(screenshot)
+    assert width >= 800 and height >= 600
+    assert len(set(pixels)) > 16  # text, bars and the grid's colours: not a blank page
+    (tmp_path / "dashboard.png").write_bytes(screenshot)
