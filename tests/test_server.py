@@ -398,3 +398,12 @@ def test_no_openai_field_is_silently_ignored(server, kind):
         image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
         resp = httpx.post(server + path, json={"messages": [{"role": "user", "content": image}], "max_tokens": 2}, timeout=30)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+        # an earlier tool or audio turn in the history would be dropped from the prompt: refused too
+        call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+        for turn in ({"tool_calls": call}, {"function_call": {"name": "f", "arguments": "{}"}}, {"audio": {"id": "a1"}}):
+            history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, **turn}]
+            resp = httpx.post(server + path, json={"messages": history, "max_tokens": 2}, timeout=30)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", (turn, resp.text)
+        replay = [{"role": "user", "content": "hi", "name": "alice"},
+                  {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}, {"role": "user", "content": "ok"}]  # fmt: skip
+        assert httpx.post(server + path, json={"messages": replay, "max_tokens": 2}, timeout=30).status_code == 200

@@ -265,7 +265,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, _NO_TOKENIZER, "messages")
         template = self._chat_template_for(requested_template)
-        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+        rendered = [m.rendered() for m in messages]
         self._check_text_length(sum(len(m["content"]) for m in rendered), "messages")
         try:
             return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens)
@@ -774,7 +774,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
             "max_model_len": server.engine.max_model_len,
         }]}
 
-    @app.get("/health")
+    @app.get("/favicon.ico")
+    async def favicon():  # browsers ask on every page load (/dashboard): no icon, and no 404 counted as a rejection
+        return Response(status_code=204)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not server.async_engine.is_alive:
             return error_response(503, "engine loop is not running", None, "server_error", "engine_unavailable")

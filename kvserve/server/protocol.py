@@ -186,11 +186,12 @@ class ContentPart(BaseModel):
 
     type: StrictStr
     text: StrictStr | None = None
+    refusal: StrictStr | None = None  # an assistant's refusal, replayed in the history: its text
 
     @field_validator("type")
     @classmethod
     def _text_only(cls, value):
-        if value != "text":  # an image or audio part dropped silently would answer another question
+        if value not in ("text", "refusal"):  # an image or audio part dropped silently would answer another question
             raise ValueError(f"content parts of type {reprlib.repr(value)} are not supported by this server (text only)")
         return value
 
@@ -200,11 +201,33 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None  # handed to the chat template, which may use it
+    tool_call_id: StrictStr | None = None  # likewise (a tool message's)
+    # an assistant's earlier tool or audio turn: refused rather than dropped from the history
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+
+    @field_validator("tool_calls", "function_call", "audio")
+    @classmethod
+    def _refuse_unrendered(cls, value, info):
+        if value:
+            raise ValueError(f"messages with {info.field_name} are not supported by this server yet (tool calls and audio); "
+                             "refused rather than dropped from the conversation")  # fmt: skip
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content if part.type == "text")
+            return "".join((part.text if part.type == "text" else part.refusal) or "" for part in self.content)
         return self.content or ""
+
+    def rendered(self) -> dict:
+        """What the chat template sees of this message."""
+        out = {"role": self.role, "content": self.text()}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -230,8 +253,10 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("response_format")
     @classmethod
     def _text_format_only(cls, value):
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format {reprlib.repr(value.get('type'))} is not supported by this server yet (structured "
+        if value is not None and "type" not in value:
+            raise ValueError("response_format needs a type (only {\"type\": \"text\"} is supported by this server yet)")
+        if value is not None and value["type"] != "text":
+            raise ValueError(f"response_format {reprlib.repr(value['type'])} is not supported by this server yet (structured "
                              "outputs); only {\"type\": \"text\"}")  # fmt: skip
         return value
 
@@ -260,8 +285,7 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _refuse_unimplemented_chat(cls, value, info):
         if value is not None:
-            raise ValueError(f"{info.field_name} is not supported by this server (it would change nothing here: refused "
-                             "rather than ignored)")  # fmt: skip
+            raise ValueError(f"{info.field_name} is not implemented by this server; refused rather than ignored")
         return value
 
 
