@@ -12,7 +12,7 @@ import random
 import time
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.server.kv_snapshot import MAX_CELLS, _pool
+from kvserve.server.kv_snapshot import MAX_CELLS, pool_snapshot
 
 
 def filled_pool(num_blocks: int, seed: int = 0) -> BlockPool:
@@ -36,7 +36,7 @@ def main() -> None:
         times = []
         for _ in range(5):
             started = time.perf_counter()
-            snapshot = _pool("pool", pool, ["full"])
+            snapshot = pool_snapshot("pool", pool, ["full"])
             times.append((time.perf_counter() - started) * 1000)
         size = len(json.dumps(snapshot))
         print(f"| {num_blocks:,} | {sorted(times)[2]:.1f} | {size:,} | {len(snapshot['cells'])} | {snapshot['blocks_per_cell']} |")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.server.kv_snapshot import MAX_CELLS, STATES, _pool, block_states, grid
+from kvserve.server.kv_snapshot import MAX_CELLS, STATES, block_states, grid, pool_snapshot
 from server_process import launch_server, stop_server
 
 KEY = "sk-snapshot-test"
@@ -40,7 +40,7 @@ def test_a_100k_block_pool_is_sampled_into_a_small_grid():
     held = pool.allocate(60_000)
     for block in held[::3]:
         pool.touch(block)
-    snapshot = _pool("pool", pool, ["full"])
+    snapshot = pool_snapshot("pool", pool, ["full"])
     assert len(snapshot["cells"]) <= MAX_CELLS and snapshot["blocks_per_cell"] == 25
     assert snapshot["counts"] == {"free": 40_000, "cached": 0, "owned": 40_000, "shared": 20_000}
     assert len(json.dumps(snapshot)) < 200_000

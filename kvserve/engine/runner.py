@@ -30,7 +30,6 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self._scored: list[tuple[Sequence, int, torch.Tensor]] = []  # this step's prompt-scoring rows (prompt logprobs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
@@ -40,8 +39,6 @@ class ModelRunner:
         and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs draw from its int8 screen.
         """
         samplers, hidden = self.forward_hidden(batch)
-        if self._scored:
-            self._score_prompts()
         if not samplers:
             return []
         plain = [i for i, s in enumerate(samplers) if s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties]
@@ -86,7 +83,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden]."""
+        """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden].
+        The rows that score prompt tokens (prompt logprobs) are scored on the way."""
+        samplers, hidden, scored = self._forward(batch)
+        if scored:
+            self._score_prompts(scored)
+        return samplers, hidden
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]]]:
+        """forward_hidden's pass, with the rows that score prompt tokens: (sequence, first position scored, hidden rows)."""
         meta, input_ids, sample_rows, samplers = self.prepare(batch)
         captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None and seq.probe is None
                     for start in [self._first_row(batch, seq)]]  # fmt: skip
@@ -102,11 +107,11 @@ class ModelRunner:
         for seq, _, n in captures:
             seq.captured.append(hidden[at : at + n].clone())
             at += n
-        self._scored = []
+        scored = []
         for seq, first, rows in prompt_rows:
-            self._scored.append((seq, first, hidden[at : at + len(rows)]))
+            scored.append((seq, first, hidden[at : at + len(rows)]))
             at += len(rows)
-        return samplers, hidden[: len(samplers)]
+        return samplers, hidden[: len(samplers)], scored
 
     def _prompt_rows(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, np.ndarray]]:
         """For each sequence still scoring its prompt: the first prompt position this step scores and the
@@ -123,14 +128,13 @@ class ModelRunner:
                 out.append((seq, first, np.arange(row, row + last - first + 1)))
         return out
 
-    def _score_prompts(self) -> None:
+    def _score_prompts(self, scored: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """Prompt logprobs of the rows scored this step, in blocks of rows that bound the [rows, vocab] logits."""
-        for seq, first, hidden in self._scored:
+        for seq, first, hidden in scored:
             if len(seq.prompt_logprobs) != first:  # positions must arrive in order
                 raise RuntimeError(f"prompt logprobs of {seq.request_id}: position {first} after {len(seq.prompt_logprobs)}")
             targets = seq.prompt_token_ids[first : first + hidden.shape[0]]
             seq.prompt_logprobs.extend(self.token_logprobs(hidden, targets, seq.params.prompt_logprobs))
-        self._scored = []
 
     def token_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
         """Each row's logprob of its target token, the target's rank and the row's top `top` tokens."""

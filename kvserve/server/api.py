@@ -552,8 +552,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ tokenizer endpoints (vLLM's)
     def _need_tokenizer(self, param: str):
         if self.tokenizer is None:
-            raise APIError(400, "this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its "
-                           "directory)", param)  # fmt: skip
+            raise APIError(400, _NO_TOKENIZER.split(": ", 1)[0], param)
         return self.tokenizer
 
     async def tokenize(self, body: TokenizeRequest) -> dict:

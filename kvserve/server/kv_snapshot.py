@@ -40,7 +40,7 @@ def grid(states: np.ndarray, max_cells: int = MAX_CELLS) -> tuple[str, int]:
     return (busiest + ord("0")).astype(np.uint8).tobytes().decode("ascii"), per_cell
 
 
-def _pool(name: str, pool: BlockPool, group_names: list[str]) -> dict:
+def pool_snapshot(name: str, pool: BlockPool, group_names: list[str]) -> dict:
     states, groups = block_states(pool)
     cells, per_cell = grid(states)
     held = states >= 2
@@ -61,9 +61,9 @@ def kv_snapshot(engine: LLMEngine, model_name: str) -> dict:
     started = time.perf_counter()
     kv, spec = engine.kv, engine.kv_spec
     group_names = [g.attention for g in kv.groups]
-    pools = [_pool("pool", kv.pool, group_names)]
+    pools = [pool_snapshot("pool", kv.pool, group_names)]
     if kv.residual_pool is not None:
-        pools.append(_pool("residual", kv.residual_pool, group_names))
+        pools.append(pool_snapshot("residual", kv.residual_pool, group_names))
     prefix = engine.prefix_cache_stats()
     tiers = engine.kv.offloader.stats()["kv_tiers"] if engine.kv.offloader is not None else {}
     layers = [len(g.layers) for g in kv.groups]

@@ -74,11 +74,23 @@ class FieldError(ValueError):
         self.param = param
 
 
+class UnicodeBody(BaseModel):
+    """A request body whose every string must be valid Unicode (checked before its fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        path = _unpaired_surrogate(data, "")
+        if path is not None:
+            raise UnpairedSurrogateError(path)
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
@@ -108,14 +120,6 @@ class _SamplingFields(BaseModel):
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data):
-        path = _unpaired_surrogate(data, "")
-        if path is not None:
-            raise UnpairedSurrogateError(path)
-        return data
 
     @field_validator("cache_salt")
     @classmethod
@@ -297,7 +301,7 @@ class MigrateRequest(BaseModel):
     target: StrictStr = Field(max_length=2000)  # a base URL listed in --migration-targets
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(UnicodeBody):
     """POST /tokenize (vLLM's shapes): a prompt, or chat messages rendered by the chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -308,14 +312,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
     chat_template: StrictStr | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data):
-        path = _unpaired_surrogate(data, "")
-        if path is not None:
-            raise UnpairedSurrogateError(path)
-        return data
 
     @model_validator(mode="after")
     def _one_input(self):
