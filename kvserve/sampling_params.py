@@ -7,6 +7,7 @@ import reprlib
 from dataclasses import dataclass, field, replace
 
 from kvserve.kv.eviction import KV_COMPRESSIONS, SNAPKV_QUERIES
+from kvserve.structured.spec import StructuredOutputs
 
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature means greedy: 1/T would overflow the scores
 MAX_SEED = 2**63
@@ -45,6 +46,7 @@ class SamplingParams:
     kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
     kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
     snapkv_query: str | None = None  # overrides the engine's --snapkv-query (window | generic | both) for this request
+    structured_outputs: StructuredOutputs | None = None  # the output follows this grammar (JSON schema, regex, choice, EBNF)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +98,8 @@ class SamplingParams:
             raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.kv_keep_ratio!r}")
         if self.snapkv_query is not None and self.snapkv_query not in SNAPKV_QUERIES:
             raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {reprlib.repr(self.snapkv_query)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(self.structured_outputs).__name__}")
 
     def samples(self) -> list["SamplingParams"]:
         """One SamplingParams per sample (n = 1 each), sample i seeded with seed + i."""

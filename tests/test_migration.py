@@ -4,16 +4,22 @@ greedy and seeded, with its KV in the state or through the remote tier; bad stat
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import random_prompts
 from redis_server import RedisServer
 from kvserve import LLM, SamplingParams
 from kvserve.engine.migration import RequestState
+from kvserve.structured.spec import StructuredOutputs
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, logprobs=2)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, logprobs=2, stop=("zz",))
 PENALIZED = SamplingParams(max_tokens=40, temperature=0.8, seed=3, repetition_penalty=1.3, frequency_penalty=0.5)
+# the target's grammar matcher replays the output so far: the rest still follows the schema
+STRUCTURED = SamplingParams(max_tokens=200, temperature=0.9, seed=5, structured_outputs=StructuredOutputs(
+    json={"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 8, "maxItems": 8}))
 
 
 def trace(output) -> tuple:
@@ -27,7 +33,7 @@ def run_until(llm: LLM, request_id: str, tokens: int) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalties"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED, STRUCTURED], ids=["greedy", "seeded", "penalties", "structured"])
 def test_a_request_migrated_midway_gives_the_tokens_of_an_unmigrated_run(tiny_dir, family, params):
     path = str(tiny_dir(family))
     prompt = random_prompts(1, 70, 70, seed=30)[0]
@@ -43,6 +49,8 @@ def test_a_request_migrated_midway_gives_the_tokens_of_an_unmigrated_run(tiny_di
     target = LLM(path, dtype="float32", num_kv_blocks=64)
     out = target.import_request(state)
     assert trace(out) == want
+    if params.structured_outputs is not None:
+        assert len(json.loads(out.text)) == 8 and out.finish_reason == "stop"
     assert target.stats()["kv_migrations_total"]["in"] == 1 and source.stats()["kv_migrations_total"]["out"] == 1
     assert target.stats()["kv_migrations_total"]["hit_tokens"] >= 80  # the records were used, not recomputed
 

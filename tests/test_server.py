@@ -356,17 +356,21 @@ def test_top_once_prints_only_its_table(server):
 # Every field of the OpenAI SDK's request types is honoured, refused with a 400 naming it, or inert (it
 # cannot change the answer: bookkeeping and hints); a field the SDK gains fails here until it is sorted.
 CHAT_HONOURED = {"messages", "model", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "max_tokens",
-                 "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p"}  # fmt: skip
+                 "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
+                 "response_format"}  # fmt: skip
 COMPLETION_HONOURED = {"prompt", "model", "best_of", "echo", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n",
                        "seed", "stop", "stream", "stream_options", "temperature", "top_p"}  # fmt: skip
 INERT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
          "prompt_cache_retention": "in_memory", "prompt_cache_options": {}, "safety_identifier": "s-1",
          "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": True}  # fmt: skip
-CHAT_REFUSED = {"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+CHAT_REFUSED = {"tools": [{"type": "function", "function": {"name": "f"}}],
                 "tool_choice": "required", "functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"},
                 "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "reasoning_effort": "low",
                 "verbosity": "low", "web_search_options": {}, "moderation": {"policy": {}}, "logit_bias": {"5": 10}}  # fmt: skip
 COMPLETION_REFUSED = {"logit_bias": {"5": 10}, "suffix": "end"}
+# vLLM's extensions this server does not implement: refused when set to anything but "off"
+VLLM_REFUSED = {"min_tokens": 3, "use_beam_search": True, "allowed_token_ids": [1, 2], "bad_words": ["x"], "skip_special_tokens": False,
+                "chat_template_kwargs": {"enable_thinking": True}, "truncate_prompt_tokens": 5}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
@@ -386,9 +390,11 @@ def test_no_openai_field_is_silently_ignored(server, kind):
     assert honoured <= set((ChatCompletionRequest if chat else CompletionRequest).model_fields)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
-    for name, value in refused.items():
+    for name, value in {**refused, **VLLM_REFUSED}.items():
         resp = httpx.post(server + path, json={**body, "max_tokens": 2, name: value}, timeout=30)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == name, (name, resp.text)
+    off = {"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "bad_words": [], "chat_template_kwargs": {}}
+    assert httpx.post(server + path, json={**body, "max_tokens": 2, **off}, timeout=30).status_code == 200
     for name, value in INERT.items():
         if name in schema:
             assert httpx.post(server + path, json={**body, "max_tokens": 2, name: value}, timeout=30).status_code == 200, name

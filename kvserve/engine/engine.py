@@ -44,6 +44,7 @@ from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ class LLMEngine:
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer.hf_tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
@@ -327,11 +329,23 @@ class LLMEngine:
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
-                       eviction=self.eviction_policy(params), compress_at=compress_at)  # fmt: skip
+                       eviction=self.eviction_policy(params), compress_at=compress_at, grammar=self._grammar(params))  # fmt: skip
         self.requests[request_id] = seq
         if queue:
             self.scheduler.add(seq)
         return seq
+
+    def _grammar(self, params: SamplingParams, output_token_ids: Seq[int] = ()):
+        """A matcher of the request's structured outputs (None without), past the output tokens given."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer: this model has none (token ids only)")
+        matcher = self.grammars.matcher(params.structured_outputs)
+        for token in output_token_ids:
+            if not matcher.accept_token(token):
+                raise ValueError(f"the output so far does not follow the request's {params.structured_outputs.description} (token {token})")
+        return matcher
 
     def add_request_group(
         self, prompt: str | list[int], params: Seq[SamplingParams], request_ids: Seq[str] | None = None, cache_salt: str | None = None,
@@ -476,7 +490,8 @@ class LLMEngine:
                 text.add(token)
             text.take_new()  # handed out at the source
         seq = Sequence(request_id, list(state.prompt_token_ids), state.params, prompt=state.prompt, cache_salt=state.cache_salt,
-                       seed=state.seed, text=text, stream=state.stream, migrated=True)  # fmt: skip
+                       seed=state.seed, text=text, stream=state.stream, migrated=True,
+                       grammar=self._grammar(state.params, state.output_token_ids))  # fmt: skip
         for token in state.output_token_ids:
             seq.append_token(token)
         seq.logprobs = list(state.logprobs)
@@ -609,7 +624,10 @@ class LLMEngine:
             for seq, result in sampled:
                 if seq.status is SequenceStatus.FORKING:
                     self.scheduler.start_fork(seq)
-                self._append_token(seq, result.token_id, now)
+                if result.token_id is None:  # its grammar allows no token
+                    self._finish(seq, "stop", now, stop_reason="grammar")
+                else:
+                    self._append_token(seq, result.token_id, now)
                 if result.logprobs is not None:
                     seq.logprobs.append(result.logprobs)
                 if seq.is_finished:
@@ -710,10 +728,14 @@ class LLMEngine:
         seq.last_token_time = now
         params = seq.params
         reason = None
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id} drew token {token}, which its grammar forbids")
         if not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, seq.stop_reason = "stop", token
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            reason = "stop"
         if seq.text is not None:
             stop = seq.text.add(token)
             if reason is None and stop is not None:
@@ -721,9 +743,14 @@ class LLMEngine:
         if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            seq.finish_reason = reason
-            seq.finished_time = now
-            self.scheduler.finish(seq)
+            self._finish(seq, reason, now)
+
+    def _finish(self, seq: Sequence, reason: str, now: float, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason = reason
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        seq.finished_time = now
+        self.scheduler.finish(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished

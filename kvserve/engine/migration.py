@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvserve.engine.sequence import TokenLogprobs
 from kvserve.kv.tiers.record import record_overhead
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.spec import StructuredOutputs
 
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<I")
@@ -90,7 +91,13 @@ class RequestState:
         params = state["params"]
         if not isinstance(params, dict):
             raise ValueError("params must be an object of sampling parameters")
-        params = SamplingParams(**{k: v for k, v in params.items() if k in _PARAM_FIELDS})
+        params = {k: v for k, v in params.items() if k in _PARAM_FIELDS}
+        if params.get("structured_outputs") is not None:
+            structured = params["structured_outputs"]
+            if not isinstance(structured, dict):
+                raise ValueError("structured_outputs must be an object")
+            params["structured_outputs"] = StructuredOutputs(**{k: v for k, v in structured.items() if k in _STRUCTURED_FIELDS})
+        params = SamplingParams(**params)
         seed, cached, identity = state["seed"], state.get("num_cached_tokens", 0), state["identity"]
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
             raise ValueError("seed must be an unsigned 64-bit integer")
@@ -124,6 +131,7 @@ def _is_logprob(entry) -> bool:
 
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_STRUCTURED_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputs)}
 
 
 def _token_list(state: dict, name: str) -> list[int]:

@@ -35,13 +35,15 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, SampleResult]]:
         """Run the batch and sample: one result for every sequence whose prompt is fully computed.
 
-        Plain greedy rows (no logprobs, no penalties) take the lm_head's argmax without full logits,
-        and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs draw from its int8 screen.
+        Plain greedy rows (no logprobs, no penalties, no grammar) take the lm_head's argmax without full
+        logits, and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs or grammar draw from its
+        int8 screen; the rest sample from full logits, masked by their grammars.
         """
         samplers, hidden = self.forward_hidden(batch)
         if not samplers:
             return []
-        plain = [i for i, s in enumerate(samplers) if s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties]
+        plain = [i for i, s in enumerate(samplers)
+                 if s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties and s.grammar is None]  # fmt: skip
         rest = sorted(set(range(len(samplers))) - set(plain))
         results: list[SampleResult | None] = [None] * len(samplers)
         if plain:
@@ -59,7 +61,7 @@ class ModelRunner:
     def _sample_screened(self, hidden: torch.Tensor, rest: list[int], samplers: list[Sequence], results: list) -> list[int]:
         """A few sampled rows (no logprobs) draw from the int8-screened lm_head, exactly the tokens the
         full logits would give, at greedy's cost; returns the rows still to sample from full logits."""
-        picked = [i for i in rest if not samplers[i].params.greedy and samplers[i].params.logprobs is None]
+        picked = [i for i in rest if not samplers[i].params.greedy and samplers[i].params.logprobs is None and samplers[i].grammar is None]
         if not picked or len(picked) > SCREENED_SAMPLE_MAX_ROWS or not self.sampler.native or self.device.type != "cpu":
             return rest
         rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.config.vocab_size)

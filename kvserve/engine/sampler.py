@@ -18,17 +18,19 @@ from kvserve import kernels
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.engine.torch_sampler import sample_torch
 from kvserve.sampling_params import MIN_TOP_P
+from kvserve.structured.mask import GrammarMask
 
 
 @dataclass
 class SampleResult:
-    token_id: int
+    token_id: int | None  # None: the request's grammar allows no token
     logprobs: TokenLogprobs | None
 
 
 class Sampler:
     def __init__(self, native: bool) -> None:
         self.native = native
+        self.grammar_mask = GrammarMask()
 
     @staticmethod
     def rows(seqs: list[Sequence], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,9 +61,12 @@ class Sampler:
         return rows, penalty_ids, penalty_counts
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """One token per row of logits [S, V] (float32; modified in place) for seqs."""
+        """One token per row of logits [S, V] (float32; modified in place) for seqs; a row with a grammar
+        draws among the tokens it allows (its logprobs too are over those)."""
         rows, penalty_ids, penalty_counts = self.rows(seqs, logits.shape[-1])
         logits = logits.float()
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        exhausted = set(self.grammar_mask.apply(logits, constrained, [seqs[i].grammar for i in constrained])) if constrained else set()
         if self.native and logits.device.type == "cpu":
             out = kernels.sample(logits.contiguous(), rows, penalty_ids, penalty_counts)
         else:
@@ -69,6 +74,9 @@ class Sampler:
         tokens = out.tokens.tolist()
         results = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if i in exhausted:
+                results.append(SampleResult(None, None))
+                continue
             lp = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ class Sequence:
     window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention the scoring queries pay
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
+    grammar: Any = None  # structured outputs: the xgrammar GrammarMatcher that has accepted the output so far
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

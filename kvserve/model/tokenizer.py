@@ -33,6 +33,11 @@ class Tokenizer:
         self.chat_template: str | None = hf_tokenizer.chat_template
 
     @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer underneath (grammar compilers read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

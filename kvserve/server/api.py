@@ -45,6 +45,8 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.kv_snapshot import kv_snapshot as take_snapshot
 from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
+from kvserve.structured.spec import GrammarError
+from kvserve.structured.worker import IsolatedGrammarCompiler
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MigrateRequest, TokenizeRequest
 from kvserve.server.templates import TemplateRenderer
@@ -156,6 +158,7 @@ class OpenAIServer:
         # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
         self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
         self.migrator = Migrator(self, config.migration_targets)
+        self.grammar_compiler = IsolatedGrammarCompiler(engine.grammars, config.grammar_compile_timeout) if engine.grammars else None
         self._unknown_fields: set[str] = set()
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
@@ -289,6 +292,18 @@ class OpenAIServer:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
 
+    async def _compile_grammar(self, body, params: SamplingParams) -> None:
+        """Compiles the request's output constraint (off the event loop, within --grammar-compile-timeout) before it is admitted."""
+        spec, field = params.structured_outputs, body.structured_field
+        if spec is None:
+            return
+        if self.grammar_compiler is None:
+            raise APIError(400, f"{field} needs the model's tokenizer; " + _NO_TOKENIZER.split(": ", 1)[0], field)
+        try:
+            await self.grammar_compiler.compile(spec)
+        except GrammarError as exc:
+            raise APIError(400, f"{field}: {exc}", field) from None
+
     def _submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None) -> Submission:
         arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
         try:
@@ -391,6 +406,7 @@ class OpenAIServer:
                               for i in range(body.n)])  # fmt: skip
             for ids in prompts
         ]
+        await self._compile_grammar(body, groups[0].params[0])
         echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"cmpl-{sub.request_id}"
@@ -452,6 +468,7 @@ class OpenAIServer:
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)])]
+        await self._compile_grammar(body, groups[0].params[0])
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
         created = int(time.time())
@@ -665,6 +682,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
         finally:
             server.async_engine.shutdown()
             server.renderer.close()
+            if server.grammar_compiler is not None:
+                server.grammar_compiler.close()
             await server.migrator.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)

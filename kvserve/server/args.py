@@ -48,4 +48,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
          help=f"the secret a migration group's servers share (16+ characters): a source sends it, and "
          f"POST /v1/kv/import takes a request (and its KV) only with it; without it this server takes no migrated "
          f"request (403). Default: ${MIGRATION_KEY_ENV}, else none")
+    flag("--grammar-compile-timeout", type=float, default=_DEFAULTS.grammar_compile_timeout,
+         help="seconds a structured-outputs grammar (response_format, structured_outputs, guided_*) may take to compile, "
+         "in a child process killed past it; the request then gets a 400. Compiled grammars are cached")
     flag("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -39,6 +39,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     migration_targets: tuple[str, ...] = ()  # base URLs POST /v1/kv/migrate may move a request to (none: migration off)
     migration_key: str | None = None  # the secret servers of a migration group share: /v1/kv/import takes a request only with it
+    grammar_compile_timeout: float = 10.0  # seconds one structured-outputs grammar may take to compile (then a 400)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +50,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive (seconds), got {self.request_timeout}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive (seconds), got {self.grammar_compile_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 (seconds), got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():

@@ -6,13 +6,15 @@ import reprlib
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, WrapValidator,
-    field_validator, model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+    WrapValidator, field_validator, model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from kvserve.kv.hashing import validate_cache_salt
 from kvserve.sampling_params import MAX_SEED, SamplingParams
+from kvserve.server.structured_fields import structured_outputs_of
+from kvserve.structured.spec import StructuredOutputs
 
 
 
@@ -90,8 +92,26 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# vLLM's request extensions this server does not implement, with the value that means "off": any other
+# value would change the answer, so it is a 400 naming the field (other unknown fields are ignored)
+VLLM_UNIMPLEMENTED = {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+                      "logits_processors": None, "truncate_prompt_tokens": None, "skip_special_tokens": True,
+                      "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False, "prompt_embeds": None,
+                      "continue_final_message": False, "chat_template_kwargs": None, "documents": None, "mm_processor_kwargs": None,
+                      "vllm_xargs": None, "thinking_token_budget": None}  # fmt: skip
+
+
 class _SamplingFields(UnicodeBody):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_extensions(cls, data):
+        if isinstance(data, dict):
+            for name, off in VLLM_UNIMPLEMENTED.items():
+                if name in data and data[name] != off and not (off is None and data[name] in ([], {})):
+                    raise FieldError(name, f"{name} is not implemented by this server; refused rather than ignored")
+        return data
 
     model: StrictStr | None = None
     n: Count = Field(1, ge=1, le=16)
@@ -116,6 +136,16 @@ class _SamplingFields(UnicodeBody):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: Count | None = None  # vLLM's extension: each prompt token's logprob and the top N
+    # structured outputs (server/structured_fields.py): OpenAI's response_format, or vLLM's structured_outputs or guided_*
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    _structured: tuple[StructuredOutputs, str] | None = PrivateAttr(None)
     # OpenAI fields this server does not implement: refused when they would change the result
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
@@ -148,6 +178,16 @@ class _SamplingFields(UnicodeBody):
             raise ValueError("best_of other than n is not supported by this server (use n)")
         return value
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self._structured = structured_outputs_of(self)
+        return self
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that carries the request's output constraint (None: unconstrained)."""
+        return self._structured[1] if self._structured is not None else None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
                         prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -171,6 +211,7 @@ class _SamplingFields(UnicodeBody):
             kv_compression=self.kv_compression,
             kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
             snapkv_query=self.snapkv_query,
+            structured_outputs=self._structured[0] if self._structured is not None else None,
         )
 
 
@@ -242,7 +283,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: StrictStr | None = None
     # OpenAI fields that would change the answer and that this server does not implement: a 400 naming the
     # field when set, never ignored (the client would believe it got what it asked for)
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     functions: list | None = None
@@ -253,16 +293,6 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: StrictStr | None = None
     web_search_options: dict | None = None
     moderation: dict | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value):
-        if value is not None and "type" not in value:
-            raise ValueError("response_format needs a type (only {\"type\": \"text\"} is supported by this server yet)")
-        if value is not None and value["type"] != "text":
-            raise ValueError(f"response_format {reprlib.repr(value['type'])} is not supported by this server yet (structured "
-                             "outputs); only {\"type\": \"text\"}")  # fmt: skip
-        return value
 
     @field_validator("tools", "functions")
     @classmethod

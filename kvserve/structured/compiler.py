@@ -1,0 +1,154 @@
+"""Compiles StructuredOutputs into xgrammar grammars for one tokenizer, and the per-request matcher.
+
+xgrammar turns a grammar into token masks over the model's vocabulary; a GrammarMatcher follows a
+request's output token by token and fills the mask of the tokens allowed next. Compiled grammars
+are kept in a bounded LRU keyed by the constraint, so a schema shared by many requests compiles once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Iterable
+
+from kvserve.structured.spec import GrammarError, StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+
+MAX_CACHED_GRAMMARS = 256
+# "[11:31:22] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the message alone
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Character classes xgrammar 0.2.9 writes that admit text no JSON or UTF-8 reader takes back: any
+# negated class, and regex's `.`, admit the UTF-16 surrogates U+D800-U+DFFF (whose UTF-8 bytes decode
+# to U+FFFD); a JSON string with a length bound is written with characters of the class below, which
+# also admits the control characters JSON forbids unescaped (json.loads rejects "\x15").
+_NO_SURROGATE = r"\uD800-\uDFFF"
+_ANY_CHARACTER = r"\0-\U0010ffff"
+_BOUNDED_STRING_CHARS = r'^\"\\\r\n'
+_JSON_STRING_CHARS = r'^\0-\x1f\"\\'
+
+
+def xgrammar_module():
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise GrammarError("structured outputs need the xgrammar package (pip install xgrammar)") from None
+    return xgrammar
+
+
+def error_message(exc: Exception) -> str:
+    lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(exc).splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__
+
+
+def choice_grammar(choices: Iterable[str]) -> str:
+    """EBNF whose language is exactly these strings (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _valid_text_classes(ebnf: str, json_strings: bool) -> str:
+    """The grammar with its character classes kept to valid Unicode text (and, for JSON, to valid JSON
+    string characters); string literals are left as they are."""
+    out, i = [], 0
+    while i < len(ebnf):
+        c = ebnf[i]
+        if c == '"' or c == "[":
+            close = '"' if c == '"' else "]"
+            end = i + 1
+            while ebnf[end] != close:
+                end += 2 if ebnf[end] == "\\" else 1
+            body = ebnf[i + 1 : end]
+            if c == "[":
+                if json_strings and body == _BOUNDED_STRING_CHARS:
+                    body = _JSON_STRING_CHARS
+                if body == _ANY_CHARACTER:
+                    body = "^"
+                if body.startswith("^"):
+                    body = "^" + _NO_SURROGATE + body[1:]
+            out.append(c + body + close)
+            i = end + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The constraint as EBNF. JSON comes out compact (no free whitespace: small models otherwise pad
+    with spaces until max_tokens), properties the schema does not name are not generated."""
+    grammar = xgrammar_module().Grammar
+    try:
+        if spec.json is not None:
+            text = str(grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True))
+        elif spec.json_object:
+            text = str(grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False))
+        elif spec.regex is not None:
+            text = str(grammar.from_regex(spec.regex))
+        else:
+            text = str(grammar.from_ebnf(choice_grammar(spec.choice) if spec.choice is not None else spec.grammar))
+    except Exception as exc:  # noqa: BLE001 - xgrammar reports every malformed input as a RuntimeError
+        raise GrammarError(f"cannot compile the {spec.description}: {error_message(exc)}") from None
+    return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object)
+
+
+def compile_spec(compiler: "xgrammar.GrammarCompiler", spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":
+    """One compile, uncached."""
+    text = grammar_text(spec)
+    try:
+        return compiler.compile_grammar(text)
+    except Exception as exc:  # noqa: BLE001
+        raise GrammarError(f"cannot compile the {spec.description}: {error_message(exc)}") from None
+
+
+class GrammarCompiler:
+    """One tokenizer's grammars. Thread-safe; the tokenizer's token table is built on first use."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self._cache: OrderedDict[StructuredOutputs, xgrammar.CompiledGrammar] = OrderedDict()
+        self._max_cached = max_cached
+        self._lock = threading.Lock()
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
+
+    @property
+    def tokenizer_info(self) -> "xgrammar.TokenizerInfo":
+        with self._lock:
+            if self._info is None:
+                xgr = xgrammar_module()
+                self._info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids)  # fmt: skip
+            return self._info
+
+    def cached(self, spec: StructuredOutputs) -> "xgrammar.CompiledGrammar | None":
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+            return compiled
+
+    def store(self, spec: StructuredOutputs, compiled: "xgrammar.CompiledGrammar") -> None:
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+
+    def compile(self, spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":
+        compiled = self.cached(spec)
+        if compiled is None:
+            info = self.tokenizer_info
+            with self._lock:
+                if self._compiler is None:
+                    self._compiler = xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            compiled = compile_spec(self._compiler, spec)
+            self.store(spec, compiled)
+        return compiled
+
+    def matcher(self, spec: StructuredOutputs) -> "xgrammar.GrammarMatcher":
+        return xgrammar_module().GrammarMatcher(self.compile(spec))

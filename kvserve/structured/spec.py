@@ -1,0 +1,105 @@
+"""What a request constrains its output to: a JSON schema, any JSON object, a regex, one of a few
+strings, or an EBNF grammar. Validated and bounded on construction, hashable (compiled grammars are
+cached by it)."""
+
+from __future__ import annotations
+
+import json
+import reprlib
+from dataclasses import dataclass
+
+# a schema, regex or grammar longer than this is refused before it is compiled; so are more choices
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 64  # nesting of the schema's JSON itself
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled: malformed, unsupported, too large or too slow; `param`
+    names the request field that carried it, where known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion (a hostile schema may nest thousands deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        deepest = max(deepest, level)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def schema_text(schema: object) -> str:
+    """A JSON schema (dict, or its JSON text) as canonical JSON text, refused past the bounds."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"the JSON schema is {len(schema)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema is an object (or true), got {type(schema).__name__}")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # key order kept: properties generate in it
+    except ValueError as exc:
+        raise GrammarError(f"the JSON schema holds a value JSON cannot carry: {exc}") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"the JSON schema is {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+    return text
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: json (a JSON schema as JSON text; a dict is accepted and made canonical),
+    json_object (any JSON object), regex, choice (the output is one of these strings) or grammar
+    (EBNF in xgrammar's dialect, root rule `root`)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            object.__setattr__(self, "json", schema_text(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise GrammarError(f"choice is a list of strings, got {reprlib.repr(self.choice)}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise GrammarError(f"choice takes 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise GrammarError("choice strings must be non-empty strings")
+            if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
+                raise GrammarError(f"the choices hold more than {MAX_GRAMMAR_CHARS} characters")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise GrammarError(f"{name} must be a non-empty string, got {reprlib.repr(value)}")
+            if value is not None and len(value) > MAX_GRAMMAR_CHARS:
+                raise GrammarError(f"the {name} is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+        if not isinstance(self.json_object, bool):
+            raise GrammarError(f"json_object must be a boolean, got {reprlib.repr(self.json_object)}")
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise GrammarError(f"give exactly one of json, json_object, regex, choice or grammar; got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False))
+
+    @property
+    def description(self) -> str:
+        """What the constraint is, for messages: "JSON schema", "regex", ..."""
+        return {"json": "JSON schema", "json_object": "JSON object constraint", "choice": "choices"}.get(self.kind, self.kind)

@@ -1,0 +1,311 @@
+"""Structured outputs (xgrammar): every output follows its JSON schema, regex, choices or grammar,
+greedy and sampled, alone, batched, from the prefix cache, with n > 1; the token mask never lets a
+forbidden token through (full logits or not); constraints are bounded and their errors name the field."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+import xgrammar as xgr
+
+from json_schemas import random_schemas
+from kvserve import LLM, SamplingParams
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.sequence import Sequence
+from kvserve.structured.spec import MAX_GRAMMAR_CHARS, GrammarError, StructuredOutputs
+from server_process import launch_server, stop_server
+
+SCHEMAS = random_schemas(50, seed=0)
+REGEXES = [r"\(\d{3}\) \d{3}-\d{4}", r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)", r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d)"]
+ARITHMETIC = 'root ::= term (("+" | "-") term){0,3}\nterm ::= [0-9]{1,3} | "(" [0-9]{1,3} "*" [0-9]{1,3} ")"'
+ARITHMETIC_RE = r"(\d{1,3}|\(\d{1,3}\*\d{1,3}\))([+-](\d{1,3}|\(\d{1,3}\*\d{1,3}\))){0,3}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.05)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return LLM("smollm2-135m-instruct", kv_cache_memory=0.5)
+
+
+def constrained(spec: StructuredOutputs, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 400, **kwargs}, structured_outputs=spec)
+
+
+def assert_valid(outputs, schemas) -> None:
+    for out, schema in zip(outputs, schemas, strict=True):
+        assert out.finish_reason == "stop", (out.text, schema)
+        jsonschema.validate(json.loads(out.text), schema)  # json.loads is strict: no raw control characters in strings
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_fifty_random_schemas_validate_on_a_tiny_random_model(tiny, temperature):
+    """A random model draws whatever the mask leaves it: the grammar alone makes these valid."""
+    params = [constrained(StructuredOutputs(json=s), temperature=temperature, seed=i) for i, s in enumerate(SCHEMAS)]
+    assert_valid(tiny.generate(["The program is free software"] * len(SCHEMAS), params, use_tqdm=False), SCHEMAS)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_fifty_random_schemas_validate_on_smollm2(smollm, temperature):
+    params = [constrained(StructuredOutputs(json=s), temperature=temperature, seed=i) for i, s in enumerate(SCHEMAS)]
+    prompts = [f"Reply with a JSON value for this schema: {json.dumps(s)}\n" for s in SCHEMAS]
+    assert_valid(smollm.generate(prompts, params, use_tqdm=False), SCHEMAS)
+
+
+def test_schemas_that_smollm2_would_not_follow_unconstrained(smollm):
+    """The same prompt without the constraint gives prose, not the schema: the mask is what holds."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "rank": {"type": "integer", "minimum": 1,
+              "maximum": 9}}, "required": ["city", "rank"], "additionalProperties": False}  # fmt: skip
+    prompt = "Tell me about Paris."
+    free = smollm.generate([prompt], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0].text
+    with pytest.raises(ValueError):
+        jsonschema.validate(json.loads(free), schema)
+    out = smollm.generate([prompt], constrained(StructuredOutputs(json=schema), temperature=0), use_tqdm=False)
+    assert_valid(out, [schema])
+
+
+def test_choice_regex_and_grammar_outputs_follow_them(tiny):
+    choices = ("yes", "no", "maybe not", 'say "hi"\n')
+    params = [constrained(StructuredOutputs(choice=choices), temperature=1.0, seed=i) for i in range(24)]
+    outs = tiny.generate(["Is it free software?"] * 24, params, use_tqdm=False)
+    assert {o.text for o in outs} <= set(choices) and len({o.text for o in outs}) > 1
+    for regex in REGEXES:
+        outs = tiny.generate(["Contact:"] * 8, [constrained(StructuredOutputs(regex=regex), temperature=1.0, seed=i) for i in range(8)],
+                             use_tqdm=False)  # fmt: skip
+        assert all(re.fullmatch(regex, o.text) for o in outs), [o.text for o in outs]
+    outs = tiny.generate(["2 + 2 ="] * 8, [constrained(StructuredOutputs(grammar=ARITHMETIC), temperature=1.0, seed=i, max_tokens=64)
+                                           for i in range(8)], use_tqdm=False)  # fmt: skip
+    assert all(o.finish_reason == "stop" and re.fullmatch(ARITHMETIC_RE, o.text) for o in outs), [o.text for o in outs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_single_row_takes_the_mask_on_every_path(tiny, temperature):
+    """One greedy or sampled row would take the lm_head's argmax or the int8 screen unconstrained; with a
+    grammar it samples from masked full logits (a forbidden token would fail the request's step)."""
+    for seed in range(4):
+        out = tiny.generate(["Contact:"], constrained(StructuredOutputs(regex=REGEXES[1]), temperature=temperature, seed=seed),
+                            use_tqdm=False)[0]  # fmt: skip
+        assert out.finish_reason == "stop" and re.fullmatch(REGEXES[1], out.text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_constrained_tokens_are_the_same_alone_batched_and_from_the_prefix_cache(tiny_dir, temperature):
+    prompt = "This License applies to any program or other work which contains a notice " * 4
+    specs = [StructuredOutputs(json=s) for s in SCHEMAS[:6]]
+    params = [constrained(spec, temperature=temperature, seed=11) for spec in specs]
+    alone = []
+    for p in params:
+        llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.05, enable_prefix_caching=False)
+        alone.append(llm.generate([prompt], p, use_tqdm=False)[0].token_ids)
+    cached = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.05)
+    noise = [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(10)]
+    for _ in range(2):  # the second round finds the prompt in the prefix cache
+        outs = cached.generate([prompt] * 6 + ["The GNU General Public License"] * 10, params + noise, use_tqdm=False)
+        assert [o.token_ids for o in outs[:6]] == alone
+    assert cached.engine.prefix_cache_stats()["prefix_cache_hits_total"] > 0
+
+
+def test_n_samples_each_follow_the_schema(tiny):
+    schema = SCHEMAS[3]
+    out = tiny.generate(["The program"], SamplingParams(max_tokens=400, n=4, temperature=1.0, seed=2,
+                                                         structured_outputs=StructuredOutputs(json=schema)), use_tqdm=False)  # fmt: skip
+    assert len(out) == 4 and len({o.text for o in out}) > 1
+    assert_valid(out, [schema] * 4)
+
+
+def test_json_object_gives_a_json_object(tiny):
+    outs = tiny.generate(["{"] * 6, [constrained(StructuredOutputs(json_object=True), temperature=1.0, seed=i, max_tokens=2000)
+                                     for i in range(6)], use_tqdm=False)  # fmt: skip
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(o.text), dict) for o in done)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+def test_a_grammar_that_allows_no_token_gives_no_token(native):
+    """A vocabulary that cannot write what the grammar needs next (no "c" here): the sampler reports no
+    token for that row instead of drawing a forbidden one; the engine ends such a request (stop_reason "grammar")."""
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2])
+    stuck = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar('root ::= "a" "c"'))
+    free = Sequence("free", [1, 2], SamplingParams(temperature=0))
+    ended = Sequence("stuck", [1, 2], SamplingParams(temperature=1.0, logprobs=1), grammar=stuck)
+    results = Sampler(native=native).sample(torch.tensor([[0.0, 1.0, 2.0], [0.0, 3.0, 1.0]]), [free, ended])
+    assert [r.token_id for r in results] == [2, 0]  # "a" alone is allowed first
+    assert stuck.accept_token(0)
+    results = Sampler(native=native).sample(torch.tensor([[0.0, 1.0, 2.0], [0.0, 3.0, 1.0]]), [free, ended])
+    assert results[0].token_id == 2 and results[1].token_id is None
+
+
+def test_constraints_are_bounded_and_their_errors_say_what_is_wrong(tiny):
+    cases = [
+        (dict(json="{"), "not valid JSON"),
+        (dict(json={"type": "nonsense"}), 'Unsupported type "nonsense"'),
+        (dict(regex="(a"), "parenthesis is not closed"),
+        (dict(regex=r"(a)\1"), "Backreference"),
+        (dict(grammar="root ::= undefined_rule"), 'Rule "undefined_rule" is not defined'),
+        (dict(choice=()), "1 to"),
+        (dict(choice=("a", "")), "non-empty"),
+        (dict(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "at most"),
+        (dict(json={"enum": ["x" * MAX_GRAMMAR_CHARS]}), "at most"),
+        (dict(json=json.loads("[" * 100 + "]" * 100)), "object"),
+        (dict(json={"items": json.loads('{"items":' * 100 + "{}" + "}" * 100)}), "deeper than"),
+        (dict(regex="a", choice=("a",)), "exactly one"),
+        (dict(), "exactly one"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(GrammarError, match=re.escape(message)):
+            spec = StructuredOutputs(**fields)
+            tiny.generate(["x"], constrained(spec), use_tqdm=False)
+    assert tiny.engine.num_running == 0 and tiny.engine.num_waiting == 0
+
+
+def test_compiled_grammars_are_cached_by_constraint(tiny):
+    grammars = tiny.engine.grammars
+    spec = StructuredOutputs(regex=r"[0-9]{4}-cache-test")
+    first = grammars.compile(spec)
+    assert grammars.compile(StructuredOutputs(regex=r"[0-9]{4}-cache-test")) is first
+    for i in range(grammars._max_cached):
+        grammars.compile(StructuredOutputs(regex=f"x{i}"))
+    assert grammars.cached(spec) is None  # the least recently used went first
+
+
+def test_random_model_under_every_schema_stays_in_the_mask_when_preempted(tiny_dir):
+    """A pool too small for the batch preempts and recomputes: the matchers keep their state."""
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=24, max_num_seqs=16)
+    rng = random.Random(4)
+    schemas = rng.sample(SCHEMAS, 16)
+    params = [constrained(StructuredOutputs(json=s), temperature=1.0, seed=i) for i, s in enumerate(schemas)]
+    outs = llm.generate(["The GNU General Public License is a free, copyleft license"] * 16, params, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    assert_valid(outs, schemas)
+
+
+# ---------------------------------------------------------------------- the server, with the openai client
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "population": {"type": "integer", "minimum": 0,
+        "maximum": 40000000}, "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
+        "required": ["city", "population", "landmarks"], "additionalProperties": False}  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Name a big city, its population and some landmarks."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = launch_server(["--port", "0", "--kv-cache-memory", "0.25", "--grammar-compile-timeout", "2"])  # SmolLM2, the default
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server + path, json={"max_tokens": 64, **body}, timeout=120)
+
+
+def test_response_format_json_schema_streamed_and_not(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for temperature in (0.0, 1.0):
+        kwargs = dict(model="smollm2-135m-instruct", messages=MESSAGES, response_format=response_format, max_tokens=120, n=2,
+                      temperature=temperature, seed=5)  # fmt: skip
+        whole = client.chat.completions.create(**kwargs)
+        texts = {c.index: c.message.content for c in whole.choices}
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        assert streamed == texts
+        for c in whole.choices:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.message.content), CITY)
+
+
+def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
+    out = client.chat.completions.create(model="smollm2-135m-instruct", messages=MESSAGES, response_format={"type": "json_object"},
+                                         max_tokens=200, temperature=0)  # fmt: skip
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    for body, check in [
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"choice": ["red", "blue"]}}, lambda t: t in ("red", "blue")),
+        ({"guided_regex": REGEXES[0]}, lambda t: re.fullmatch(REGEXES[0], t)),
+        ({"structured_outputs": {"regex": REGEXES[2], "disable_any_whitespace": True}}, lambda t: re.fullmatch(REGEXES[2], t)),
+        ({"guided_grammar": ARITHMETIC, "guided_decoding_backend": "xgrammar"}, lambda t: re.fullmatch(ARITHMETIC_RE, t)),
+        ({"guided_json": CITY}, lambda t: jsonschema.validate(json.loads(t), CITY) is None),
+        ({"guided_json": json.dumps(CITY)}, lambda t: jsonschema.validate(json.loads(t), CITY) is None),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+         lambda t: jsonschema.validate(json.loads(t), CITY) is None),
+    ]:
+        resp = post(server, "/v1/completions", {"prompt": "Answer: ", "n": 3, "temperature": 1.0, "max_tokens": 120, **body})
+        assert resp.status_code == 200, resp.text
+        for choice in resp.json()["choices"]:
+            assert choice["finish_reason"] == "stop" and check(choice["text"]), (body, choice)
+    plain = post(server, "/v1/completions", {"prompt": "Answer: ", "response_format": {"type": "text"}, "temperature": 0})
+    assert plain.status_code == 200
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one constraint per request"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json", "one constraint per request"),
+    ({"response_format": {"type": "xml"}}, "response_format", "not supported"),
+    ({"response_format": {"json_schema": {}}}, "response_format", "needs a type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", 'Unsupported type "nonsense"'),
+    ({"guided_json": "{"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
+    ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
+    ({"guided_choice": []}, "guided_choice", "1 to"),
+    ({"guided_choice": "yes"}, "guided_choice", "valid list"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": False}}, "structured_outputs", "disable_any_whitespace"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
+    ({"guided_whitespace_pattern": " *", "guided_json": {}}, "guided_whitespace_pattern", "not supported"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)  # fmt: skip
+def test_bad_constraints_are_400s_naming_the_field(server, body, param, message):
+    for path, extra in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})]:
+        resp = post(server, path, {**extra, **body})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == param and message in error["message"], error
+
+
+def test_a_schema_too_slow_to_compile_is_a_400_in_bounded_time_and_the_server_stays_responsive(server):
+    """2,500 properties take SmolLM2's vocabulary over a minute to compile: the compile runs in a child
+    process, killed at --grammar-compile-timeout (2 s here); /health answers meanwhile."""
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2500)}}
+    pings: list[float] = []
+    done = threading.Event()
+
+    def ping() -> None:
+        while not done.is_set():
+            started = time.perf_counter()
+            assert httpx.get(server + "/health", timeout=10).status_code == 200
+            pings.append(time.perf_counter() - started)
+            time.sleep(0.05)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    started = time.monotonic()
+    try:
+        resp = post(server, "/v1/completions", {"prompt": "x", "guided_json": slow})
+    finally:
+        done.set()
+        pinger.join()
+    assert time.monotonic() - started < 30  # the limit plus a restart of the compiler process, not 74 s
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_json"
+    assert "took longer than 2 s" in resp.json()["error"]["message"]
+    assert len(pings) >= 5 and max(pings) < 1.0, pings  # the event loop never waited on the compile
+    ok = post(server, "/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]})  # a fresh compiler process
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("a", "b")
