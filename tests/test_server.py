@@ -357,14 +357,13 @@ def test_top_once_prints_only_its_table(server):
 # cannot change the answer: bookkeeping and hints); a field the SDK gains fails here until it is sorted.
 CHAT_HONOURED = {"messages", "model", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "max_tokens",
                  "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
-                 "response_format"}  # fmt: skip
+                 "response_format", "tools", "tool_choice", "parallel_tool_calls"}  # fmt: skip
 COMPLETION_HONOURED = {"prompt", "model", "best_of", "echo", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n",
                        "seed", "stop", "stream", "stream_options", "temperature", "top_p"}  # fmt: skip
 INERT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
          "prompt_cache_retention": "in_memory", "prompt_cache_options": {}, "safety_identifier": "s-1",
-         "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": True}  # fmt: skip
-CHAT_REFUSED = {"tools": [{"type": "function", "function": {"name": "f"}}],
-                "tool_choice": "required", "functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"},
+         "prediction": {"type": "content", "content": "x"}}  # fmt: skip
+CHAT_REFUSED = {"functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"},
                 "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "reasoning_effort": "low",
                 "verbosity": "low", "web_search_options": {}, "moderation": {"policy": {}}, "logit_bias": {"5": 10}}  # fmt: skip
 COMPLETION_REFUSED = {"logit_bias": {"5": 10}, "suffix": "end"}

@@ -183,6 +183,7 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     max_chars: int = DEFAULT_MAX_CHARS,
     timeout: float = DEFAULT_TIMEOUT_S,
+    tools: list[dict] | None = None,
 ) -> str:
     """The template's text for messages (what transformers' apply_chat_template(tokenize=False)
     gives), or ChatTemplateError when it fails or breaks a limit."""
@@ -192,7 +193,7 @@ def render_chat_template(
     size = 0
     try:
         stream = compiled.generate(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
         )
         for piece in stream:
             size += len(piece)
@@ -224,7 +225,7 @@ def _worker_main() -> None:
             req = json.loads(line)
             text = render_chat_template(
                 req["template"], req["messages"], req.get("special_tokens"), req.get("add_generation_prompt", True),
-                req["max_chars"], req["timeout"],
+                req["max_chars"], req["timeout"], req.get("tools"),
             )  # fmt: skip
             answer = {"text": text}
         except ChatTemplateError as exc:

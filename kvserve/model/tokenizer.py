@@ -127,6 +127,8 @@ def read_chat_template(value: str | None) -> str | None:
     """`--chat-template`: a file path, or the Jinja text itself."""
     if value is None:
         return None
+    if "{" in value or "\n" in value:  # Jinja: inline text (it may be longer than a file name can be)
+        return value
     path = Path(value)
     return path.read_text() if path.is_file() else value
 

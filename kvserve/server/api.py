@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
 import json
 import logging
 import reprlib
@@ -45,7 +46,10 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.kv_snapshot import kv_snapshot as take_snapshot
 from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
-from kvserve.structured.spec import GrammarError
+from kvserve.server.tool_calls import (
+    Tool, ToolCallParser, ToolChoice, call_grammar, message_with_calls, parse_tool_choice, parse_tools, template_takes_tools,
+)
+from kvserve.structured.spec import GrammarError, StructuredOutputs
 from kvserve.structured.worker import IsolatedGrammarCompiler
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MigrateRequest, TokenizeRequest
@@ -238,10 +242,10 @@ class OpenAIServer:
             self._validate_prompt(ids, "prompt")
         return [list(ids) for ids in prompts]
 
-    def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True,
-                  add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+    def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                  tools: list[dict] | None = None) -> list[int]:  # fmt: skip
         """Render and tokenize (blocking: run in a thread)."""
-        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt)
+        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt, tools)
         self._check_text_length(len(text), "messages")
         # the template already carries BOS where the model wants it
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -264,14 +268,18 @@ class OpenAIServer:
         return template
 
     async def _render_messages(self, messages: list, requested_template: str | None, add_generation_prompt: bool = True,
-                               add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+                               add_special_tokens: bool = False, tools: list[Tool] | None = None) -> list[int]:  # fmt: skip
         if self.tokenizer is None:
             raise APIError(400, _NO_TOKENIZER, "messages")
         template = self._chat_template_for(requested_template)
+        if any(m.tool_calls for m in messages) and "tool_calls" not in template:
+            raise APIError(400, "messages carry tool_calls, which this model's chat template does not render; refused rather than "
+                           "dropped from the conversation", "messages")  # fmt: skip
         rendered = [m.rendered() for m in messages]
-        self._check_text_length(sum(len(m["content"]) for m in rendered), "messages")
+        self._check_text_length(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in rendered), "messages")
+        definitions = [t.definition for t in tools] if tools else None
         try:
-            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens)
+            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens, definitions)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "chat_template" if requested_template is not None else "messages") from None
 
@@ -292,9 +300,26 @@ class OpenAIServer:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
 
-    async def _compile_grammar(self, body, params: SamplingParams) -> None:
-        """Compiles the request's output constraint (off the event loop, within --grammar-compile-timeout) before it is admitted."""
-        spec, field = params.structured_outputs, body.structured_field
+    def _tools(self, body: ChatCompletionRequest) -> tuple[list[Tool], ToolChoice]:
+        """The request's tools and tool_choice; tools need a chat template that renders them."""
+        try:
+            tools = parse_tools(body.tools or [])
+            choice = parse_tool_choice(body.tool_choice, tools)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        if choice.mode != "none":
+            if self.tokenizer is None:
+                raise APIError(400, _NO_TOKENIZER, "tools")
+            if not template_takes_tools(self._chat_template_for(body.chat_template)):
+                raise APIError(400, f"model {self.model_name!r} does not take tools: its chat template does not render them "
+                               "(Qwen2.5 instruct models do; or set --chat-template)", "tools")  # fmt: skip
+            if choice.mode == "required" and body.structured_field is not None:
+                raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output; {body.structured_field} cannot as well",
+                               body.structured_field)  # fmt: skip
+        return tools, choice
+
+    async def _compile_grammar(self, spec: StructuredOutputs | None, field: str | None) -> None:
+        """Compiles a request's output constraint (off the event loop, within --grammar-compile-timeout) before it is admitted."""
         if spec is None:
             return
         if self.grammar_compiler is None:
@@ -406,7 +431,7 @@ class OpenAIServer:
                               for i in range(body.n)])  # fmt: skip
             for ids in prompts
         ]
-        await self._compile_grammar(body, groups[0].params[0])
+        await self._compile_grammar(groups[0].params[0].structured_outputs, body.structured_field)
         echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"cmpl-{sub.request_id}"
@@ -454,7 +479,9 @@ class OpenAIServer:
         self._check_model(body.model)
         self._note_unknown_fields(body)
         self._check_choices(1, body.n)
-        ids = await self._render_messages(body.messages, body.chat_template)
+        tools, tool_choice = self._tools(body)
+        calling = tool_choice.mode != "none"
+        ids = await self._render_messages(body.messages, body.chat_template, tools=tools if calling else None)
         self._validate_prompt(ids, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = self._max_tokens(body.max_completion_tokens, len(ids), "max_completion_tokens")
@@ -467,8 +494,15 @@ class OpenAIServer:
             top = 0
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
-        groups = [PromptGroup(ids, [self._params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)])]
-        await self._compile_grammar(body, groups[0].params[0])
+        params = [self._params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)]
+        if tool_choice.mode == "required":
+            try:
+                spec = call_grammar(tools, tool_choice, body.parallel_tool_calls is not False)
+            except GrammarError as exc:  # a tool's parameters schema xgrammar cannot take
+                raise APIError(400, f"tools: {exc}", "tools") from None
+            params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
+        await self._compile_grammar(params[0].structured_outputs, "tool_choice" if tool_choice.mode == "required" else body.structured_field)
+        groups = [PromptGroup(ids, params)]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
         created = int(time.time())
@@ -477,15 +511,27 @@ class OpenAIServer:
             return {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": choices}
 
         started: set[int] = set()  # choices whose first chunk (the one that names the role, as OpenAI's) went out
+        parsers: dict[int, ToolCallParser] = {}  # with tools: each choice's text split into content and tool calls
 
         def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
             first = index not in started
             started.add(index)
+            message: dict = {"content": delta}
+            finish = out.finish_reason if out.finished else None
+            if calling:
+                parser = parsers.setdefault(index, ToolCallParser(t.name for t in tools))
+                made = parser.num_calls
+                content, calls = parser.parse(delta, last=out.finished)
+                message = {"content": content or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = [{"index": made + k, **call} for k, call in enumerate(calls)]
+                if finish == "stop" and parser.num_calls:
+                    finish = "tool_calls"
             c = envelope([{
                 "index": index,
-                "delta": {"role": "assistant", "content": delta} if first else {"content": delta},
+                "delta": {"role": "assistant", **message} if first else message,
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
-                "finish_reason": out.finish_reason if out.finished else None,
+                "finish_reason": finish,
             }])
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, body.prompt_logprobs)
@@ -493,17 +539,22 @@ class OpenAIServer:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(sub, body.n, chunk, envelope, include_usage)
+            return self._stream(sub, body.n, chunk, envelope, include_usage, splice=not calling)
         outs = await self._collect(sub, request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                "finish_reason": out.finish_reason,
-            }
-            for (_, i), out in sorted(outs.items())
-        ]
+
+        def message(out: RequestOutput) -> tuple[dict, str | None]:
+            if not calling:
+                return {"role": "assistant", "content": out.text}, out.finish_reason
+            content, calls = message_with_calls(out.text, (t.name for t in tools))
+            if not calls:
+                return {"role": "assistant", "content": content or ""}, out.finish_reason
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+
+        choices = []
+        for (_, i), out in sorted(outs.items()):
+            msg, finish = message(out)
+            choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
+                            "finish_reason": finish})  # fmt: skip
         response = {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
         if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
             response["prompt_logprobs"] = self._prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
@@ -528,13 +579,15 @@ class OpenAIServer:
             watcher.cancel()
             sub.close()
 
-    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool, generated: bool = True) -> StreamingResponse:
+    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool, generated: bool = True,
+                splice: bool = True) -> StreamingResponse:  # fmt: skip
+        """Server-sent events of the submission's outputs; `splice` lets a plain chunk be the first one's JSON with new text spliced in."""
         templates: dict[int, tuple[str, str]] = {}
         sent: set[int] = set()
 
         def event(idx: int, out: RequestOutput) -> str:
             lps = out.logprobs or []
-            if out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
+            if not splice or out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
                 sent.add(idx)
                 return f"data: {json.dumps(make_chunk(idx, out, out.text, lps))}\n\n"
             # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import reprlib
 from typing import Annotated, Literal
 
@@ -241,6 +242,28 @@ class ContentPart(BaseModel):
         return value
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """One call of an assistant message's tool_calls."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def rendered(self) -> dict:
+        # templates write the arguments with `| tojson`: they take the object, not its JSON text (as transformers' do)
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return {**call, "id": self.id} if self.id is not None else call
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -248,16 +271,16 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None  # handed to the chat template, which may use it
     tool_call_id: StrictStr | None = None  # likewise (a tool message's)
-    # an assistant's earlier tool or audio turn: refused rather than dropped from the history
-    tool_calls: list | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls (templates that take tools render them)
+    # an assistant's earlier deprecated function call or audio turn: refused rather than dropped from the history
     function_call: dict | None = None
     audio: dict | None = None
 
-    @field_validator("tool_calls", "function_call", "audio")
+    @field_validator("function_call", "audio")
     @classmethod
     def _refuse_unrendered(cls, value, info):
         if value:
-            raise ValueError(f"messages with {info.field_name} are not supported by this server yet (tool calls and audio); "
+            raise ValueError(f"messages with {info.field_name} are not supported by this server (send tool_calls); "
                              "refused rather than dropped from the conversation")  # fmt: skip
         return value
 
@@ -272,6 +295,8 @@ class ChatMessage(BaseModel):
         for name in ("name", "tool_call_id"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.tool_calls:
+            out["tool_calls"] = [call.rendered() for call in self.tool_calls]
         return out
 
 
@@ -283,8 +308,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: StrictStr | None = None
     # OpenAI fields that would change the answer and that this server does not implement: a 400 naming the
     # field when set, never ignored (the client would believe it got what it asked for)
-    tools: list | None = None
+    tools: list | None = None  # server/tool_calls.py
     tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = None  # with tool_choice required: one call, or several (the default)
     functions: list | None = None
     function_call: StrictStr | dict | None = None
     audio: dict | None = None
@@ -294,18 +320,19 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict | None = None
     moderation: dict | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value, info):
+    def _no_functions(cls, value, info):
         if value:
-            raise ValueError(f"{info.field_name} is not supported by this server yet (tool calls)")
+            raise ValueError("functions (deprecated by OpenAI) is not supported by this server; send tools")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value, info):
-        if value is not None and value not in ("none", "auto"):  # with no tools, none and auto both mean plain text
-            raise ValueError(f"{info.field_name} {reprlib.repr(value)} is not supported by this server yet (tool calls)")
+    def _no_function_call(cls, value, info):
+        if value is not None and value not in ("none", "auto"):  # with no functions, none and auto both mean plain text
+            raise ValueError(f"function_call {reprlib.repr(value)} (deprecated by OpenAI) is not supported by this server; send "
+                             "tool_choice")  # fmt: skip
         return value
 
     @field_validator("modalities")

@@ -79,9 +79,9 @@ class TemplateRenderer:
             child._start()
 
     def render(self, template: str, messages: list[dict], special_tokens: dict[str, str], max_chars: int,
-               add_generation_prompt: bool = True) -> str:  # fmt: skip
+               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:  # fmt: skip
         request = {"template": template, "messages": messages, "special_tokens": special_tokens, "max_chars": max_chars,
-                   "timeout": self.timeout, "add_generation_prompt": add_generation_prompt}  # fmt: skip
+                   "timeout": self.timeout, "add_generation_prompt": add_generation_prompt, "tools": tools}  # fmt: skip
         child = self._idle.get()
         try:
             return child.render(request, self.timeout)

@@ -11,7 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from kvserve.structured.spec import GrammarError, StructuredOutputs
 
@@ -49,31 +49,41 @@ def choice_grammar(choices: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _valid_text_classes(ebnf: str, json_strings: bool) -> str:
-    """The grammar with its character classes kept to valid Unicode text (and, for JSON, to valid JSON
-    string characters); string literals are left as they are."""
-    out, i = [], 0
+def ebnf_segments(ebnf: str) -> Iterator[tuple[str, str]]:
+    """The grammar's text as ("literal", '"..."'), ("class", "[...]") and ("code", rule names and operators)."""
+    i = 0
     while i < len(ebnf):
-        c = ebnf[i]
-        if c == '"' or c == "[":
-            close = '"' if c == '"' else "]"
+        if ebnf[i] in '"[':
+            close = '"' if ebnf[i] == '"' else "]"
             end = i + 1
             while ebnf[end] != close:
                 end += 2 if ebnf[end] == "\\" else 1
-            body = ebnf[i + 1 : end]
-            if c == "[":
-                if json_strings and body == _BOUNDED_STRING_CHARS:
-                    body = _JSON_STRING_CHARS
-                if body == _ANY_CHARACTER:
-                    body = "^"
-                if body.startswith("^"):
-                    body = "^" + _NO_SURROGATE + body[1:]
-            out.append(c + body + close)
+            yield ("literal" if close == '"' else "class"), ebnf[i : end + 1]
             i = end + 1
         else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+            end = min((j for j in (ebnf.find('"', i), ebnf.find("[", i)) if j >= 0), default=len(ebnf))
+            yield "code", ebnf[i:end]
+            i = end
+
+
+def rename_rule(ebnf: str, old: str, new: str) -> str:
+    """The grammar with rule `old` (its definition and every reference) named `new`."""
+    pattern = re.compile(rf"\b{re.escape(old)}\b")
+    return "".join(pattern.sub(new, text) if kind == "code" else text for kind, text in ebnf_segments(ebnf))
+
+
+def _valid_text_class(body: str, json_strings: bool) -> str:
+    """A character class (without its brackets) kept to valid Unicode text, and for JSON to valid string characters."""
+    if json_strings and body == _BOUNDED_STRING_CHARS:
+        body = _JSON_STRING_CHARS
+    if body == _ANY_CHARACTER:
+        body = "^"
+    return "^" + _NO_SURROGATE + body[1:] if body.startswith("^") and not body.startswith("^" + _NO_SURROGATE) else body
+
+
+def _valid_text_classes(ebnf: str, json_strings: bool) -> str:
+    return "".join("[" + _valid_text_class(text[1:-1], json_strings) + "]" if kind == "class" else text
+                   for kind, text in ebnf_segments(ebnf))  # fmt: skip
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
