@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOPICS = ("getting-started", "models", "server-and-api", "configuration", "prefix-caching", "kv-quantization", "kv-eviction",
           "kv-groups", "planner", "metrics-and-monitoring", "hardening-and-security", "kernels", "benchmarks", "architecture",
-          "contributing", "kv-tiers", "kv-sharing", "scale-out", "evaluation")  # fmt: skip
+          "contributing", "kv-tiers", "kv-sharing", "scale-out", "evaluation", "structured-outputs")  # fmt: skip
 FENCE = re.compile(r"^(```|~~~)")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
