@@ -163,7 +163,8 @@ def test_requests_sharing_a_prefix_stick_to_one_replica_and_answer_as_one_server
 
 
 def test_loads_say_what_the_engine_counts_and_smg_reads_them(cluster):
-    replica = cluster.replica_urls[0]
+    # the replica the earlier tests' shared prefixes were routed to (which one is the router's choice) has prefix hits
+    replica = max(cluster.replica_urls, key=lambda url: metrics(url)["kvserve:prefix_cache_hits_total"])
     time.sleep(1.5)  # quiet: no request running, the idle engine's snapshot refreshed
     report = httpx.get(replica + "/v1/loads", headers=AUTH, timeout=10).json()
     m = metrics(replica)
@@ -234,7 +235,19 @@ def _cluster_cli(*args: str, path: str | None = None) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-m", "kvserve.cli", "cluster", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_cluster_refuses_bad_flags_before_starting_anything(tmp_path):
+def _cluster_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`kvserve cluster ARGS` in this process (its refusals come before anything starts: no subprocess needed)."""
+    from kvserve.cli import main
+
+    try:
+        code = main(["cluster", *args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["kvserve", "cluster", *args], code, out.out, out.err)
+
+
+def test_cluster_refuses_bad_flags_before_starting_anything(tmp_path, capsys):
     cases = [
         (["--replicas", "0"], "--replicas must be in [1, 64]"),
         (["--router-policy", "power_of_two", "--replicas", "1"], "give --replicas 2 or more"),
@@ -245,7 +258,7 @@ def test_cluster_refuses_bad_flags_before_starting_anything(tmp_path):
         (["--kv-cache-dtype", "int8", "--kv-remote-url", "http://x"], "--kv-remote-url"),
     ]
     for args, message in cases:
-        out = _cluster_cli(*args)
+        out = _cluster_main(capsys, *args)
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (args, out.stderr)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

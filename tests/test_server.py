@@ -372,6 +372,13 @@ VLLM_REFUSED = {"min_tokens": 3, "use_beam_search": True, "allowed_token_ids": [
                 "chat_template_kwargs": {"enable_thinking": True}, "truncate_prompt_tokens": 5}  # fmt: skip
 
 
+def test_a_wrong_method_is_a_405_that_names_the_methods_the_path_takes(server):
+    for method, path, allowed in [("GET", "/v1/completions", "POST"), ("PUT", "/v1/chat/completions", "POST"), ("POST", "/v1/models", "GET")]:
+        resp = httpx.request(method, server + path, timeout=10)
+        assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
+        assert resp.headers["allow"] == allowed
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_no_openai_field_is_silently_ignored(server, kind):
     import typing

@@ -1,5 +1,5 @@
-"""Two minutes of hundreds of concurrent clients against a real server on a tiny model whose KV
-pool forces preemption (bench/soak.py): nothing fails, leaks, hangs or is half-answered."""
+"""A minute of hundreds of concurrent clients against a real server on a tiny model whose KV
+pool forces preemption (bench/soak.py; longer runs there): nothing fails, leaks, hangs or is half-answered."""
 
 import importlib.util
 import sys
@@ -14,12 +14,12 @@ def load_soak():
     return module
 
 
-def test_two_minute_soak(tiny_dir):
+def test_one_minute_soak(tiny_dir):
     soak = load_soak()
-    report = soak.run_soak(soak.SoakConfig(model=str(tiny_dir("llama")), duration=120, warmup=20, clients=150))
+    report = soak.run_soak(soak.SoakConfig(model=str(tiny_dir("llama")), duration=60, warmup=10, clients=150))
     print(report.table())
     assert report.failures() == []
-    assert report.duration_s >= 120
+    assert report.duration_s >= 60
     assert report.requests >= 1000 and report.completed >= 300
     assert report.disconnected >= report.requests // 5  # the clients that leave early
     assert report.disconnected_outcomes.get("aborted", 0) > 0

@@ -231,6 +231,18 @@ def test_response_format_json_schema_streamed_and_not(client):
             jsonschema.validate(json.loads(c.message.content), CITY)
 
 
+def test_random_schemas_streamed_and_not_through_the_api(client):
+    """Ten of the random schemas as vLLM's guided_json, streamed and not, greedy and seeded: the same text, valid."""
+    for i, schema in enumerate(SCHEMAS[:10]):
+        for temperature in (0.0, 1.0):
+            kwargs = dict(model="smollm2-135m-instruct", prompt="Reply in JSON:\n", max_tokens=300, temperature=temperature, seed=i,
+                          extra_body={"guided_json": schema})  # fmt: skip
+            whole = client.completions.create(**kwargs).choices[0]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
+            assert whole.finish_reason == "stop" and streamed == whole.text
+            jsonschema.validate(json.loads(whole.text), schema)
+
+
 def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     out = client.chat.completions.create(model="smollm2-135m-instruct", messages=MESSAGES, response_format={"type": "json_object"},
                                          max_tokens=200, temperature=0)  # fmt: skip
@@ -264,6 +276,8 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"guided_json": "{"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
     ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
+    ({"guided_json": json.loads('{"items":' * 200 + "{}" + "}" * 200)}, "guided_json", "deeper than"),
+    ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}, "guided_json", "at most"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
     ({"guided_choice": []}, "guided_choice", "1 to"),
     ({"guided_choice": "yes"}, "guided_choice", "valid list"),

@@ -186,7 +186,7 @@ def qwen():
 
 
 def test_qwen_required_always_calls_with_valid_arguments(qwen):
-    for ask in QWEN_ASKS:
+    for ask in QWEN_ASKS[1:]:
         out = qwen.chat.completions.create(model=QWEN, messages=[{"role": "user", "content": ask}], tools=TOOLS, tool_choice="required",
                                            n=2, temperature=1.0, seed=1, max_tokens=120)  # fmt: skip
         for choice in out.choices:
@@ -196,7 +196,7 @@ def test_qwen_required_always_calls_with_valid_arguments(qwen):
 
 def test_qwen_auto_calls_or_answers_and_streams_the_same(qwen):
     made_calls = 0
-    for ask in QWEN_ASKS + ["Say hello."]:
+    for ask in QWEN_ASKS[:2] + ["Say hello."]:
         kwargs = dict(model=QWEN, messages=[{"role": "user", "content": ask}], tools=TOOLS, tool_choice="auto", temperature=0,
                       max_tokens=100)  # fmt: skip
         whole = qwen.chat.completions.create(**kwargs)

@@ -762,7 +762,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
         if exc.status_code == 404 and request.url.path in _ROUTER_PROBES:  # asked again at every poll: neither logged nor counted
             log.debug("%s %s: 404 (a router's probe for another engine's endpoint)", _request_id(request), where(request))
             return error_response(404, str(exc.detail), None, kind, reason)
-        return server.reject(_request_id(request), where(request), exc.status_code, str(exc.detail), kind, reason)
+        response = server.reject(_request_id(request), where(request), exc.status_code, str(exc.detail), kind, reason)
+        response.headers.update(exc.headers or {})  # a 405's Allow: the methods the path takes
+        return response
 
     @app.exception_handler(RequestAborted)
     async def _aborted(_: Request, exc: RequestAborted):
