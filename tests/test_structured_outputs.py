@@ -5,6 +5,7 @@ forbidden token through (full logits or not); constraints are bounded and their 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import threading
@@ -117,6 +118,19 @@ def test_constrained_tokens_are_the_same_alone_batched_and_from_the_prefix_cache
     assert cached.engine.prefix_cache_stats()["prefix_cache_hits_total"] > 0
 
 
+def test_logprobs_of_a_constrained_row_are_over_the_allowed_tokens(tiny):
+    yes, no = (tiny.tokenizer.encode(w, add_special_tokens=False) for w in ("yes", "no"))
+    outs = tiny.generate(["Is it?"] * 4, [constrained(StructuredOutputs(choice=("yes", "no")), temperature=1.0, seed=i, logprobs=5)
+                                          for i in range(4)], use_tqdm=False)  # fmt: skip
+    for out in outs:
+        first = out.logprobs[0]
+        assert set(first.top) == {yes[0], no[0]} and sum(math.exp(v) for v in first.top.values()) == pytest.approx(1, abs=1e-5)
+        for lp in out.logprobs[1:]:  # one token allowed: it is the only entry, with all the mass
+            assert list(lp.top) == [lp.token_id] and lp.logprob == pytest.approx(0, abs=1e-6)
+        allowed = {tiny.tokenizer.eos_token_id, *yes, *no}
+        assert all(set(lp.top) <= allowed for lp in out.logprobs)
+
+
 def test_n_samples_each_follow_the_schema(tiny):
     schema = SCHEMAS[3]
     out = tiny.generate(["The program"], SamplingParams(max_tokens=400, n=4, temperature=1.0, seed=2,
@@ -161,6 +175,8 @@ def test_constraints_are_bounded_and_their_errors_say_what_is_wrong(tiny):
         (dict(json=json.loads("[" * 100 + "]" * 100)), "object"),
         (dict(json={"items": json.loads('{"items":' * 100 + "{}" + "}" * 100)}), "deeper than"),
         (dict(regex="a", choice=("a",)), "exactly one"),
+        (dict(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}), "required names 'b'"),
+        (dict(json={"items": {"properties": {}, "required": ["x"]}}), "required names 'x'"),
         (dict(), "exactly one"),
     ]
     for fields, message in cases:
@@ -264,6 +280,10 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
             assert choice["finish_reason"] == "stop" and check(choice["text"]), (body, choice)
     plain = post(server, "/v1/completions", {"prompt": "Answer: ", "response_format": {"type": "text"}, "temperature": 0})
     assert plain.status_code == 200
+    anything = post(server, "/v1/completions", {"prompt": "Answer: ", "guided_json": True, "max_tokens": 40})  # the schema true
+    assert anything.status_code == 200, anything.text
+    tools = post(server, "/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"  # chat's field, refused rather than ignored
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -274,6 +294,8 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
     ({"guided_json": {"type": "nonsense"}}, "guided_json", 'Unsupported type "nonsense"'),
     ({"guided_json": "{"}, "guided_json", "not valid JSON"),
+    ({"guided_json": 5}, "guided_json", "is an object (or true)"),
+    ({"guided_json": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}}, "guided_json", "required names 'b'"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
     ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
     ({"guided_json": json.loads('{"items":' * 200 + "{}" + "}" * 200)}, "guided_json", "deeper than"),

@@ -62,6 +62,9 @@ TEXTS = [
     "Sure.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>\n",
     "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}</tool_call>\n<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{}\"}</tool_call>",
     "{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n{\"name\": \"add\", \"arguments\": {}}",  # bare calls (small models)
+    "```json\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n```",  # bare, in a code fence (Qwen2.5-Coder-0.5B)
+    "```python\nprint(1)\n```",  # a code answer: content
+    "``",
     "{\"name\": \"unknown\", \"arguments\": {}}",  # not one of the tools: content
     "{\"a\": 1} is JSON",
     "plain answer with a < sign and <tool but no call  \n",
@@ -82,7 +85,7 @@ def test_streamed_pieces_parse_into_the_message_the_whole_text_gives(text):
         parts = [parser.parse(piece, last=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
         assert ("".join(p[0] for p in parts) or None) == whole_content
         assert [(c["function"]["name"], c["function"]["arguments"]) for p in parts for c in p[1]] == strip
-    if "<tool_call>" not in text and not text.lstrip().startswith('{"name": "add"'):
+    if "<tool_call>" not in text and '{"name": "add"' not in text:
         assert whole_content == text and not whole_calls  # text with no call is the content, unchanged
 
 
@@ -90,7 +93,9 @@ def test_parsed_calls():
     content, calls = message_with_calls(TEXTS[0], ("add",))
     assert content == "Sure." and [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
     assert len(message_with_calls(TEXTS[2], ("add",))[1]) == 2
-    assert message_with_calls(TEXTS[3], ("add",)) == (TEXTS[3], [])
+    assert [c["function"]["name"] for c in message_with_calls(TEXTS[3], ("add",))[1]] == ["add"]  # fenced
+    assert message_with_calls(TEXTS[6], ("add",)) == (TEXTS[6], [])  # not one of the tools
+    assert message_with_calls(TEXTS[4], ("add",)) == (TEXTS[4], [])  # a code answer
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +127,10 @@ def test_streamed_tool_calls_reassemble_into_the_message(tiny_client):
     for tool_choice in ("required", "auto"):
         kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, n=3, seed=9, temperature=1.0, max_tokens=200)
         whole = tiny_client.chat.completions.create(**kwargs)
-        streamed = reassemble(tiny_client.chat.completions.create(**kwargs, stream=True))
-        assert streamed == {c.index: as_streamed(c) for c in whole.choices}
+        chunks = list(tiny_client.chat.completions.create(**kwargs, stream=True))
+        assert reassemble(chunks) == {c.index: as_streamed(c) for c in whole.choices}
+        # held text sends nothing: every chunk but each choice's first carries content, calls or the finish
+        assert all(c.delta.content or c.delta.tool_calls or c.finish_reason or c.delta.role for ch in chunks for c in ch.choices)
 
 
 def test_tools_reach_the_template_and_calls_in_the_history_render(tiny_server):
@@ -145,6 +152,8 @@ def test_tools_reach_the_template_and_calls_in_the_history_render(tiny_server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
      "tools", "Unsupported type"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "at most 128"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}]}, "tools",
+     "cannot compile"),  # auto compiles the calls' grammar too
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "none, auto, required"),

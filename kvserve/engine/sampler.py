@@ -81,6 +81,8 @@ class Sampler:
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
                 top = dict(zip(out.top_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist()))
+                if seq.grammar is not None:  # fewer tokens than n may be allowed: the rest are not alternatives
+                    top = {t: v for t, v in top.items() if logits[i, t] != float("-inf")}
                 lp = TokenLogprobs(token, float(out.token_logprobs[i]), top)
             results.append(SampleResult(token, lp))
         return results

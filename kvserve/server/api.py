@@ -495,13 +495,15 @@ class OpenAIServer:
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         params = [self._params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)]
-        if tool_choice.mode == "required":
+        if calling:  # the calls' grammar is compiled under auto too: a tool whose parameters are no schema is a 400 either way
             try:
                 spec = call_grammar(tools, tool_choice, body.parallel_tool_calls is not False)
-            except GrammarError as exc:  # a tool's parameters schema xgrammar cannot take
+            except GrammarError as exc:
                 raise APIError(400, f"tools: {exc}", "tools") from None
-            params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
-        await self._compile_grammar(params[0].structured_outputs, "tool_choice" if tool_choice.mode == "required" else body.structured_field)
+            await self._compile_grammar(spec, "tools")
+            if tool_choice.mode == "required":
+                params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
+        await self._compile_grammar(params[0].structured_outputs, "tools" if tool_choice.mode == "required" else body.structured_field)
         groups = [PromptGroup(ids, params)]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
@@ -513,7 +515,7 @@ class OpenAIServer:
         started: set[int] = set()  # choices whose first chunk (the one that names the role, as OpenAI's) went out
         parsers: dict[int, ToolCallParser] = {}  # with tools: each choice's text split into content and tool calls
 
-        def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict:
+        def chunk(index: int, out: RequestOutput, delta: str, lps) -> dict | None:
             first = index not in started
             started.add(index)
             message: dict = {"content": delta}
@@ -525,6 +527,8 @@ class OpenAIServer:
                 message = {"content": content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = [{"index": made + k, **call} for k, call in enumerate(calls)]
+                elif not content and not first and finish is None and not (body.logprobs and lps):
+                    return None  # the text is held (it may be a call): nothing to send yet
                 if finish == "stop" and parser.num_calls:
                     finish = "tool_calls"
             c = envelope([{
@@ -589,7 +593,8 @@ class OpenAIServer:
             lps = out.logprobs or []
             if not splice or out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
                 sent.add(idx)
-                return f"data: {json.dumps(make_chunk(idx, out, out.text, lps))}\n\n"
+                chunk = make_chunk(idx, out, out.text, lps)
+                return "" if chunk is None else f"data: {json.dumps(chunk)}\n\n"
             # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
             if idx not in templates:
                 head, tail = json.dumps(make_chunk(idx, out, _SPLICE, [])).split(_SPLICED, 1)
@@ -604,7 +609,9 @@ class OpenAIServer:
                     if out.finished:
                         finals[(g, i)] = out
                     if out.text or out.finished or out.logprobs or (out.token_ids and self.tokenizer is None):
-                        yield event(g * n + i, out)
+                        text = event(g * n + i, out)
+                        if text:  # a chunk function may have nothing to send yet (tool calls being held)
+                            yield text
             except RequestAborted as exc:
                 yield f"data: {json.dumps(_aborted_body(exc))}\n\n"
                 return

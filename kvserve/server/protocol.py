@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import reprlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
@@ -140,7 +140,7 @@ class _SamplingFields(UnicodeBody):
     # structured outputs (server/structured_fields.py): OpenAI's response_format, or vLLM's structured_outputs or guided_*
     response_format: dict | None = None
     structured_outputs: dict | None = None
-    guided_json: dict | StrictStr | None = None
+    guided_json: Any = None  # a schema (object or true) or its JSON text; StructuredOutputs says what is wrong
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
@@ -220,11 +220,20 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: Count | None = None
     echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
+    tools: list | None = None  # chat's: refused here rather than ignored
+    tool_choice: StrictStr | dict | None = None
 
     @field_validator("echo", mode="before")
     @classmethod
     def _null_echo(cls, value):
         return False if value is None else value
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _chat_only(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is taken by /v1/chat/completions, not by completions")
+        return value
 
 
 class ContentPart(BaseModel):

@@ -114,9 +114,15 @@ def _call(body: str | dict, names: frozenset[str] | None = None) -> dict | None:
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}  # fmt: skip
 
 
+_FENCE = re.compile(r"\s*```(?:json)?\s*\n(.*)\n\s*```\s*", re.DOTALL)
+
+
 def _bare_calls(text: str, names: frozenset[str]) -> list[dict] | None:
-    """Text that is nothing but JSON calls of these tools, one after another without their tags (small
-    models answer so): the calls; None otherwise."""
+    """Text that is nothing but JSON calls of these tools, one after another without their tags, perhaps
+    in one Markdown code fence (small models answer so): the calls; None otherwise."""
+    fenced = _FENCE.fullmatch(text)
+    if fenced is not None:
+        text = fenced.group(1)
     decoder, calls, at = json.JSONDecoder(), [], 0
     while True:
         while at < len(text) and text[at].isspace():
@@ -136,18 +142,27 @@ def _bare_calls(text: str, names: frozenset[str]) -> list[dict] | None:
 class ToolCallParser:
     """Splits one choice's text, piece by piece as it streams, into content and complete tool calls.
     Text that may start a `<tool_call>` is held until it is known; trailing whitespace is held until more
-    content follows (dropped at the end when the choice made calls); an answer that opens with `{` is held to
-    the end, where it is either bare JSON calls of the tools or content. So a stream reassembles into
-    the same message as the whole text parsed at once."""
+    content follows (dropped at the end when the choice made calls); an answer that opens with `{` (or a JSON
+    code fence) is held to the end, where it is either bare JSON calls of the tools or content. So a
+    stream reassembles into the same message as the whole text parsed at once."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
         self._buffer = ""
         self._in_call = False
         self._space = ""
-        self._bare: str | None = None  # an answer that opened with "{": held whole
+        self._bare: str | None = None  # an answer that opened with "{" or a code fence: held whole
         self._emitted = False
         self.num_calls = 0
+
+    @staticmethod
+    def _opening(text: str) -> str:
+        """How an answer opens: "bare" (like JSON calls, or a JSON code fence: held to the end), "maybe"
+        (too short to say: held) or "text"."""
+        start = text.lstrip()
+        if start.startswith(("{", "```json", "```\n{")):
+            return "bare"
+        return "maybe" if any(opening.startswith(start) for opening in ("```json", "```\n{")) else "text"
 
     def _content(self, text: str, out: list[str]) -> None:
         pending = self._space + text
@@ -161,10 +176,15 @@ class ToolCallParser:
         if self._bare is not None:
             self._bare += text
             return "", []
-        if not self._emitted and not self.num_calls and not self._in_call and (self._space + self._buffer + text).lstrip().startswith("{"):
-            self._bare, self._buffer = self._space + self._buffer + text, ""
-            self._space = ""
-            return "", []
+        if not self._emitted and not self.num_calls and not self._in_call:
+            opening = self._opening(self._space + self._buffer + text)
+            if opening == "bare":
+                self._bare, self._buffer = self._space + self._buffer + text, ""
+                self._space = ""
+                return "", []
+            if opening == "maybe":
+                self._buffer += text
+                return "", []
         self._buffer += text
         content: list[str] = []
         calls: list[dict] = []

@@ -34,6 +34,25 @@ def _depth(value: object) -> int:
     return deepest
 
 
+def _unsatisfiable_required(schema: dict) -> str | None:
+    """A `required` name that `properties` does not define, in an object that admits no other property:
+    the compile generates only the properties a schema names, so no output could satisfy it."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            required, properties = node.get("required"), node.get("properties", {})
+            closed = node.get("additionalProperties", False) in (False, None) and "patternProperties" not in node
+            if isinstance(required, list) and isinstance(properties, dict) and closed:
+                missing = [name for name in required if isinstance(name, str) and name not in properties]
+                if missing:
+                    return missing[0]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 def schema_text(schema: object) -> str:
     """A JSON schema (dict, or its JSON text) as canonical JSON text, refused past the bounds."""
     if isinstance(schema, str):
@@ -49,6 +68,10 @@ def schema_text(schema: object) -> str:
         raise GrammarError(f"a JSON schema is an object (or true), got {type(schema).__name__}")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    missing = _unsatisfiable_required(schema)
+    if missing is not None:
+        raise GrammarError(f"required names {missing!r}, which properties does not define; only the properties a schema names are "
+                           "generated (set additionalProperties to allow others)")  # fmt: skip
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # key order kept: properties generate in it
     except ValueError as exc:
