@@ -384,6 +384,9 @@ class SoakReport:
     rss_end_mib: float
     counters: dict[str, tuple[float, float]]  # metric -> (server delta, what clients saw)
     log_problems: list[str] = field(default_factory=list)
+    # clients that left leaving no line in the server's log: finished there first (a success), or never read by it
+    # (gone before the server took the request off the socket: nothing to count); request_success_total may fall short by these
+    untraced: int = 0
 
     @property
     def rss_growth(self) -> float:
@@ -406,8 +409,9 @@ class SoakReport:
         if self.num_preemptions == 0:
             problems.append("the pool never forced a preemption")
         for name, (server, clients) in self.counters.items():
-            if server != clients:
-                problems.append(f"{name}: server counted {server:g}, clients saw {clients:g}")
+            slack = self.untraced if name == "request_success_total" else 0
+            if not clients - slack <= server <= clients:
+                problems.append(f"{name}: server counted {server:g}, clients saw {clients:g}" + (f" ({slack} untraced)" if slack else ""))
         if abs(self.rss_growth) > 0.10:
             problems.append(f"RSS moved {self.rss_growth:+.1%} from after warm-up")
         if self.health_worst_s >= 1.0 or self.health_failures:
@@ -521,7 +525,7 @@ def report(cfg, records, warm, before, after, elapsed, health, rss_warm, rss_end
                 left["rejected before the client heard"] += 1
                 expect_rejected[logged_r[0][1]] += 1
             else:
-                left["finished on the server first"] += 1
+                left["finished on the server first, or never read"] += 1
                 expect_success += 1
     rejected = Counter(f"{r.status} {r.code}" for r in records if r.status >= 400)
     completed = [r for r in records if r.status == 200 and r.done]
@@ -555,6 +559,7 @@ def report(cfg, records, warm, before, after, elapsed, health, rss_warm, rss_end
         rss_after_warmup_mib=rss_warm / 2**20,
         rss_end_mib=rss_end / 2**20,
         counters=counters,
+        untraced=left["finished on the server first, or never read"],
         log_problems=problems,
     )
 

@@ -503,7 +503,8 @@ class OpenAIServer:
             await self._compile_grammar(spec, "tools")
             if tool_choice.mode == "required":
                 params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
-        await self._compile_grammar(params[0].structured_outputs, "tools" if tool_choice.mode == "required" else body.structured_field)
+        if tool_choice.mode != "required":
+            await self._compile_grammar(params[0].structured_outputs, body.structured_field)
         groups = [PromptGroup(ids, params)]
         sub = self._submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"
@@ -552,7 +553,8 @@ class OpenAIServer:
             content, calls = message_with_calls(out.text, (t.name for t in tools))
             if not calls:
                 return {"role": "assistant", "content": content or ""}, out.finish_reason
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+            finish = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+            return {"role": "assistant", "content": content, "tool_calls": calls}, finish
 
         choices = []
         for (_, i), out in sorted(outs.items()):
