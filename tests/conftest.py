@@ -1,5 +1,6 @@
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,18 @@ def random_prompts(count: int, low: int, high: int, seed: int = 0, vocab: int = 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (count,), generator=g).tolist()
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def png_pixels(png: bytes) -> tuple[int, int, bytes]:
+    """Width, height and the decompressed scanlines of a PNG (stdlib only)."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    at, data, width, height = 8, b"", 0, 0
+    while at < len(png):
+        length = int.from_bytes(png[at : at + 4], "big")
+        kind, body = png[at + 4 : at + 8], png[at + 8 : at + 8 + length]
+        if kind == b"IHDR":
+            width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+        elif kind == b"IDAT":
+            data += body
+        at += 12 + length
+    return width, height, zlib.decompress(data)

@@ -101,7 +101,7 @@ class Scheduler:
                 self.migrated_hit_tokens += hit.num_tokens
             elif seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
-                self.kv.prefix_stats.record(hit, seq.prompt_len)
+                self.kv.record_hit(hit, seq.prompt_len, seq.cache_salt)
             n = seq.next_chunk(budget)
             self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             self.waiting.remove(seq)

@@ -20,6 +20,8 @@ class KVBlock:
     block_hash: int | None = None  # set while the prefix cache knows this block
     token_ids: tuple[int, ...] = ()  # the tokens it holds, to confirm a hash hit
     group: int = 0  # the KV cache group it was last allocated to
+    parent: int | None = None  # the hash of the block before it in its prefix (set with block_hash)
+    hits: int = 0  # requests that reused it since it was published (the KV page's prefix tree)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -89,5 +91,6 @@ class BlockPool:
 
 
 def forget(block: KVBlock) -> None:
-    block.block_hash = None
+    block.block_hash = block.parent = None
     block.token_ids = ()
+    block.hits = 0

@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import block_hash, chain_hashes
-from kvserve.kv.prefix import MISS_REASONS, PrefixCache, PrefixHit
+from kvserve.kv.prefix import PrefixCache, PrefixHit
+from kvserve.kv.prefix_stats import PrefixCacheStats
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
 from kvserve.kv.tiers.offload import KVOffloader, LoadJob
 from kvserve.kv.tiers.record import record_key
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Counted once per request, at its first admission (a preempted request's own prefix coming
-    back is not a hit). Tokens, as vLLM counts them."""
-
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens served from the cache
-    eligible: int = 0  # prompt tokens a cache could serve at most (all but the last)
-    requests: int = 0
-    requests_hit: int = 0
-    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
-
-    def record(self, hit: PrefixHit, prompt_len: int) -> None:
-        self.queries += prompt_len
-        self.hits += hit.num_tokens
-        self.eligible += prompt_len - 1
-        self.requests += 1
-        self.requests_hit += hit.num_tokens > 0
-        if hit.miss_reason is not None:
-            self.misses[hit.miss_reason] += 1
 
 
 class KVCacheManager:
@@ -299,6 +277,11 @@ class KVCacheManager:
             adopted += cache.publish(record.group, block, hashes[i], parent, record.token_ids, salt)
         self.pool.free(list(reversed(taken)))
         return adopted
+
+    def record_hit(self, hit: PrefixHit, prompt_len: int, salt: str | None) -> None:
+        """Count a request's lookup at its first admission (prefix_stats.py)."""
+        root = self.prefix_cache.parent_of_first(salt) if self.prefix_cache is not None else None
+        self.prefix_stats.record(hit, prompt_len, salt, root)
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
         """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""

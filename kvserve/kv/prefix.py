@@ -68,8 +68,8 @@ class PrefixCache(abc.ABC):
         """Forget every index entry (the blocks' own hashes are cleared by reset)."""
 
     @abc.abstractmethod
-    def blocks(self) -> list[KVBlock]:
-        """Every block the index holds."""
+    def blocks(self, group: int | None = None) -> list[KVBlock]:
+        """Every block the index holds (of one group)."""
 
     def partial_match(self, parent: int, tokens: Sequence[int], groups: set[int]) -> tuple[int, list[tuple[int, KVBlock, int]]]:
         """The most leading tokens of `tokens` that one cached child block of `parent` holds in every
@@ -144,7 +144,7 @@ class PrefixCache(abc.ABC):
         """Make a block another request can reuse; False if an equal block is already cached."""
         if block.block_hash is not None:
             return False
-        block.block_hash, block.token_ids, block.group = key, tuple(token_ids), group
+        block.block_hash, block.parent, block.token_ids, block.group = key, parent, tuple(token_ids), group
         if not self._insert(group, key, parent, block):
             forget(block)
             return False
@@ -199,5 +199,7 @@ class HashPrefixCache(PrefixCache):
         for entries in self._maps:
             entries.clear()
 
-    def blocks(self) -> list[KVBlock]:
+    def blocks(self, group: int | None = None) -> list[KVBlock]:
+        if group is not None:
+            return list(self._maps[group].values())
         return [b for entries in self._maps for b in entries.values()]

@@ -66,7 +66,9 @@ class RadixPrefixCache(PrefixCache):
         self._nodes.clear()
         self._children.clear()
 
-    def blocks(self) -> list[KVBlock]:
+    def blocks(self, group: int | None = None) -> list[KVBlock]:
+        if group is not None:
+            return [node.blocks[group] for node in self._nodes.values() if group in node.blocks]
         return [b for node in self._nodes.values() for b in node.blocks.values()]
 
     def partial_match(self, parent: int, tokens: Sequence[int], groups: set[int]) -> tuple[int, list[tuple[int, KVBlock, int]]]:

@@ -842,7 +842,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.get("/v1/kv/snapshot")
     async def kv_snapshot():
         """The KV cache now (server/kv_snapshot.py), taken between two engine steps."""
-        return await server.async_engine.call(lambda: take_snapshot(server.engine, server.model_name))
+        show_tokens = server.config.dashboard_show_tokens
+        return await server.async_engine.call(lambda: take_snapshot(server.engine, server.model_name, show_tokens))
 
     @app.get("/dashboard")
     async def dashboard():

@@ -51,4 +51,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--grammar-compile-timeout", type=float, default=_DEFAULTS.grammar_compile_timeout,
          help="seconds a structured-outputs grammar (response_format, structured_outputs, guided_*) may take to compile, "
          "in a child process killed past it; the request then gets a 400. Compiled grammars are cached")
+    flag("--dashboard-show-tokens", action="store_true",
+         help="the KV page (GET /dashboard) and GET /v1/kv/snapshot show the text of cached prefixes; off by default "
+         "(the page then shows shapes, counts and salt digests, never prompt text). Both need --api-key when one is set")
     flag("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -40,6 +40,7 @@ class ServerConfig:
     migration_targets: tuple[str, ...] = ()  # base URLs POST /v1/kv/migrate may move a request to (none: migration off)
     migration_key: str | None = None  # the secret servers of a migration group share: /v1/kv/import takes a request only with it
     grammar_compile_timeout: float = 10.0  # seconds one structured-outputs grammar may take to compile (then a 400)
+    dashboard_show_tokens: bool = False  # the KV page's prefix tree shows the cached tokens' text
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,0 +1,483 @@
+"""The KV cost ladder: one seeded mixed workload, climbing from `transformers` generate through
+kvserve's KV features one rung at a time, with throughput, TTFT, KV bytes per request, the most
+concurrent requests at a fixed KV budget, and each rung's quality against the first kvserve rung.
+
+The workload (real prose and code on this machine; the same token ids for every rung) runs in
+rounds, every request of a round arriving at its start, as a chat service's traffic would:
+  - chat turns: short questions under one of three shared system prompts (license texts);
+  - multi-turn conversations: each round adds a user message to every conversation, after the
+    previous turns and fixed assistant replies (so every rung sees the same prompts);
+  - documents: long Python standard-library sources, each asked a new question every round.
+Every request generates --new-tokens greedy tokens (EOS ignored).
+
+The rungs, each adding one thing to the one before (kvserve at a fixed --kv-cache-memory, so a
+rung that stores less KV runs more requests at once):
+  transformers generate (left-padded batches of --hf-batch) -> paged, 16-bit KV, no prefix cache ->
+  + int8 KV -> + prefix cache (hash) -> + radix -> + hybrid window groups (models with sliding
+  windows) -> + SnapKV 0.5 -> + host and disk tiers.
+Per rung: generated tok/s over the whole workload, TTFT p50/p99 from the round's start, KV bytes
+per running request (held blocks x block bytes / running requests, averaged over engine steps;
+transformers: its cache tensors per row), the most requests running at once, and `kvserve eval`'s
+perplexity change, mean KL and greedy agreement against the first kvserve rung. Quality depends
+only on the KV format and compression (prefix hits, the radix tree, window groups and tiers are
+bit-exact, tested), so rungs that change neither share the evaluation of the rung before.
+
+It writes OUT/ladder.md (the tables, the command, the date and machine), OUT/ladder.json, a
+figure per model (OUT/<model>.png) and OUT/headline.png (throughput per rung against transformers).
+
+    .venv/bin/python bench/ladder.py                       # Gemma 3 270M and Qwen2.5-Coder-0.5B (~40 min on 2 AVX2 cores)
+    .venv/bin/python bench/ladder.py --models gemma-3-270m --llama-cpp PATH/llama-batched-bench
+    .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR --out /tmp/ladder   # seconds: the test's run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from batched_bench import llama_cpp_rates  # noqa: E402
+from common import percentile  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.eval.harness import EvalPlan, Evaluation  # noqa: E402
+from kvserve.eval.text import default_text_path, read_text  # noqa: E402
+from kvserve.model.registry import resolve_model_path  # noqa: E402
+
+LICENSES = Path("/usr/share/common-licenses")
+SYSTEM_TEXTS = ("GPL-3", "Apache-2.0", "MPL-2.0")
+CHAT_TEXT = "GFDL-1.3"
+DOCUMENT_MODULES = ("textwrap", "argparse", "inspect", "random", "json.decoder", "shlex")
+KVSERVE_RUNGS_START = 1  # RUNGS[0] is transformers
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    engine: dict  # engine arguments added to the rung before's
+    needs_windows: bool = False  # only for models with sliding-window layers
+
+
+RUNGS = (
+    Rung("transformers generate", {}),
+    Rung("paged, 16-bit KV", dict(kv_cache_dtype="bfloat16", enable_prefix_caching=False, disable_hybrid_kv_cache_manager=True)),
+    Rung("+ int8 KV", dict(kv_cache_dtype="int8")),
+    Rung("+ prefix cache (hash)", dict(enable_prefix_caching=True, prefix_cache="hash")),
+    Rung("+ radix", dict(prefix_cache="radix")),
+    Rung("+ hybrid window groups", dict(disable_hybrid_kv_cache_manager=False), needs_windows=True),
+    Rung("+ SnapKV 0.5", dict(kv_compression="snapkv", kv_keep_ratio=0.5)),
+    Rung("+ host and disk tiers", dict(kv_offload_host_gib=None, kv_offload_disk_dir=None)),  # filled in by --tier-gib
+)
+QUALITY_KEYS = ("kv_cache_dtype", "kv_compression", "kv_keep_ratio")  # what a rung's quality depends on
+
+
+@dataclass(frozen=True)
+class Scale:
+    rounds: int = 3
+    system_tokens: int = 256
+    chats_per_round: int = 4
+    conversations: int = 4
+    user_tokens: tuple[int, int] = (16, 32)
+    reply_tokens: tuple[int, int] = (32, 64)
+    documents: int = 2
+    document_tokens: int = 768
+    new_tokens: int = 32
+    eval_plan: EvalPlan = EvalPlan(context=1024, score_from=512, max_windows=2, greedy_prompts=8, greedy_prompt_len=128,
+                                   greedy_tokens=32, needle_lengths=())  # fmt: skip
+
+
+QUICK = Scale(rounds=2, system_tokens=24, chats_per_round=2, conversations=2, user_tokens=(4, 8), reply_tokens=(4, 8), documents=1,
+              document_tokens=48, new_tokens=4,
+              eval_plan=EvalPlan(context=48, score_from=24, max_windows=1, greedy_prompts=2, greedy_prompt_len=12, greedy_tokens=4,
+                                 needle_lengths=()))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the workload
+def workload(tokenizer, scale: Scale, seed: int, bos: int | None) -> list[list[list[int]]]:
+    """Rounds of prompts (token ids), the same for every rung."""
+    rng = random.Random(seed)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    head = [bos] if bos is not None else []
+    systems = [head + encode((LICENSES / name).read_text())[: scale.system_tokens] for name in SYSTEM_TEXTS]
+    prose = encode((LICENSES / CHAT_TEXT).read_text())
+
+    def span(bounds: tuple[int, int]) -> list[int]:
+        n = rng.randint(*bounds)
+        start = rng.randrange(len(prose) - n)
+        return prose[start : start + n]
+
+    documents = []
+    for name in DOCUMENT_MODULES[: scale.documents]:
+        source = textwrap.dedent(inspect.getsource(__import__(name, fromlist=["_"])))
+        documents.append(head + encode(source)[: scale.document_tokens])
+    conversations = [[*systems[i % len(systems)]] for i in range(scale.conversations)]
+    rounds = []
+    for _ in range(scale.rounds):
+        prompts = [rng.choice(systems) + span(scale.user_tokens) for _ in range(scale.chats_per_round)]
+        for history in conversations:
+            history += span(scale.user_tokens)
+            prompts.append(list(history))
+            history += span(scale.reply_tokens)  # the assistant's reply, fixed so every rung reads the same next turn
+        prompts += [doc + span(scale.user_tokens) for doc in documents]
+        rng.shuffle(prompts)
+        rounds.append(prompts)
+    return rounds
+
+
+# ---------------------------------------------------------------------- one rung
+@dataclass
+class RungResult:
+    rung: str
+    tokens_per_second: float | None = None
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    kv_bytes_per_request: float | None = None
+    max_concurrent: int | None = None
+    concurrency_note: str = ""
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    perplexity_delta_pct: float | None = None
+    mean_kl: float | None = None
+    greedy_agreement: float | None = None
+    quality_from: str = ""  # the rung whose evaluation this one shares
+    skipped: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], new_tokens: int) -> RungResult:
+    llm = LLM(model, **engine_args)
+    engine, kv = llm.engine, llm.engine.kv
+    stats = engine.stats()
+    block_bytes = stats["kv_cache_bytes"] / stats["num_blocks"]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate([rounds[0][0][:8]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    result = RungResult("")
+    ttfts, per_request, peak = [], [], 0
+    started = time.perf_counter()
+    for prompts in rounds:
+        pending = {engine.add_request(p, params).request_id for p in prompts}
+        while pending:
+            for out in engine.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+                    ttfts.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+                    result.generated_tokens += len(out.token_ids)
+            running = engine.num_running
+            if running:
+                per_request.append((kv.num_blocks - kv.num_free_blocks) * block_bytes / running)
+                peak = max(peak, running)
+    result.seconds = time.perf_counter() - started
+    result.tokens_per_second = result.generated_tokens / result.seconds
+    result.ttft_p50, result.ttft_p99 = percentile(ttfts, 50), percentile(ttfts, 99)
+    result.kv_bytes_per_request = sum(per_request) / len(per_request)
+    result.max_concurrent = peak
+    final = engine.stats()
+    prefix = engine.prefix_cache_stats()
+    result.extra = {"num_blocks": final["num_blocks"], "bytes_per_token": final["bytes_per_token"], "preemptions": final["num_preemptions"],
+                    "prefix_hit_tokens": prefix["prefix_cache_hits_total"], "prompt_tokens": final["prompt_tokens_total"],
+                    "tier_hit_tokens": {name: t["hit_tokens"] for name, t in final.get("kv_tiers", {}).items()}}  # fmt: skip
+    del llm
+    gc.collect()
+    return result
+
+
+def load_hf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def cache_bytes(cache) -> int:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    return sum(t.nbytes for t in [*cache.key_cache, *cache.value_cache])
+
+
+def run_transformers(path: Path, dtype: str, rounds: list[list[list[int]]], new_tokens: int, batch: int, pad_id: int,
+                     kv_budget: float) -> RungResult:  # fmt: skip
+    """Left-padded batches of `batch` prompts, in arrival order; a request's TTFT is its batch's first logits."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstLogits(LogitsProcessor):
+        def __init__(self) -> None:
+            self.at: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.monotonic()
+            return scores
+
+    model = load_hf(path, getattr(torch, dtype))
+    result = RungResult("")
+    ttfts, per_request = [], []
+    started = time.perf_counter()
+    for prompts in rounds:
+        arrived = time.monotonic()
+        for at in range(0, len(prompts), batch):
+            rows = prompts[at : at + batch]
+            width = max(map(len, rows))
+            ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(rows):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            first = FirstLogits()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]), return_dict_in_generate=True)  # fmt: skip
+            ttfts += [first.at - arrived] * len(rows)
+            result.generated_tokens += (out.sequences.shape[1] - width) * len(rows)
+            per_request.append(cache_bytes(out["cache"] if "cache" in out else out["past_key_values"]) / len(rows))
+    result.seconds = time.perf_counter() - started
+    result.tokens_per_second = result.generated_tokens / result.seconds
+    result.ttft_p50, result.ttft_p99 = percentile(ttfts, 50), percentile(ttfts, 99)
+    result.kv_bytes_per_request = sum(per_request) / len(per_request)
+    result.max_concurrent = int(kv_budget * 2**30 // result.kv_bytes_per_request)
+    result.concurrency_note = f"batch {batch}; the budget / its cache per row"
+    del model
+    gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------------- the ladder of one model
+def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_dir: Path) -> tuple[list[RungResult], dict]:
+    base = dict(max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
+    probe = LLM(model, **{**base, "kv_cache_memory": 0.01, "max_num_seqs": 1})
+    tokenizer, dtype = probe.tokenizer, probe.engine.config.dtype
+    bos = probe.engine.model_config.bos_token_id
+    windows = any(g.window is not None for g in probe.engine.kv.groups)
+    pad = probe.tokenizer.hf_tokenizer.pad_token_id
+    pad = pad if pad is not None else (probe.engine.model_config.eos_token_id or 0)
+    del probe
+    gc.collect()
+    rounds = workload(tokenizer, scale, args.seed, bos)
+    meta = {"model": model, "dtype": dtype, "requests": sum(map(len, rounds)), "rounds": len(rounds),
+            "prompt_tokens": sum(len(p) for r in rounds for p in r), "new_tokens": scale.new_tokens,
+            "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs}  # fmt: skip
+    results: list[RungResult] = []
+    engine_args = dict(base)
+    evaluation = Evaluation(scale.eval_plan, read_text(default_text_path()), progress=False)
+    evaluated: dict[tuple, RungResult] = {}
+    try:
+        for rung in RUNGS:
+            bar.set_description(f"{Path(model).name}: {rung.name}")
+            if rung is RUNGS[0]:
+                if args.skip_hf:
+                    results.append(RungResult(rung.name, skipped="--skip-hf"))
+                else:
+                    result = run_transformers(resolve_model_path(model), dtype, rounds, scale.new_tokens, args.hf_batch, pad, args.kv_cache_memory)
+                    result.rung = rung.name
+                    results.append(result)
+                bar.update(1)
+                continue
+            if rung.needs_windows and not windows:
+                results.append(RungResult(rung.name, skipped="no sliding-window layers"))
+                bar.update(1)
+                continue
+            added = dict(rung.engine)
+            if "kv_offload_host_gib" in added:
+                added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir / Path(model).name), kv_offload_disk_gib=args.tier_gib)
+            engine_args.update(added)
+            result = run_kvserve(model, engine_args, rounds, scale.new_tokens)
+            result.rung = rung.name
+            key = tuple(engine_args.get(k) for k in QUALITY_KEYS)
+            if key in evaluated:
+                source = evaluated[key]
+                result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = source.perplexity_delta_pct, source.mean_kl, source.greedy_agreement
+                result.quality_from = source.quality_from or source.rung
+            else:
+                quality = {k: v for k, v in engine_args.items() if k in QUALITY_KEYS or k in ("dtype", "disable_hybrid_kv_cache_manager")}
+                scored = evaluation.run(rung.name, " ".join(f"{k}={v}" for k, v in quality.items()),
+                                        EngineConfig(model=model, kv_cache_memory=max(args.kv_cache_memory, 0.25), **quality))  # fmt: skip
+                if evaluated:
+                    result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = scored.perplexity_delta_pct, scored.mean_kl, scored.greedy_agreement
+                else:
+                    result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = 0.0, 0.0, 1.0
+                meta.setdefault("perplexity", {})[rung.name] = scored.perplexity
+                evaluated[key] = result
+            results.append(result)
+            bar.update(1)
+    finally:
+        evaluation.close()
+    if args.llama_cpp:
+        bar.set_description(f"{Path(model).name}: llama.cpp")
+        meta["llama_cpp"] = llama_cpp_row(args, model, meta)
+    return results, meta
+
+
+def llama_cpp_row(args: argparse.Namespace, model: str, meta: dict) -> dict:
+    """llama-batched-bench on the same GGUF: uniform prompts of the workload's mean length, as many in parallel as
+    the last rung ran at most (it has no prefix cache, so this is its best case for the same token counts)."""
+    prompt_len = round(meta["prompt_tokens"] / meta["requests"])
+    parallel = [min(meta["requests"], args.llama_cpp_parallel)]
+    rates = llama_cpp_rates(args.llama_cpp, str(resolve_model_path(model)), parallel, prompt_len, meta["new_tokens"], args.threads)
+    return {"parallel": parallel[0], "prompt_len": prompt_len, "tokens_per_second": rates[parallel[0]]}
+
+
+# ---------------------------------------------------------------------- reporting
+def fmt(value, spec: str, empty: str = "–") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def table(results: list[RungResult], meta: dict) -> str:
+    hf = results[0].tokens_per_second
+    lines = ["| rung | generated tok/s | vs transformers | TTFT p50 s | TTFT p99 s | KV KiB / request | most running at once | "
+             "perplexity Δ | mean KL | greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        if r.skipped:
+            lines.append(f"| {r.rung} | skipped: {r.skipped} |||||||||")
+            continue
+        ratio = f"{r.tokens_per_second / hf:.2f}x" if hf else "–"
+        running = f"{r.max_concurrent}" + (f" ({r.concurrency_note})" if r.concurrency_note else "")
+        shared = f" (as {r.quality_from})" if r.quality_from else ""
+        quality = ("–", "–", "–") if r.rung == RUNGS[0].name else (
+            f"{r.perplexity_delta_pct:+.2f}%{shared}", f"{r.mean_kl:.4f}", f"{100 * r.greedy_agreement:.1f}%")
+        lines.append(f"| {r.rung} | {r.tokens_per_second:.1f} | {ratio} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | "
+                     f"{r.kv_bytes_per_request / 1024:,.0f} | {running} | {' | '.join(quality)} |")  # fmt: skip
+    if "llama_cpp" in meta:
+        row = meta["llama_cpp"]
+        lines.append(f"| llama.cpp `llama-batched-bench` ({row['parallel']} x {row['prompt_len']}-token prompts, no prefix reuse) | "
+                     f"{row['tokens_per_second']:.1f} | {row['tokens_per_second'] / hf:.2f}x |  |  |  |  |  |  |  |" if hf else "")  # fmt: skip
+    return "\n".join(lines)
+
+
+def label(rung: str) -> str:
+    return textwrap.fill(rung, 14)
+
+
+def plot_model(results: list[RungResult], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in results if not r.skipped]
+    paged = [r for r in shown if r.rung != RUNGS[0].name]  # transformers has no pool to fill
+    x = range(len(shown))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), constrained_layout=True)
+    panels = [
+        (axes[0][0], shown, [r.tokens_per_second for r in shown], "generated tokens/s (whole workload)", "#2563eb"),
+        (axes[1][0], shown, [r.kv_bytes_per_request / 1024 for r in shown], "KV KiB per running request", "#d97706"),
+        (axes[1][1], paged, [r.max_concurrent for r in paged], f"most requests running at once ({meta['kv_cache_memory_gib']} GiB of KV)", "#059669"),
+    ]
+    for ax, rungs, values, title, color in panels:
+        bars = ax.bar(range(len(rungs)), values, color=color)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(len(rungs)), [label(r.rung) for r in rungs], fontsize=7)
+    ax = axes[0][1]
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], [r.ttft_p50 for r in shown], width, label="p50", color="#7c3aed")
+    ax.bar([i + width / 2 for i in x], [r.ttft_p99 for r in shown], width, label="p99", color="#c4b5fd")
+    ax.set_yscale("log")
+    ax.set_title("TTFT seconds from the round's start (log)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.set_xticks(list(x), [label(r.rung) for r in shown], fontsize=7)
+    fig.suptitle(f"{Path(meta['model']).name} ({meta['dtype']}): {meta['requests']} requests in {meta['rounds']} rounds, "
+                 f"{meta['prompt_tokens']:,} prompt tokens, {meta['new_tokens']} generated each", fontsize=11)  # fmt: skip
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_headline(ladders: dict[str, tuple[list[RungResult], dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.6), constrained_layout=True)
+    names = [r.name for r in RUNGS]
+    width = 0.8 / max(1, len(ladders))
+    for k, (model, (results, _)) in enumerate(ladders.items()):
+        base = results[0].tokens_per_second or next(r.tokens_per_second for r in results if r.tokens_per_second)
+        xs = [i + (k - (len(ladders) - 1) / 2) * width for i, r in enumerate(results) if not r.skipped]
+        ys = [r.tokens_per_second / base for r in results if not r.skipped]
+        bars = ax.bar(xs, ys, width, label=Path(model).name)
+        ax.bar_label(bars, fmt="%.1fx", fontsize=7)
+    ax.set_xticks(range(len(names)), [label(n) for n in names], fontsize=8)
+    ax.set_ylabel("generated tok/s, x transformers generate")
+    ax.set_title("The KV cost ladder: one mixed chat / conversation / document workload, each rung adding one KV feature", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def machine() -> str:
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{os.cpu_count()}-core {name}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+    parser.add_argument("--models", default="gemma-3-270m,qwen2.5-coder-0.5b-instruct", help="comma-separated aliases, GGUF files or HF directories")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "ladder")
+    parser.add_argument("--kv-cache-memory", type=float, default=0.03,
+                        help="GiB of KV every kvserve rung gets (small: a round's requests do not all fit at 16 bits)")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", help="model dtype (transformers runs in the same)")
+    parser.add_argument("--tier-gib", type=float, default=1.0, help="the host tier's and the disk tier's budgets in the last rung")
+    parser.add_argument("--hf-batch", type=int, default=8, help="transformers' batch size")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers rung")
+    parser.add_argument("--llama-cpp", default=None, metavar="PATH", help="llama.cpp's llama-batched-bench binary: adds its row (GGUF models)")
+    parser.add_argument("--llama-cpp-parallel", type=int, default=16, help="llama-batched-bench's -npl")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a tiny workload and evaluation (for a tiny model: the test)")
+    args = parser.parse_args(argv)
+    scale = QUICK if args.quick else Scale()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    ladders: dict[str, tuple[list[RungResult], dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvserve-ladder-") as tier_dir:
+        bar = tqdm(total=len(models) * len(RUNGS), unit="rung")
+        for model in models:
+            ladders[model] = climb(model, args, scale, bar, Path(tier_dir))
+        bar.close()
+    command = "python bench/ladder.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    when = time.strftime("%Y-%m-%d")
+    parts = [f"<!-- written by bench/ladder.py: rerun it rather than editing -->\n# The KV cost ladder\n\n"
+             f"Measured {when} on a {machine()} with `{command.strip()}`. Every kvserve rung gets "
+             f"{args.kv_cache_memory} GiB of KV and at most {args.max_num_seqs} running requests; see bench/ladder.py for the workload.\n"]  # fmt: skip
+    for model, (results, meta) in ladders.items():
+        slug = Path(model).name
+        plot_model(results, meta, args.out / f"{slug}.png")
+        parts.append(f"## {slug} ({meta['dtype']})\n\n{meta['requests']} requests in {meta['rounds']} rounds, {meta['prompt_tokens']:,} "
+                     f"prompt tokens, {meta['new_tokens']} greedy tokens each.\n\n{table(results, meta)}\n\n![{slug}]({slug}.png)\n")  # fmt: skip
+    plot_headline(ladders, args.out / "headline.png")
+    (args.out / "ladder.md").write_text("\n".join(parts))
+    (args.out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine(), "ladders": {
+        model: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]} for model, (results, meta) in ladders.items()}}, indent=1))
+    print((args.out / "ladder.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

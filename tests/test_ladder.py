@@ -1,0 +1,40 @@
+"""bench/ladder.py --quick on a tiny model: every rung runs (the window rung on a model with sliding
+windows), the table has a row per rung with the figures the issue names, the JSON holds them, and the
+plots are valid PNGs that are not blank."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from conftest import png_pixels
+
+BENCH = Path(__file__).parent.parent / "bench"
+
+
+def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("ladder", BENCH / "ladder.py")
+    ladder = sys.modules["ladder"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(ladder)
+    model = tiny_dir("gemma3")
+    ladder.main(["--quick", "--models", str(model), "--out", str(tmp_path), "--kv-cache-memory", "0.002", "--tier-gib", "0.01"])
+    table = (tmp_path / "ladder.md").read_text()
+    for rung in ladder.RUNGS:
+        assert f"| {rung.name} |" in table
+    assert "skipped" not in table  # tiny gemma3 has sliding windows: every rung ran
+    rungs = json.loads((tmp_path / "ladder.json").read_text())["ladders"][str(model)]["rungs"]
+    assert len(rungs) == len(ladder.RUNGS)
+    for r in rungs:
+        assert r["tokens_per_second"] > 0 and r["ttft_p99"] >= r["ttft_p50"] > 0 and r["kv_bytes_per_request"] > 0
+        assert r["max_concurrent"] >= 1 and r["generated_tokens"] == 10 * ladder.QUICK.new_tokens
+    first = rungs[1]
+    assert (first["perplexity_delta_pct"], first["greedy_agreement"]) == (0.0, 1.0)  # the reference
+    assert rungs[2]["kv_bytes_per_request"] < first["kv_bytes_per_request"]  # int8 holds less than 16-bit
+    assert rungs[3]["quality_from"] == "+ int8 KV" and rungs[6]["quality_from"] == ""  # SnapKV evaluated on its own
+    assert rungs[3]["extra"]["prefix_hit_tokens"] > 0 and rungs[1]["extra"]["prefix_hit_tokens"] == 0
+    for name in (model.name, "headline"):
+        width, height, pixels = png_pixels((tmp_path / f"{name}.png").read_bytes())
+        assert width >= 600 and height >= 300 and len(set(pixels)) > 16
