@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,7 @@ class SoakConfig:
     max_num_seqs: int = 32
     max_waiting_requests: int = 64
     seed: int = 0
+    tracemalloc: str | None = None  # a file: the server traces Python allocations; the growth after warm-up is written there
 
 
 @dataclass
@@ -95,14 +97,39 @@ def tiny_model() -> Path:
     return tiny_model_dir("llama", str(cache_root() / "soak-models"))
 
 
+# `kvserve serve` under tracemalloc: SIGUSR1 takes a snapshot (the soak sends one after warm-up and one at
+# the end); from the second on, the allocations that grew since the first are written to argv[1].
+TRACED_SERVER = """
+import gc, signal, sys, tracemalloc
+out, snapshots = sys.argv.pop(1), []
+def snapshot(*_):
+    gc.collect()
+    snapshots.append(tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)]))
+    if len(snapshots) > 1:
+        grown = snapshots[-1].compare_to(snapshots[0], "traceback")
+        total = sum(s.size_diff for s in grown)
+        with open(out, "w") as f:
+            f.write(f"traced Python memory grew {total / 2**20:+.2f} MiB since the first snapshot\\n")
+            for stat in grown[:30]:
+                f.write(f"\\n{stat.size_diff / 1024:+.1f} KiB in {stat.count_diff:+d} blocks\\n")
+                f.write("\\n".join(stat.traceback.format(limit=12)) + "\\n")
+signal.signal(signal.SIGUSR1, snapshot)
+from kvserve.cli import main
+sys.argv[0] = "kvserve"
+sys.exit(main())
+"""
+
+
 def start_server(cfg: SoakConfig, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     args = ["--model", model, "--port", "0", "--dtype", "float32", "--num-kv-blocks", str(cfg.num_kv_blocks), "--block-size", "16",
             "--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting-requests",
             str(cfg.max_waiting_requests), "--api-key", KEY, "--chat-template", CHAT_TEMPLATE, "--max-request-bytes",
             str(MAX_REQUEST_BYTES), "--log-level", "info"]  # fmt: skip
     out = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    command = [sys.executable, "-m", "kvserve.cli", "serve", *args]
+    if cfg.tracemalloc:
+        command = [sys.executable, "-X", "tracemalloc=12", "-c", TRACED_SERVER, cfg.tracemalloc, "serve", *args]
+    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         for line in log_path.read_text().splitlines():
@@ -456,6 +483,8 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         warm = asyncio.run(warm_up())
         before = wait_idle(url)
         rss_warm = rss_bytes(proc.pid)
+        if cfg.tracemalloc:
+            proc.send_signal(signal.SIGUSR1)
         poller = ctx.Process(target=poll_health, args=(url, stop, result), daemon=True)
         poller.start()
         start = time.monotonic()
@@ -465,6 +494,9 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         health = result.get(timeout=60)
         after = wait_idle(url)
         rss_end = rss_bytes(proc.pid)
+        if cfg.tracemalloc:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(30)  # a snapshot of a big heap takes a while
         log = log_path.read_text()
     finally:
         stop.set()
@@ -576,6 +608,8 @@ def main() -> int:
     parser.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", default=None, help="also write the report here")
+    parser.add_argument("--tracemalloc", default=None, metavar="FILE",
+                        help="run the server under tracemalloc (slower) and write where traced Python memory grew after warm-up to FILE")
     args = parser.parse_args()
     cfg = SoakConfig(**{k: v for k, v in vars(args).items() if k != "json"})
     rep = run_soak(cfg)

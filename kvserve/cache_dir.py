@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -21,6 +24,22 @@ def cache_root() -> Path:
     root = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextlib.contextmanager
+def replaced_atomically(target: Path) -> Iterator[Path]:
+    """A fresh temporary path beside `target` to write; it becomes `target` in one rename when the block
+    ends without error (and is removed otherwise). Processes filling the cache at once (the replicas
+    of `kvserve cluster` on a fresh machine) each write their own file, and readers never see half of one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    os.close(fd)
+    partial = Path(name)
+    try:
+        yield partial
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def file_digest(path: Path) -> str:

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvserve import kernels
-from kvserve.cache_dir import cache_root, file_digest
+from kvserve.cache_dir import cache_root, file_digest, replaced_atomically
 from kvserve.model.config import ModelConfig, RopeConfig
 from kvserve.model.errors import ModelLoadError, describe
 from kvserve.model.layers import GgufEmbedding
@@ -161,9 +161,8 @@ def load_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Path, dict]:
     weights = gguf_cache_dir(path) / "model.safetensors"
     if not weights.exists():
         state = _dequantize_gguf(path, config)
-        tmp = weights.with_suffix(".partial")
-        save_file(state, str(tmp))
-        tmp.replace(weights)
+        with replaced_atomically(weights) as partial:
+            save_file(state, str(partial))
     return config, weights, index["metadata"]
 
 
@@ -301,10 +300,8 @@ def gguf_index(path: Path) -> dict:
         raise ModelLoadError(path, f"its metadata does not describe a model kvserve runs: {describe(exc)}") from None
     scalar_meta = {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}
     index = {"config": asdict(config), "metadata": scalar_meta, "tensors": tensors}
-    index_file.parent.mkdir(parents=True, exist_ok=True)
-    partial = index_file.with_suffix(".partial")
-    partial.write_text(json.dumps(index))
-    partial.replace(index_file)
+    with replaced_atomically(index_file) as partial:
+        partial.write_text(json.dumps(index))
     return index
 
 

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.cache_dir import cache_root
+from kvserve.cache_dir import cache_root, replaced_atomically
 
 # the serving default chats; Gemma 3 270M is a base model (no chat template) and the benchmarks' model
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -57,14 +57,11 @@ def _assemble_parts(model: PackagedModel) -> Path:
     total = sum(p.stat().st_size for p in parts)
     if target.exists() and target.stat().st_size == total:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
-    with tmp.open("wb") as out:
+    with replaced_atomically(target) as partial, partial.open("wb") as out:
         for part in parts:
             with part.open("rb") as src:
                 while chunk := src.read(1 << 24):
                     out.write(chunk)
-    tmp.replace(target)
     return target
 
 

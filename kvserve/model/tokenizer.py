@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from kvserve.cache_dir import cache_root, file_digest
@@ -167,6 +169,11 @@ def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - any failure here is the file's fault
         raise ModelLoadError(path, f"cannot read the tokenizer in this GGUF file: {describe(exc)}") from None
-    cached.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(cached))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tokenizer.", suffix=".partial"))
+    tok.save_pretrained(str(partial))
+    try:
+        os.rename(partial, cached)  # whole or not at all: a process starting beside this one never reads half of it
+    except OSError:  # another process cached it first
+        shutil.rmtree(partial, ignore_errors=True)
     return Tokenizer(tok, architecture)
