@@ -35,11 +35,16 @@ def test_block_states_and_grid():
     pool.touch(held[0])  # shared by two
     pool.free([held[3]])
     held[3].block_hash = 123  # freed, still cached
-    states, groups = block_states(pool)
+    states = block_states(pool)
     assert states.tolist() == [3, 2, 2, 1, 0, 0, 0, 0, 0, 0]  # shared, owned, owned, free but cached, free
     assert [STATES[i] for i in (3, 2, 1, 0)] == ["shared", "owned", "cached", "free"]
     cells, per_cell = grid(np.array([0, 2, 1, 3, 0, 0], np.int8), max_cells=3)
     assert (cells, per_cell) == ("230", 2)  # a cell of several blocks shows the busiest
+    pool = BlockPool(8)
+    pool.allocate(3, group=0)
+    pool.touch(pool.allocate(2, group=1)[0])
+    groups = pool_snapshot("pool", pool, ["full", "sliding window 4"])["groups"]
+    assert [(g["owned"], g["shared"]) for g in groups] == [(3, 0), (1, 1)]
 
 
 def test_a_100k_block_pool_is_sampled_into_a_small_grid():
@@ -48,6 +53,7 @@ def test_a_100k_block_pool_is_sampled_into_a_small_grid():
     for block in held[::3]:
         pool.touch(block)
     snapshot = pool_snapshot("pool", pool, ["full"])
+    assert snapshot["groups"] == [{"group": 0, "attention": "full", "owned": 40_000, "shared": 20_000}]
     assert len(snapshot["cells"]) <= MAX_CELLS and snapshot["blocks_per_cell"] == 25
     assert snapshot["counts"] == {"free": 40_000, "cached": 0, "owned": 40_000, "shared": 20_000}
     assert len(json.dumps(snapshot)) < 200_000

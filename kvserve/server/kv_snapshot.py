@@ -24,17 +24,15 @@ STATES = ("free", "cached", "owned", "shared")
 MAX_CELLS = 4096
 MAX_SALT_ROWS = 32
 USAGE_HIGH, USAGE_LOW = 0.9, 0.5  # the alert rules' lines (deploy/prometheus/kvserve-rules.yml)
-_REF_COUNT, _HASH, _GROUP = attrgetter("ref_count"), attrgetter("block_hash"), attrgetter("group")
+_REF_COUNT, _HASH = attrgetter("ref_count"), attrgetter("block_hash")
 
 
-def block_states(pool: BlockPool, num_groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's state (an index into STATES) and the KV group it was last allocated to."""
+def block_states(pool: BlockPool) -> np.ndarray:
+    """Each block's state, an index into STATES."""
     blocks, n = pool.blocks, pool.num_blocks
     refs = np.fromiter(map(_REF_COUNT, blocks), np.int32, n)  # one C-level pass per field: ~10 ms per 100K blocks
     cached = np.fromiter(map(_HASH, blocks), object, n) != None  # noqa: E711 (elementwise)
-    states = np.where(refs >= 2, 3, np.where(refs == 1, 2, np.where(cached, 1, 0))).astype(np.int8)
-    groups = np.fromiter(map(_GROUP, blocks), np.int32, n) if num_groups > 1 else np.zeros(n, np.int32)
-    return states, groups
+    return np.where(refs >= 2, 3, np.where(refs == 1, 2, np.where(cached, 1, 0))).astype(np.int8)
 
 
 def grid(states: np.ndarray, max_cells: int = MAX_CELLS) -> tuple[str, int]:
@@ -48,15 +46,19 @@ def grid(states: np.ndarray, max_cells: int = MAX_CELLS) -> tuple[str, int]:
 
 
 def pool_snapshot(name: str, pool: BlockPool, group_names: list[str]) -> dict:
-    states, groups = block_states(pool, len(group_names))
+    states = block_states(pool)
     cells, per_cell = grid(states)
     held = states >= 2
+    # held blocks per group are counted by the pool; only the shared ones (usually few) are looked up
+    shared = np.bincount([pool.blocks[i].group for i in np.flatnonzero(states == 3)], minlength=len(group_names))
+    groups = []
+    for g, attention in enumerate(group_names):
+        groups.append({"group": g, "attention": attention, "owned": pool.num_used_blocks(g) - int(shared[g]), "shared": int(shared[g])})
     return {
         "name": name,
         "num_blocks": pool.num_blocks,
         "counts": {state: int((states == i).sum()) for i, state in enumerate(STATES)},
-        "groups": [{"group": g, "attention": group_names[g], "owned": int(((groups == g) & (states == 2)).sum()),
-                    "shared": int(((groups == g) & (states == 3)).sum())} for g in range(len(group_names))],  # fmt: skip
+        "groups": groups,
         "held_blocks": int(held.sum()),
         "blocks_per_cell": per_cell,
         "cells": cells,
