@@ -8,7 +8,7 @@ rounds, every request of a round arriving at its start, as a chat service's traf
   - multi-turn conversations: each round adds a user message to every conversation, after the
     previous turns and fixed assistant replies (so every rung sees the same prompts);
   - documents: long Python standard-library sources, each asked a new question every round.
-Every request generates --new-tokens greedy tokens (EOS ignored).
+Every request generates 32 greedy tokens (4 with --quick; EOS ignored).
 
 The rungs, each adding one thing to the one before (kvserve at a fixed --kv-cache-memory, so a
 rung that stores less KV runs more requests at once):
@@ -27,7 +27,7 @@ figure per model (OUT/<model>.png) and OUT/headline.png (throughput per rung aga
 
     .venv/bin/python bench/ladder.py                       # Gemma 3 270M and Qwen2.5-Coder-0.5B (~40 min on 2 AVX2 cores)
     .venv/bin/python bench/ladder.py --models gemma-3-270m --llama-cpp PATH/llama-batched-bench
-    .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR --out /tmp/ladder   # seconds: the test's run
+    .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR     # a minute: the test's run (into a temporary folder)
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], ne
     stats = engine.stats()
     block_bytes = stats["kv_cache_bytes"] / stats["num_blocks"]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate([rounds[0][0][:8]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
+    warm = [p[:32] for p in rounds[0][:4]]  # a small batch through prefill, chunked decode and the sampler
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
     result = RungResult("")
     ttfts, per_request, peak = [], [], 0
@@ -258,7 +259,7 @@ def run_transformers(path: Path, dtype: str, rounds: list[list[list[int]]], new_
     result.ttft_p50, result.ttft_p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     result.kv_bytes_per_request = sum(per_request) / len(per_request)
     result.max_concurrent = int(kv_budget * 2**30 // result.kv_bytes_per_request)
-    result.concurrency_note = f"batch {batch}; the budget / its cache per row"
+    result.concurrency_note = f"computed: the budget / its cache per row; it ran batches of {batch}"
     del model
     gc.collect()
     return result
@@ -353,7 +354,7 @@ def table(results: list[RungResult], meta: dict) -> str:
             lines.append(f"| {r.rung} | skipped: {r.skipped} |||||||||")
             continue
         ratio = f"{r.tokens_per_second / hf:.2f}x" if hf else "–"
-        running = f"{r.max_concurrent}" + (f" ({r.concurrency_note})" if r.concurrency_note else "")
+        running = f"≈{r.max_concurrent} ({r.concurrency_note})" if r.concurrency_note else f"{r.max_concurrent}"
         shared = f" (as {r.quality_from})" if r.quality_from else ""
         quality = ("–", "–", "–") if r.rung == RUNGS[0].name else (
             f"{r.perplexity_delta_pct:+.2f}%{shared}", f"{r.mean_kl:.4f}", f"{100 * r.greedy_agreement:.1f}%")
@@ -367,7 +368,7 @@ def table(results: list[RungResult], meta: dict) -> str:
 
 
 def label(rung: str) -> str:
-    return textwrap.fill(rung, 14)
+    return textwrap.fill(rung, 12)
 
 
 def plot_model(results: list[RungResult], meta: dict, path: Path) -> None:
@@ -389,7 +390,7 @@ def plot_model(results: list[RungResult], meta: dict, path: Path) -> None:
         bars = ax.bar(range(len(rungs)), values, color=color)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_title(title, fontsize=10)
-        ax.set_xticks(range(len(rungs)), [label(r.rung) for r in rungs], fontsize=7)
+        ax.set_xticks(range(len(rungs)), [label(r.rung) for r in rungs], fontsize=6.5)
     ax = axes[0][1]
     width = 0.4
     ax.bar([i - width / 2 for i in x], [r.ttft_p50 for r in shown], width, label="p50", color="#7c3aed")
@@ -397,7 +398,7 @@ def plot_model(results: list[RungResult], meta: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("TTFT seconds from the round's start (log)", fontsize=10)
     ax.legend(fontsize=8)
-    ax.set_xticks(list(x), [label(r.rung) for r in shown], fontsize=7)
+    ax.set_xticks(list(x), [label(r.rung) for r in shown], fontsize=6.5)
     fig.suptitle(f"{Path(meta['model']).name} ({meta['dtype']}): {meta['requests']} requests in {meta['rounds']} rounds, "
                  f"{meta['prompt_tokens']:,} prompt tokens, {meta['new_tokens']} generated each", fontsize=11)  # fmt: skip
     fig.savefig(path, dpi=90)
@@ -413,14 +414,16 @@ def plot_headline(ladders: dict[str, tuple[list[RungResult], dict]], path: Path)
     fig, ax = plt.subplots(figsize=(11, 4.6), constrained_layout=True)
     names = [r.name for r in RUNGS]
     width = 0.8 / max(1, len(ladders))
+    baseline = RUNGS[0].name
     for k, (model, (results, _)) in enumerate(ladders.items()):
-        base = results[0].tokens_per_second or next(r.tokens_per_second for r in results if r.tokens_per_second)
+        first = next(r for r in results if r.tokens_per_second)
+        base, baseline = first.tokens_per_second, first.rung
         xs = [i + (k - (len(ladders) - 1) / 2) * width for i, r in enumerate(results) if not r.skipped]
         ys = [r.tokens_per_second / base for r in results if not r.skipped]
         bars = ax.bar(xs, ys, width, label=Path(model).name)
         ax.bar_label(bars, fmt="%.1fx", fontsize=7)
     ax.set_xticks(range(len(names)), [label(n) for n in names], fontsize=8)
-    ax.set_ylabel("generated tok/s, x transformers generate")
+    ax.set_ylabel(f"generated tok/s, x {baseline}")
     ax.set_title("The KV cost ladder: one mixed chat / conversation / document workload, each rung adding one KV feature", fontsize=10)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=90)
@@ -435,14 +438,44 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {name}"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every value a rung will use, checked before the first rung runs (a full run takes most of an hour)."""
+    for name in ("kv_cache_memory", "tier_gib"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {getattr(args, name)}")
+    for name in ("max_num_seqs", "hf_batch", "llama_cpp_parallel", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.model_list:
+        parser.error("--models names no model")
+    for model in args.model_list:
+        try:
+            resolve_model_path(model)
+        except ValueError as exc:
+            parser.error(f"--models: {exc}")
+    if args.llama_cpp and not os.access(args.llama_cpp, os.X_OK):
+        parser.error(f"--llama-cpp {args.llama_cpp}: not an executable file")
+    if getattr(args, "out", None) is None:
+        args.out = Path(tempfile.mkdtemp(prefix="kvserve-ladder-")) if args.quick else Path(__file__).resolve().parent.parent / "docs" / "ladder"
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: exists and is not a folder")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
     parser.add_argument("--models", default="gemma-3-270m,qwen2.5-coder-0.5b-instruct", help="comma-separated aliases, GGUF files or HF directories")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "ladder")
+    parser.add_argument("--out", type=Path, default=argparse.SUPPRESS,
+                        help="folder for ladder.md, ladder.json and the plots (default: docs/ladder of this repository, "
+                        "which the README shows; with --quick a new temporary folder)")
     parser.add_argument("--kv-cache-memory", type=float, default=0.03,
                         help="GiB of KV every kvserve rung gets (small: a round's requests do not all fit at 16 bits)")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="the most requests a kvserve rung runs at once")
     parser.add_argument("--dtype", default="auto", help="model dtype (transformers runs in the same)")
     parser.add_argument("--tier-gib", type=float, default=1.0, help="the host tier's and the disk tier's budgets in the last rung")
     parser.add_argument("--hf-batch", type=int, default=8, help="transformers' batch size")
@@ -450,11 +483,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp", default=None, metavar="PATH", help="llama.cpp's llama-batched-bench binary: adds its row (GGUF models)")
     parser.add_argument("--llama-cpp-parallel", type=int, default=16, help="llama-batched-bench's -npl")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed (which spans of text, in which order)")
     parser.add_argument("--quick", action="store_true", help="a tiny workload and evaluation (for a tiny model: the test)")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     scale = QUICK if args.quick else Scale()
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = args.model_list
     args.out.mkdir(parents=True, exist_ok=True)
     ladders: dict[str, tuple[list[RungResult], dict]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-ladder-") as tier_dir:
@@ -477,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine(), "ladders": {
         model: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]} for model, (results, meta) in ladders.items()}}, indent=1))
     print((args.out / "ladder.md").read_text())
+    print(f"wrote {args.out}/ladder.md, ladder.json and the plots")
 
 
 if __name__ == "__main__":

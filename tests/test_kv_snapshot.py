@@ -103,6 +103,7 @@ def test_salts_are_digests_and_bounded():
     for i in range(MAX_SALTS + 5):
         stats.record(PrefixHit(num_tokens=4), 10, f"tenant-{i}", i)
     assert len(stats.salts) == MAX_SALTS + 1 and stats.salts[OTHER_SALTS].requests == 5
+    assert stats.salt_roots[MAX_SALTS + 4] == OTHER_SALTS and stats.salt_roots[0] == salt_label("tenant-0")  # the tree labels both
     assert not any("tenant" in label for label in stats.salts) and salt_label("a") == salt_label("a") != salt_label("b")
     assert sum(r.hits for r in stats.salts.values()) == stats.hits == 4 * (MAX_SALTS + 5)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.prefix import MISS_REASONS, PrefixHit
 
 MAX_SALTS = 256
+MAX_SALT_ROOTS = 4096  # salts the tree can label; the ones past MAX_SALTS as OTHER_SALTS
 NO_SALT, OTHER_SALTS = "(none)", "(other)"
 _LABEL_KEY = os.urandom(16)
 
@@ -64,7 +65,7 @@ class PrefixCacheStats:
         label = salt_label(salt)
         if label not in self.salts and len(self.salts) >= MAX_SALTS:
             label = OTHER_SALTS
-        elif salt_root is not None:
+        if salt_root is not None and (salt_root in self.salt_roots or len(self.salt_roots) < MAX_SALT_ROOTS):
             self.salt_roots[salt_root] = label
         reuse = self.salts.setdefault(label, SaltReuse())
         reuse.requests += 1

@@ -845,7 +845,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
         show_tokens = server.config.dashboard_show_tokens
         return await server.async_engine.call(lambda: take_snapshot(server.engine, server.model_name, show_tokens))
 
-    @app.get("/dashboard")
+    @app.api_route("/dashboard", methods=["GET", "HEAD"])
     async def dashboard():
         """The live KV page: static, no data of its own (it reads /v1/kv/snapshot, which needs the API key)."""
         return Response(DASHBOARD_PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
