@@ -40,11 +40,8 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kvserve generate $(MODEL_FLAG) --prompt "The KV cache of a transformer" --prompt "Paged attention splits" --max-tokens 64
 
-# two pytest workers (pytest-xdist), a test file each at a time: most tests wait on a server, a tokenizer or
-# Python rather than on both cores, so two files at once finish the suite in less time than one after another
-TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 bench: setup
 	$(PY) bench/throughput.py

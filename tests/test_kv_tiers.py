@@ -370,7 +370,7 @@ def test_other_requests_keep_stepping_while_a_prefix_loads(tiny_dir, tmp_path, m
     read = disk.get
 
     def slow_get(key):
-        time.sleep(0.05)
+        time.sleep(0.2)  # seven blocks: 1.4 s, many decode steps of the tiny model even on a loaded machine
         return read(key)
 
     disk.get = slow_get
