@@ -56,6 +56,7 @@ from tqdm import tqdm  # noqa: E402
 
 from batched_bench import llama_cpp_rates  # noqa: E402
 from common import percentile  # noqa: E402
+from throughput import load_hf  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.eval.harness import EvalPlan, Evaluation  # noqa: E402
@@ -199,17 +200,6 @@ def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], ne
     del llm
     gc.collect()
     return result
-
-
-def load_hf(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def cache_bytes(cache) -> int:

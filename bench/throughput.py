@@ -60,11 +60,15 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, *
 
 
 def load_hf(path: Path, dtype: torch.dtype):
+    """transformers' model of a GGUF file (dequantized) or an HF directory, EOS off (every request runs to its length)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model.generation_config.eos_token_id = None
-    return model
+    return model.eval()
 
 
 def main() -> None:
