@@ -51,14 +51,14 @@ MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
 MAX_KV_QUANT_RESIDUAL = 65536
-WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
+WEIGHT_DTYPES = ("auto", "gguf", "int8", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
-    weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; bfloat16; float32
+    weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; int8 (HF checkpoints); bfloat16; float32
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale

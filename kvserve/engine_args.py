@@ -21,7 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                        help="how the weights are held: gguf keeps a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
                        "Q5_K, Q6_K; one copy, the file's size) and computes on them in float32; bfloat16 / float32 dequantize them "
-                       "into --dtype (which must match). auto: gguf for GGUF files where --dtype is float32 on the CPU (with "
+                       "into --dtype (which must match); int8 quantizes the projections, embedding and lm_head (of a Hugging Face "
+                       "checkpoint, or a GGUF file's dequantized) to int8 with a scale per 32 weights of a row (GGUF's Q8_0 layout, 8.5 bits a weight; weight-only, the "
+                       "activations stay in --dtype). auto: gguf for GGUF files where --dtype is float32 on the CPU (with "
                        "bf16 activations the AMX and bf16-dot kernels run on bf16 weights), else --dtype. "
                        "See docs/models.md")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES, "fp8"],

@@ -269,7 +269,7 @@ class Checkpoint:
     config: ModelConfig
     weight_files: tuple[Path, ...]  # safetensors files; () when the weights are read from the GGUF file itself
     metadata: dict  # GGUF scalar metadata; {} for HF directories
-    weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks
+    weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks; "int8": an HF checkpoint's quantized at load
 
 
 def gguf_index(path: Path) -> dict:
@@ -326,6 +326,12 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
         return "float"
     is_gguf = path.is_file()
     on_cpu = torch.device(device).type == "cpu" and kernels.cpu_kernels_available()
+    if weight_dtype == "int8":
+        if not on_cpu:
+            raise ValueError("--weight-dtype int8 computes on int8 blocks with the CPU kernels: it needs --device cpu and a C++ compiler")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--weight-dtype int8 takes float32 or bfloat16 activations; --dtype is {dtype}")
+        return "int8"
     if weight_dtype == "auto":
         if not (is_gguf and on_cpu and dtype == "float32"):
             return "float"
@@ -350,14 +356,15 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
 
 def load_checkpoint(path: Path, weight_format: str = "float") -> Checkpoint:
     """Read a checkpoint's config and locate its weights (weight_format "float": dequantizing a GGUF
-    once, then cached; "gguf": the file's own blocks, read at build)."""
+    once, then cached; "gguf": the file's own blocks, read at build; "int8": the float
+    weights (a GGUF file's dequantized) quantized to Q8_0 at build)."""
     if path.is_file() and weight_format == "gguf":
         index = gguf_index(path)
         return Checkpoint(path, model_config_from_index(index), (), index["metadata"], "gguf")
     if path.is_file():
         config, weight_file, metadata = load_gguf_checkpoint(path)
-        return Checkpoint(path, config, (weight_file,), metadata)
-    return Checkpoint(path, ModelConfig.from_hf_file(path), tuple(_safetensor_files(path)), {})
+        return Checkpoint(path, config, (weight_file,), metadata, "int8" if weight_format == "int8" else "float")
+    return Checkpoint(path, ModelConfig.from_hf_file(path), tuple(_safetensor_files(path)), {}, "int8" if weight_format == "int8" else "float")
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
@@ -432,6 +439,30 @@ def _gguf_groups(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return groups
 
 
+def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[kernels.GgufWeight, ...]]:
+    """--weight-dtype int8: every projection, the embedding and the lm_head quantized to int8 with
+    a scale per 32 weights of a row (GGUF's Q8_0 blocks), computed by the GGUF kernels."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    held: dict[str, tuple[kernels.GgufWeight, ...]] = {}
+    groups = _gguf_groups(config)
+    for param, names in tqdm(groups.items(), desc="quantizing weights to int8", unit="weight", leave=False):
+        if not all(name in getters for name in names):
+            continue  # a missing tensor is reported by _internal_state
+        parts = []
+        for name in names:
+            weight = getters[name]()
+            n, k = weight.shape
+            if k % 32:
+                break  # rows that are no whole number of 32-value blocks stay in --dtype
+            rows = quantize(weight.float().numpy(), GGMLQuantizationType.Q8_0)
+            parts.append(kernels.gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
+        else:
+            held[param] = tuple(parts)
+    return held
+
+
 def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kernels.GgufWeight, ...]], dtype: torch.dtype) -> None:
     """Give the projections, the embedding and the lm_head whose tensors are all quantized their
     GGUF blocks (the tied lm_head reads the embedding's)."""
@@ -462,7 +493,9 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
         state = _internal_state(config, floats.get, frozenset(held))
     else:
         getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
-        state = _internal_state(config, lambda name: getters[name]() if name in getters else None)
+        if checkpoint.weight_format == "int8":
+            held = _int8_weights(config, getters)
+        state = _internal_state(config, lambda name: getters[name]() if name in getters else None, frozenset(held))
     with torch.device("meta"):
         model = CausalLM(config, max_positions)
     model = model.to_empty(device=device)
@@ -482,7 +515,7 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             want = torch.float32 if name.endswith("norm.weight") else dtype
-            target.data = tensor.to(device=device, dtype=want)
+            target.data = tensor.to(device=device, dtype=want, copy=True)  # never a view of the file map
     if config.tie_word_embeddings and model.gguf_lm_head is None:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

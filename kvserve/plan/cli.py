@@ -51,6 +51,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                      "full-precision residual blocks (default: %(default)s)")
     mem.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                      help="how the engine holds the weights, as its flag: gguf, a GGUF file's quantized blocks (its tensor bytes); "
+                     "int8, the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32 weights) and the norms in float32; "
                      "float32 / bfloat16, every parameter at that size plus the lm_head's packed copy (and with bf16 on AVX512-VNNI "
                      "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
                      "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
@@ -97,10 +98,22 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
         raise ValueError(f"--weight-dtype gguf keeps a GGUF file's blocks; {model} is not a GGUF model")
     if weight_dtype == "gguf" or (weight_dtype == "auto" and is_gguf and dtype == "float32"):
         return sum(t["bytes"] for t in gguf_index(path)["tensors"]), "GGUF blocks"
+    if weight_dtype == "int8":
+        return int8_weight_bytes(config, dtype), "int8 (Q8_0 blocks)"
     held = dtype if weight_dtype == "auto" else weight_dtype
     # the native kernels' packed lm_head beside the row-major one (the embedding's, or the torch fallbacks')
     packed_lm_head = config.vocab_size * config.hidden_size * _DTYPE_BYTES[held]
     return model_weight_bytes(config, _DTYPE_BYTES[held]) + packed_lm_head, held
+
+
+def int8_weight_bytes(config: ModelConfig, dtype: str) -> int:
+    """--weight-dtype int8: the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32
+    weights; a matrix whose rows are no whole number of blocks in --dtype), the norms in float32."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    matrices = [(config.vocab_size, h)] * (1 if config.tie_word_embeddings else 2) + [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * layers
+    held = sum(n * k * 34 // 32 if k % 32 == 0 else n * k * _DTYPE_BYTES[dtype] for n, k in matrices)
+    return held + (model_weight_bytes(config, 1) - sum(n * k for n, k in matrices)) * 4
 
 
 def _shape(args: argparse.Namespace) -> tuple[KVShape, ModelConfig | None]:
@@ -269,8 +282,8 @@ def _check_weight_dtype(weight_dtype: str, dtype: str) -> None:
     if weight_dtype in _DTYPE_BYTES and weight_dtype != dtype:
         raise ValueError(f"--weight-dtype {weight_dtype} holds the weights in the activations' dtype: it needs --dtype {weight_dtype} "
                          f"(--dtype is {dtype})")  # fmt: skip
-    if weight_dtype == "gguf" and dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--weight-dtype gguf takes float32 or bfloat16 activations; --dtype is {dtype}")
+    if weight_dtype in ("gguf", "int8") and dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--weight-dtype {weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
 
 
 def run_plan(args: argparse.Namespace) -> int:
