@@ -21,8 +21,35 @@ MIB = 1024**2
 
 
 def run_plan(*args: str, columns: int = 80) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": str(columns)}
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", *args], capture_output=True, text=True, timeout=120, env=env)
+    """`kvserve plan ARGS` in this process (the CLI's main, its exit status and both streams; a
+    terminal of `columns`): a subprocess per case spent seconds importing torch."""
+    from kvserve.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(columns)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["plan", *args])
+            except SystemExit as exc:  # argparse's refusals
+                code = exc.code
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+    return subprocess.CompletedProcess(["kvserve", "plan", *args], code or 0, out.getvalue(), err.getvalue())
+
+
+def test_the_plan_command_runs_as_a_program():
+    env = {**os.environ, "COLUMNS": "80"}
+    ok = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", *LLAMA3_8B, "--seq-lens", "4096"], capture_output=True,
+                        text=True, timeout=120, env=env)  # fmt: skip
+    assert ok.returncode == 0 and "131,072" in ok.stdout, ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--layers", "0", "--kv-heads", "1", "--head-dim", "64",
+                          "--seq-lens", "100"], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert bad.returncode == 2 and "layers" in bad.stderr, bad.stderr
 
 
 def plan_json(*args: str) -> dict:
@@ -346,6 +373,5 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(tiny_root, weight_dtyp
 def test_plan_refuses_the_weight_dtypes_the_engine_refuses():
     for flags, words in ((("--dtype", "float32", "--weight-dtype", "bfloat16"), "needs --dtype bfloat16"),
                          (("--dtype", "float16", "--weight-dtype", "gguf"), "float32 or bfloat16 activations")):  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "64",
-                               "--seq-lens", "100", *flags], capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = run_plan("--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--seq-lens", "100", *flags)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr

@@ -153,8 +153,10 @@ def test_native_draws_follow_the_reference_distribution(kind, config):
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[5], CONFIGS[9]], ids=["temperature", "top_p", "combined"])
 def test_torch_draws_follow_the_reference_distribution(config):
+    """The torch fallback draws fewer times (it is the slower sampler; its draws also equal the
+    native kernel's token for token, below)."""
     row = logits_of("random")
-    counts = draw_counts(row, DRAWS, sample=sample_torch, **config)
+    counts = draw_counts(row, DRAWS // 3, sample=sample_torch, **config)
     statistic, threshold, excluded = chi_square(counts, reference(row, **config))
     assert excluded == 0 and statistic <= threshold
 
@@ -203,7 +205,7 @@ def test_full_vocabulary_with_mass_below_the_band():
     row[7] = 0.0
     for config in (dict(temperature=1.0), dict(temperature=1.0, top_k=200), dict(temperature=1.0, top_p=0.999)):
         probs = reference(row, **config)
-        counts = draw_counts(row, 4000, rows_per_call=64, **config)
+        counts = draw_counts(row, 1500, rows_per_call=64, **config)  # ~30 expected in the pooled deep bin
         deep = probs * 0
         deep[40:] = 1  # pool the deep tokens: each is far too rare to count alone
         observed = np.array([*counts[:40], counts[40:].sum()])
@@ -220,7 +222,7 @@ def test_native_and_torch_draw_the_same_tokens(kind):
     ids = np.array([1, 5, 9], dtype=np.int64)
     counts = np.array([0, 3, 1], dtype=np.int32)
     for config in CONFIGS + [dict(temperature=0.0), dict(temperature=0.9, repetition=1.2, presence=0.3, frequency=0.2)]:
-        n = 500
+        n = 200
         logits = torch.from_numpy(row).repeat(n, 1)
         rows = sampler_rows(n, penalties=3, **config)
         pen_ids, pen_counts = np.tile(ids, n), np.tile(counts, n)

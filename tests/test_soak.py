@@ -1,4 +1,4 @@
-"""A minute of hundreds of concurrent clients against a real server on a tiny model whose KV
+"""Most of a minute of hundreds of concurrent clients against a real server on a tiny model whose KV
 pool forces preemption (bench/soak.py; longer runs there): nothing fails, leaks, hangs or is half-answered."""
 
 import importlib.util
@@ -14,13 +14,13 @@ def load_soak():
     return module
 
 
-def test_one_minute_soak(tiny_dir):
+def test_a_soak_under_150_clients(tiny_dir):
     soak = load_soak()
-    report = soak.run_soak(soak.SoakConfig(model=str(tiny_dir("llama")), duration=60, warmup=10, clients=150))
+    report = soak.run_soak(soak.SoakConfig(model=str(tiny_dir("llama")), duration=40, warmup=5, clients=150))
     print(report.table())
     assert report.failures() == []
-    assert report.duration_s >= 60
-    assert report.requests >= 1000 and report.completed >= 300
+    assert report.duration_s >= 40
+    assert report.requests >= 600 and report.completed >= 200
     assert report.disconnected >= report.requests // 5  # the clients that leave early
     assert report.disconnected_outcomes.get("aborted", 0) > 0
     assert sum(v for k, v in report.rejected.items() if not k.startswith("503")) > 0  # bad requests
