@@ -97,13 +97,16 @@ def tiny_model() -> Path:
     return tiny_model_dir("llama", str(cache_root() / "soak-models"))
 
 
-# `kvserve serve` under tracemalloc: SIGUSR1 takes a snapshot (the soak sends one after warm-up and one at
-# the end); from the second on, the allocations that grew since the first are written to argv[1].
+# `kvserve serve` with tracemalloc: the first SIGUSR1 (the soak sends one after warm-up) starts tracing
+# (tracing from the start made torch's import alone take minutes) and takes a snapshot; each later one
+# writes the allocations made since then and still alive, grouped by traceback, to argv[1].
 TRACED_SERVER = """
 import gc, signal, sys, tracemalloc
 out, snapshots = sys.argv.pop(1), []
 def snapshot(*_):
     gc.collect()
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(12)
     snapshots.append(tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)]))
     if len(snapshots) > 1:
         grown = snapshots[-1].compare_to(snapshots[0], "traceback")
@@ -128,7 +131,7 @@ def start_server(cfg: SoakConfig, model: str, log_path: Path) -> tuple[subproces
     out = open(log_path, "w")
     command = [sys.executable, "-m", "kvserve.cli", "serve", *args]
     if cfg.tracemalloc:
-        command = [sys.executable, "-X", "tracemalloc=12", "-c", TRACED_SERVER, cfg.tracemalloc, "serve", *args]
+        command = [sys.executable, "-c", TRACED_SERVER, cfg.tracemalloc, "serve", *args]
     proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
