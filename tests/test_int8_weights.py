@@ -144,3 +144,48 @@ def test_the_planner_counts_int8_weights_as_the_engine_holds_them(tiny_dir, fami
     assert planned["weights_held_as"] == "int8 (Q8_0 blocks)"
     held = weight_bytes(int8_llm(directory).engine.model)
     assert abs((GIB - planned["kv_budget_bytes"]) - held) <= 0.01 * held  # llama's o_proj (rows of 144 values) in float32
+
+
+def with_tensor(source: Path, out: Path, name: str, tensor: torch.Tensor) -> Path:
+    """A copy of a tiny HF model directory with one tensor replaced."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    tensors = hf_tensors(source)
+    tensors[name] = tensor
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_a_bad_checkpoint_is_refused_naming_the_tensor(tiny_dir, tmp_path):
+    from kvserve.model.errors import ModelLoadError
+
+    source = tiny_dir("llama")
+    embedding = hf_tensors(source)["model.embed_tokens.weight"]
+    for shape in ((480, 96), (600, 96), (512, 64)):  # an untied embedding of the wrong shape
+        bad = with_tensor(source, tmp_path / f"embed-{shape[0]}-{shape[1]}", "model.embed_tokens.weight", torch.randn(shape))
+        with pytest.raises(ModelLoadError, match=r"embed_tokens.weight has shape"):
+            int8_llm(bad)
+    huge = embedding.clone()
+    huge[3, 5] = 1e10  # beyond Q8_0's fp16 scale: would quantize to inf / NaN
+    with pytest.raises(ModelLoadError, match=r"model.embed_tokens.weight holds 1e\+10, beyond"):
+        int8_llm(with_tensor(source, tmp_path / "huge", "model.embed_tokens.weight", huge))
+    flat = with_tensor(source, tmp_path / "flat", "model.layers.0.mlp.down_proj.weight", torch.randn(96 * 160))
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj.weight has shape \(15360,\)"):
+        int8_llm(flat)
+
+
+def test_what_stays_float_is_logged_and_the_start_up_line_says_int8(tiny_dir, caplog):
+    with caplog.at_level("WARNING", logger="kvserve.model.loader"):
+        llm = int8_llm(tiny_dir("llama"))
+    assert "3 of 14 weights (layers.0.self_attn.o_proj.weight" in caplog.text  # each layer's o_proj: rows of 144 values
+    assert llm.engine.weights_description() == "int8 (Q8_0 blocks)"
+
+
+def test_the_plans_engine_flags_carry_the_weight_dtype(tiny_dir):
+    from test_plan import run_plan
+
+    proc = run_plan("--model", str(tiny_dir("gemma3")), "--seq-lens", "100,100", "--memory-gib", "1", "--dtype", "float32",
+                    "--weight-dtype", "int8")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Engine flags: --dtype float32 --weight-dtype int8" in proc.stdout, proc.stdout

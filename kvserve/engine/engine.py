@@ -152,8 +152,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
     def weights_description(self) -> str:
-        """How the weights are held, for start-up lines: "GGUF blocks" or the dtype of their copies."""
-        return "GGUF blocks" if getattr(self, "weight_format", "float") == "gguf" else self.config.dtype
+        """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)" or the dtype of their copies."""
+        return {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
 
     def _center_keys(self, vocab_size: int) -> None:
         """Calibrate the int8 / fp8 key centers (kv/centering.py) before anything is stored. They

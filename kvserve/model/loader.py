@@ -453,14 +453,28 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
         parts = []
         for name in names:
             weight = getters[name]()
+            if weight.dim() != 2:
+                raise ValueError(f"weight {name} has shape {tuple(weight.shape)}: a matrix was expected")
             n, k = weight.shape
             if k % 32:
                 break  # rows that are no whole number of 32-value blocks stay in --dtype
-            rows = quantize(weight.float().numpy(), GGMLQuantizationType.Q8_0)
+            weight = weight.float()
+            largest = float(weight.abs().max()) if weight.numel() else 0.0
+            if not largest <= Q8_0_LARGEST:  # also NaN and inf
+                raise ValueError(f"weight {name} holds {largest:g}, beyond what Q8_0's fp16 scale reaches ({Q8_0_LARGEST:g}); "
+                                 "load it with --weight-dtype float32 or bfloat16")  # fmt: skip
+            rows = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
             parts.append(kernels.gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
         else:
             held[param] = tuple(parts)
+    kept = [param for param in groups if param not in held]
+    if kept:
+        log.warning("--weight-dtype int8: %d of %d weights (%s) have rows that are no whole number of 32 values and stay in "
+                    "--dtype", len(kept), len(groups), ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))  # fmt: skip
     return held
+
+
+Q8_0_LARGEST = 65504.0 * 127  # the fp16 scale's largest value times the largest code
 
 
 def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kernels.GgufWeight, ...]], dtype: torch.dtype) -> None:
@@ -470,6 +484,9 @@ def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kerne
     for param, parts in held.items():
         module = param.removesuffix(".weight")
         if module == "embed_tokens":
+            if (parts[0].n, parts[0].k) != (config.vocab_size, config.hidden_size):
+                raise ValueError(f"weight embed_tokens.weight has shape ({parts[0].n}, {parts[0].k}), expected ({config.vocab_size}, "
+                                 f"{config.hidden_size})")  # fmt: skip
             model.embed_tokens = GgufEmbedding(parts[0], dtype)
             if config.tie_word_embeddings:
                 model.hold_gguf_lm_head(parts[0])

@@ -113,6 +113,8 @@ def int8_weight_bytes(config: ModelConfig, dtype: str) -> int:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     matrices = [(config.vocab_size, h)] * (1 if config.tie_word_embeddings else 2) + [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * layers
     held = sum(n * k * 34 // 32 if k % 32 == 0 else n * k * _DTYPE_BYTES[dtype] for n, k in matrices)
+    if h % 32:  # a float lm_head: the native kernels' packed copy beside it, as for float weights
+        held += config.vocab_size * h * _DTYPE_BYTES[dtype]
     return held + (model_weight_bytes(config, 1) - sum(n * k for n, k in matrices)) * 4
 
 
@@ -225,7 +227,8 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     if r is None:
         lines.append(f"Not even its longest sequence ({longest:,} tokens) fits, so there are no engine flags to suggest.")
     else:
-        dtype = "" if result["kv_dtype"] in ("float16", "bfloat16", "float32") else f" --kv-cache-dtype {result['kv_dtype']}"
+        dtype = f" {result['weight_flags']}" if "weight_flags" in result else ""
+        dtype += "" if result["kv_dtype"] in ("float16", "bfloat16", "float32") else f" --kv-cache-dtype {result['kv_dtype']}"
         s = result["shape"]
         if result["kv_dtype"] in ("int4", "int2"):  # KIVI settings the residual blocks were counted with
             dtype += f" --kv-quant-residual {s['kv_quant_residual']}" if s["kv_quant_residual"] != DEFAULT_QUANT_RESIDUAL else ""
@@ -311,6 +314,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if budget is not None:
         result["weights_held_as"] = held_as
         result["weights_bytes"] = int(budget.weights_gib * GIB)
+        if held_as != "--weights-gib":  # the weights were counted as these flags hold them
+            result["weight_flags"] = f"--dtype {args.dtype}" + (f" --weight-dtype {args.weight_dtype}" if args.weight_dtype != "auto" else "")
     tiers = {}
     for tier, gib in (("host", args.kv_offload_host_gib), ("disk", args.kv_offload_disk_gib)):
         if gib is not None:
