@@ -113,6 +113,11 @@ class EngineConfig:
         if self.weight_dtype in DTYPES and self.weight_dtype != dtype:
             raise ValueError(f"--weight-dtype {self.weight_dtype} holds the weights in the activations' dtype: it needs --dtype "
                              f"{self.weight_dtype} (--dtype is {dtype})")  # fmt: skip
+        if self.weight_dtype in ("gguf", "int8"):  # checked here too so that `kvserve eval` refuses a --config before loading
+            if dtype not in ("float32", "bfloat16"):
+                raise ValueError(f"--weight-dtype {self.weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
+            if torch.device(self.device).type != "cpu":
+                raise ValueError(f"--weight-dtype {self.weight_dtype} computes with the CPU kernels: it needs --device cpu")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {self.prefix_cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -122,6 +122,11 @@ def test_int8_is_checked_like_the_other_weight_dtypes(tiny_dir, tiny_root):
     with pytest.raises(ValueError, match="needs --device cpu"):
         resolve_weight_format(directory, "int8", "cuda", "float32")
     assert resolve_weight_format(directory, "int8", "cpu", "bfloat16") == "int8"
+    from kvserve.config import EngineConfig
+
+    for bad, words in ((dict(dtype="float16"), "float32 or bfloat16 activations"), (dict(device="cuda"), "needs --device cpu")):
+        with pytest.raises(ValueError, match=words):  # before any model loads (kvserve eval builds every --config's first)
+            EngineConfig(weight_dtype="int8", **{"dtype": "float32", **bad})
     # a GGUF file: its dequantized weights quantized again (a float GGUF's way to int8)
     gguf = int8_llm(tiny_gguf(tiny_root, quantized=True)).engine.model
     assert [p.type_name for p in gguf.layers[0].mlp.gate_up_proj.gguf] == ["Q8_0", "Q8_0"]
