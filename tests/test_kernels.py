@@ -189,6 +189,9 @@ def test_qk_norm_rope_matches_the_torch_layers(dtype, qk_norm):
         1e-6, positions, rotary.cos, rotary.sin,
     )  # fmt: skip
     assert close(got_q, ref_q, dtype) and close(got_k, ref_k, dtype)
+    assert rotary.cos.shape == rotary.sin.shape == (64, head_dim // 2)  # one angle per rotated pair, not repeated per half
+    with pytest.raises(ValueError, match="head_dim / 2"):
+        kernels.qk_norm_rope(qkv, heads, kv_heads, head_dim, None, None, 1e-6, positions, rotary.cos.repeat(1, 2), rotary.sin.repeat(1, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

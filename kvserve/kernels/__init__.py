@@ -672,6 +672,8 @@ def qk_norm_rope(
     tokens = qkv.shape[0]
     if qkv.stride(1) != 1 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("qk_norm_rope: qkv rows must be contiguous and the rotary tables float32")
+    if cos.shape[-1] != head_dim // 2 or sin.shape != cos.shape:
+        raise ValueError(f"qk_norm_rope: the rotary tables are [positions, head_dim / 2 = {head_dim // 2}], got {tuple(cos.shape)}")
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype)
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     positions = positions.to(torch.int64).contiguous()

@@ -121,14 +121,15 @@ void qk_norm_rope(void* q_out, void* k_out, const void* qkv, int64_t tokens, int
         const float inv = inverse_rms(row.data(), head_dim, eps);
         for (int d = 0; d < head_dim; ++d) row[d] = rounded<DT>(row[d] * inv * weight[d]);
       }
-      const float* c = cos_table + positions[t] * head_dim;
-      const float* s = sin_table + positions[t] * head_dim;
+      const float* c = cos_table + positions[t] * half;  // the angle of dimension d and of d + half
+      const float* s = sin_table + positions[t] * half;
       T* out = is_query ? static_cast<T*>(q_out) + (t * q_heads + head) * head_dim
                         : static_cast<T*>(k_out) + (t * kv_heads + head - q_heads) * head_dim;
       for (int d = 0; d < half; ++d) {
         const float x1 = row[d], x2 = row[d + half];
-        out[d] = Elem<DT>::store(x1 * rounded<DT>(c[d]) - x2 * rounded<DT>(s[d]));
-        out[d + half] = Elem<DT>::store(x2 * rounded<DT>(c[d + half]) + x1 * rounded<DT>(s[d + half]));
+        const float cd = rounded<DT>(c[d]), sd = rounded<DT>(s[d]);
+        out[d] = Elem<DT>::store(x1 * cd - x2 * sd);
+        out[d + half] = Elem<DT>::store(x2 * cd + x1 * sd);
       }
     }
   }
@@ -200,7 +201,8 @@ int kvserve_add_rms_norm(const kvserve::AddRmsNormArgs* args) {
 // Queries and keys from the fused QKV projection ([tokens, qkv_width], q heads first, then k
 // heads): optional per-head RMS norm (rounded to dtype, as HF holds it), then half-rotation RoPE
 // at each token's position into contiguous q_out [tokens, q_heads, head_dim] and k_out
-// [tokens, kv_heads, head_dim]. cos/sin: float32 [max_positions, head_dim].
+// [tokens, kv_heads, head_dim]. cos/sin: float32 [max_positions, head_dim / 2] (both halves of a head
+// rotate by the same angles).
 int kvserve_qk_norm_rope(const kvserve::QkNormRopeArgs* args) {
   const kvserve::QkNormRopeArgs& a = *args;
   if (a.tokens < 0 || a.head_dim <= 0 || a.head_dim % 2) return 1;
