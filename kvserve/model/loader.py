@@ -446,6 +446,7 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
     from gguf.quants import quantize
 
     held: dict[str, tuple[kernels.GgufWeight, ...]] = {}
+    kept: list[str] = []  # weights whose rows are no whole number of blocks
     groups = _gguf_groups(config)
     for param, names in tqdm(groups.items(), desc="quantizing weights to int8", unit="weight", leave=False):
         if not all(name in getters for name in names):
@@ -457,7 +458,8 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
                 raise ValueError(f"weight {name} has shape {tuple(weight.shape)}: a matrix was expected")
             n, k = weight.shape
             if k % 32:
-                break  # rows that are no whole number of 32-value blocks stay in --dtype
+                kept.append(param)  # stays in --dtype
+                break
             weight = weight.float()
             largest = float(weight.abs().max()) if weight.numel() else 0.0
             if not largest <= Q8_0_LARGEST:  # also NaN and inf
@@ -467,7 +469,6 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
             parts.append(kernels.gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
         else:
             held[param] = tuple(parts)
-    kept = [param for param in groups if param not in held]
     if kept:
         log.warning("--weight-dtype int8: %d of %d weights (%s) have rows that are no whole number of 32 values and stay in "
                     "--dtype", len(kept), len(groups), ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))  # fmt: skip
