@@ -57,15 +57,31 @@ def test_rows_decode_to_gguf_py_values_exactly(type_name):
     assert np.array_equal(picked.numpy().view(np.uint32), ref[ids.numpy()].view(np.uint32))
 
 
+def magnitudes(type_name: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """|scale * code| + |min| per weight: what bounds the rounding of a product that keeps the two
+    terms apart (bf16 rows on the codes: scale * sum(x * code) + min * sum(x))."""
+    if type_name not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+        return np.abs(reference(type_name, blocks, n, k))
+    size = kernels.GGUF_BLOCKS[type_name][2]
+    scale_only, min_only = (blocks.reshape(-1, size).copy() for _ in range(2))
+    scale_only[:, 2:4] = 0  # m (or dmin) = 0
+    min_only[:, 0:2] = 0  # d = 0
+    return np.abs(reference(type_name, scale_only.reshape(n, -1), n, k)) + np.abs(reference(type_name, min_only.reshape(n, -1), n, k))
+
+
 @pytest.mark.parametrize("type_name", TYPES)
-def test_the_product_decodes_every_tile_exactly(type_name):
-    """Identity rows pick weight columns out of the product: one FMA of 1.0 per output, exact (up to
-    the sign of a zero: 0 + -0 is +0). k rows run the dequantize-a-tile path, one row the fused one."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_product_decodes_every_tile_exactly(type_name, dtype):
+    """Identity rows pick weight columns out of the product: exact (up to the sign of a zero: 0 + -0
+    is +0), float32 rows (one FMA of 1.0 per output) and bf16 rows alike: on a CPU with AVX512-BF16
+    a bf16 row multiplies the blocks' integer codes and applies each block's scale (and min) in
+    float32, so a weight is gguf-py's float32 value, never rounded to bf16. k rows run the
+    decode-a-tile path, one row the fused one."""
     weight, ref = weight_of(type_name, 37, 256, seed=1)
-    eye = torch.eye(256)
-    assert np.array_equal(kernels.gguf_matmul(eye, weight)[0].numpy().T, ref)
+    eye = torch.eye(256, dtype=dtype)
+    assert np.array_equal(kernels.gguf_matmul(eye, weight, out_dtype=torch.float32)[0].numpy().T, ref)
     for column in (0, 17, 255):
-        row = kernels.gguf_matmul(eye[column : column + 1].contiguous(), weight)[0][0]
+        row = kernels.gguf_matmul(eye[column : column + 1].contiguous(), weight, out_dtype=torch.float32)[0][0]
         assert np.array_equal(row.numpy(), ref[:, column])
 
 
@@ -73,28 +89,39 @@ def test_the_product_decodes_every_tile_exactly(type_name):
 @pytest.mark.parametrize("rows", [1, 7, 8, 64])
 def test_the_product_matches_a_float64_reference(type_name, rows):
     n, k = 37, 512
-    weight, ref = weight_of(type_name, n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    out, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+    blocks = random_blocks(type_name, n, k, seed=rows)
+    weight, ref = kernels.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
     w64 = torch.from_numpy(ref).double()
-    exact = x.double() @ w64.T
-    bound = k * 2.0**-23 * (x.double().abs() @ w64.abs().T)  # float32 accumulation over k terms
-    assert ((out.double() - exact).abs() <= bound).all()
-    assert torch.equal(argmax, out.argmax(1))
-    bf16 = kernels.gguf_matmul(x.bfloat16(), weight, out_dtype=torch.bfloat16)[0]
-    assert torch.equal(bf16, kernels.gguf_matmul(x.bfloat16().float(), weight, out_dtype=torch.float32)[0].bfloat16())
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    for x in (x, x.bfloat16()):
+        out, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+        exact = x.double() @ w64.T
+        magnitude = w64.abs() if x.dtype == torch.float32 else torch.from_numpy(magnitudes(type_name, blocks, n, k)).double()
+        bound = k * 2.0**-23 * (x.double().abs() @ magnitude.T)  # float32 accumulation over k terms
+        assert ((out.double() - exact).abs() <= bound).all()
+        assert torch.equal(argmax, out.argmax(1))
+        bf16 = kernels.gguf_matmul(x, weight, out_dtype=torch.bfloat16)[0]
+        assert torch.equal(bf16, out.bfloat16())
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(type_name):
+# float32 rows: four types cover the decoding paths; bf16 rows: every type's codes
+@pytest.mark.parametrize(
+    "type_name,dtype",
+    [pytest.param(t, torch.float32, id=f"{t}-float32") for t in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")]
+    + [pytest.param(t, torch.bfloat16, id=f"{t}-bfloat16") for t in TYPES],
+)
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(type_name, dtype):
+    """Up to 8 rows fold each decoded value (float rows) or pair of codes (bf16 rows) straight into
+    their chains; more decode a tile once per chunk of rows and multiply it there: the same
+    operations per output either way."""
     weight, _ = weight_of(type_name, 70, 512, seed=3)
-    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
-    batched, argmax = kernels.gguf_matmul(x, weight, want_argmax=True)
-    for count in (1, 2, 5, 6, 7, 9, 13):
-        part, part_argmax = kernels.gguf_matmul(x[:count], weight, want_argmax=True)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
+    batched, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+    for count in (1, 2, 4, 5, 6, 7, 8, 9, 13):
+        part, part_argmax = kernels.gguf_matmul(x[:count], weight, out_dtype=torch.float32, want_argmax=True)
         assert torch.equal(part, batched[:count]) and torch.equal(part_argmax, argmax[:count])
     for i in (0, 33, 63):
-        assert torch.equal(kernels.gguf_matmul(x[i : i + 1], weight)[0], batched[i : i + 1])
+        assert torch.equal(kernels.gguf_matmul(x[i : i + 1], weight, out_dtype=torch.float32)[0], batched[i : i + 1])
 
 
 def test_outputs_go_into_a_column_slice_and_argmax_alone():

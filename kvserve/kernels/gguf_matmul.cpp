@@ -16,6 +16,9 @@
 //
 // A tile is dequantized once per chunk of rows that fits L2 (float_matmul's walk), so one row
 // (decode) costs a dequantization and an FMA per weight, and a batch amortizes the first.
+//
+// bf16 rows on a CPU with AVX512-BF16 take gguf_dot.h instead: bf16 dot products on the blocks'
+// integer codes, each block's scale (and min) applied in float32.
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -25,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -464,6 +468,8 @@ void run(const Weight& w, const Problem& p, int rows, int64_t* argmax) {
   });
 }
 
+#include "gguf_dot.h"
+
 }  // namespace
 
 extern "C" {
@@ -510,6 +516,12 @@ int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
     return 1;
   Weight w{a->blocks, row_bytes * kTile, a->n, k, tile_dequantizer(a->type)};
   Problem p{nullptr, kFloat32, a->n, k, static_cast<const float*>(a->x), a->ldx, a->out, a->out_dtype, a->ldo};
+#if KVSERVE_HAS_GGUF_DOT
+  if (a->x_dtype == kBFloat16) {
+    dot::run(w, a->type, p, static_cast<const uint16_t*>(a->x), a->ldx, rows, a->argmax);
+    return 0;
+  }
+#endif
   std::vector<float> widened;
   if (a->x_dtype == kBFloat16) {
     widened.resize(static_cast<size_t>(rows) * k);
