@@ -4,7 +4,7 @@ N parallel prompts of `--prompt-len` random tokens, `--new-tokens` greedy tokens
 ratio to llama.cpp's in the same run, on the same GGUF file.
 
     .venv/bin/python bench/batched_bench.py [--model gemma-3-270m] [--parallel 1,16,64]
-        [--llama-batched-bench PATH/llama-batched-bench] [--threads 2]
+        [--llama-batched-bench PATH/llama-batched-bench] [--threads 2] [--weight-dtypes auto gguf]
 
 llama.cpp is run as `llama-batched-bench -m GGUF -c C -b 2048 -ub 512 -npp P -ntg T -npl N -t THREADS`;
 its "T s" column (the whole job) gives its rate. Build it as ../shared/FACTS.md says (AMX off).
@@ -56,23 +56,32 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--llama-batched-bench", default=None, help="path to llama.cpp's llama-batched-bench binary")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
+    parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], choices=["auto", "gguf", "bfloat16", "float32", "int8"],
+                        help="kvserve's --weight-dtype: one column per value, each engine loaded in turn")  # fmt: skip
     args = parser.parse_args()
     parallel = [int(n) for n in args.parallel.split(",")]
-    llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False)
-    vocab = llm.engine.model.config.vocab_size
-    kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up
-    ours = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
+    ours, dtype = {}, None
+    for weight_dtype in args.weight_dtypes:
+        llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=weight_dtype)
+        dtype = llm.engine.config.dtype
+        vocab = llm.engine.model.config.vocab_size
+        kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up
+        ours[weight_dtype] = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
+        del llm
     theirs = {}
     if args.llama_batched_bench:
         gguf = str(resolve_model_path(args.model))
         theirs = llama_cpp_rates(args.llama_batched_bench, gguf, parallel, args.prompt_len, args.new_tokens, args.threads)
-    print(f"{args.model} ({llm.engine.config.dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
+    print(f"{args.model} ({dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
           "generated tok/s over the whole job")  # fmt: skip
-    print("| parallel | kvserve | llama.cpp | kvserve / llama.cpp |")
-    print("|---:|---:|---:|---:|")
+    names = [f"kvserve (--weight-dtype {w})" if len(ours) > 1 else "kvserve" for w in ours]
+    print("| parallel | " + " | ".join(names) + " | llama.cpp | " + " | ".join(f"{name} / llama.cpp" for name in names) + " |")
+    print("|---:|" + "---:|" * (2 * len(ours) + 1))
     for n in parallel:
         other = theirs.get(n)
-        print(f"| {n} | {ours[n]:.1f} | {f'{other:.1f}' if other else '-'} | {f'{ours[n] / other:.2f}x' if other else '-'} |")
+        rates = [table[n] for table in ours.values()]
+        ratios = [f"{rate / other:.2f}x" if other else "-" for rate in rates]
+        print(f"| {n} | " + " | ".join(f"{rate:.1f}" for rate in rates) + f" | {f'{other:.1f}' if other else '-'} | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":
