@@ -39,7 +39,12 @@ def llama_cpp_rates(binary: str, gguf: str, parallel: list[int], prompt_len: int
     context = max(parallel) * (prompt_len + new_tokens) + 64
     cmd = [binary, "-m", gguf, "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new_tokens),
            "-npl", ",".join(map(str, parallel)), "-t", str(threads)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return parse_rates(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout, new_tokens)
+
+
+def parse_rates(out: str, new_tokens: int) -> dict[int, float]:
+    """{B: generated tok/s over the whole job} from llama-batched-bench's table (PP | TG | B | N_KV |
+    T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s): B x TG / T."""
     rates = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

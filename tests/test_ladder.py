@@ -38,3 +38,25 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     for name in (model.name, "headline"):
         width, height, pixels = png_pixels((tmp_path / f"{name}.png").read_bytes())
         assert width >= 600 and height >= 300 and len(set(pixels)) > 16
+
+
+# llama-batched-bench's stdout as llama.cpp 0.3.36 printed it here (Gemma 3 270M, -npp 16 -ntg 4
+# -npl 1,2 -t 2): the ladder's and batched_bench's llama.cpp row are read from this table
+LLAMA_BATCHED_BENCH_OUTPUT = """
+llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    16 |      4 |    1 |     20 |    0.028 |   577.66 |    0.043 |    93.27 |    0.071 |   283.35 |
+|    16 |      4 |    2 |     40 |    0.062 |   517.10 |    0.106 |    75.72 |    0.168 |   238.76 |
+"""
+
+
+def test_llama_cpps_rate_is_generated_tokens_over_the_whole_job():
+    sys.path.insert(0, str(BENCH))
+    from batched_bench import parse_rates
+
+    rates = parse_rates(LLAMA_BATCHED_BENCH_OUTPUT, new_tokens=4)
+    assert rates.keys() == {1, 2}
+    assert abs(rates[1] - 4 / 0.071) < 1e-9 and abs(rates[2] - 2 * 4 / 0.168) < 1e-9
+    assert parse_rates(LLAMA_BATCHED_BENCH_OUTPUT, new_tokens=128) == {}  # another run's table
