@@ -7,7 +7,7 @@ ratio to llama.cpp's in the same run, on the same GGUF file.
         [--llama-batched-bench PATH/llama-batched-bench] [--threads 2] [--weight-dtypes auto gguf]
 
 llama.cpp is run as `llama-batched-bench -m GGUF -c C -b 2048 -ub 512 -npp P -ntg T -npl N -t THREADS`;
-its "T s" column (the whole job) gives its rate. Build it as ../shared/FACTS.md says (AMX off).
+its "T s" column (the whole job) gives its rate. Build it as docs/benchmarks.md says (AMX off).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import random
 import re
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,7 +40,40 @@ def llama_cpp_rates(binary: str, gguf: str, parallel: list[int], prompt_len: int
     context = max(parallel) * (prompt_len + new_tokens) + 64
     cmd = [binary, "-m", gguf, "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new_tokens),
            "-npl", ",".join(map(str, parallel)), "-t", str(threads)]  # fmt: skip
-    return parse_rates(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout, new_tokens)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as error:
+        raise LlamaCppError(f"{binary}: {error.strerror or error}") from None
+    if run.returncode != 0:
+        tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-5:])
+        raise LlamaCppError(f"{binary} exited with status {run.returncode}" + (f":\n{tail}" if tail else ""))
+    rates = parse_rates(run.stdout, new_tokens)
+    missing = sorted(set(parallel) - rates.keys())
+    if missing:
+        raise LlamaCppError(f"{binary} printed no llama-batched-bench row for parallel {missing}")
+    return rates
+
+
+class LlamaCppError(RuntimeError):
+    """llama-batched-bench failed or printed no table: the message says why (its last lines of output)."""
+
+
+def executable_file(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def positive_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, comma-separated (e.g. 1,16,64)")
+    return values
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
 
 
 def parse_rates(out: str, new_tokens: int) -> dict[int, float]:
@@ -54,29 +88,38 @@ def parse_rates(out: str, new_tokens: int) -> dict[int, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gemma-3-270m")
-    parser.add_argument("--parallel", default="1,16,64", help="parallel sequences per job")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m", help="alias, GGUF file or HF directory")
+    parser.add_argument("--parallel", type=positive_list, default=[1, 16, 64], help="parallel sequences per job, comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per sequence")
     parser.add_argument("--llama-batched-bench", default=None, help="path to llama.cpp's llama-batched-bench binary")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], choices=["auto", "gguf", "bfloat16", "float32", "int8"],
                         help="kvserve's --weight-dtype: one column per value, each engine loaded in turn")  # fmt: skip
     args = parser.parse_args()
-    parallel = [int(n) for n in args.parallel.split(",")]
+    parallel = args.parallel
+    if args.prompt_len <= 0 or args.new_tokens <= 0 or args.threads <= 0:
+        parser.error("--prompt-len, --new-tokens and --threads must be positive")
+    if args.llama_batched_bench and not executable_file(args.llama_batched_bench):
+        parser.error(f"--llama-batched-bench {args.llama_batched_bench}: not an executable file")
     ours, dtype = {}, None
     for weight_dtype in args.weight_dtypes:
         llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=weight_dtype)
         dtype = llm.engine.config.dtype
         vocab = llm.engine.model.config.vocab_size
-        kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up
+        kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up: the kernels' first calls, then each measured shape once
+        for n in parallel:
+            kvserve_rate(llm, n, args.prompt_len, 2, vocab, seed=1000 + n)
         ours[weight_dtype] = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
         del llm
     theirs = {}
     if args.llama_batched_bench:
         gguf = str(resolve_model_path(args.model))
-        theirs = llama_cpp_rates(args.llama_batched_bench, gguf, parallel, args.prompt_len, args.new_tokens, args.threads)
+        try:
+            theirs = llama_cpp_rates(args.llama_batched_bench, gguf, parallel, args.prompt_len, args.new_tokens, args.threads)
+        except LlamaCppError as error:
+            print(f"llama.cpp's row is left out: {error}", file=sys.stderr)
     print(f"{args.model} ({dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
           "generated tok/s over the whole job")  # fmt: skip
     names = [f"kvserve (--weight-dtype {w})" if len(ours) > 1 else "kvserve" for w in ours]

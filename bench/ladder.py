@@ -27,7 +27,7 @@ figure per model (OUT/<model>.png) and OUT/headline.png (throughput per rung aga
 
     .venv/bin/python bench/ladder.py                       # Gemma 3 270M and Qwen2.5-Coder-0.5B (~40 min on 2 AVX2 cores)
     .venv/bin/python bench/ladder.py --models gemma-3-270m --llama-cpp PATH/llama-batched-bench
-    .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR     # a minute: the test's run (into a temporary folder)
+    .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR     # a minute on a tiny model, a few on a real one: the test's run (into a temporary folder)
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from batched_bench import llama_cpp_rates  # noqa: E402
+from batched_bench import LlamaCppError, executable_file, llama_cpp_rates  # noqa: E402
 from common import percentile  # noqa: E402
 from throughput import load_hf  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
@@ -317,13 +317,17 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
         evaluation.close()
     if args.llama_cpp:
         bar.set_description(f"{Path(model).name}: llama.cpp")
-        meta["llama_cpp"] = llama_cpp_row(args, model, meta)
+        try:
+            meta["llama_cpp"] = llama_cpp_row(args, model, meta)
+        except LlamaCppError as error:
+            print(f"{Path(model).name}: llama.cpp's row is left out: {error}", file=sys.stderr)
+            meta["llama_cpp"] = {"error": str(error).splitlines()[0]}
     return results, meta
 
 
 def llama_cpp_row(args: argparse.Namespace, model: str, meta: dict) -> dict:
-    """llama-batched-bench on the same GGUF: uniform prompts of the workload's mean length, as many in parallel as
-    the last rung ran at most (it has no prefix cache, so this is its best case for the same token counts)."""
+    """llama-batched-bench on the same GGUF: uniform prompts of the workload's mean length, min(requests,
+    --llama-cpp-parallel) in parallel (it has no prefix cache, so this is its best case for the same token counts)."""
     prompt_len = round(meta["prompt_tokens"] / meta["requests"])
     parallel = [min(meta["requests"], args.llama_cpp_parallel)]
     rates = llama_cpp_rates(args.llama_cpp, str(resolve_model_path(model)), parallel, prompt_len, meta["new_tokens"], args.threads)
@@ -352,8 +356,12 @@ def table(results: list[RungResult], meta: dict) -> str:
                      f"{r.kv_bytes_per_request / 1024:,.0f} | {running} | {' | '.join(quality)} |")  # fmt: skip
     if "llama_cpp" in meta:
         row = meta["llama_cpp"]
-        lines.append(f"| llama.cpp `llama-batched-bench` ({row['parallel']} x {row['prompt_len']}-token prompts, no prefix reuse) | "
-                     f"{row['tokens_per_second']:.1f} | {row['tokens_per_second'] / hf:.2f}x |  |  |  |  |  |  |  |" if hf else "")  # fmt: skip
+        if "error" in row:
+            lines.append(f"| llama.cpp `llama-batched-bench` | failed: {row['error']} |||||||||")
+        else:
+            ratio = f"{row['tokens_per_second'] / hf:.2f}x" if hf else "–"
+            lines.append(f"| llama.cpp `llama-batched-bench` ({row['parallel']} x {row['prompt_len']}-token prompts, no prefix reuse) | "
+                         f"{row['tokens_per_second']:.1f} | {ratio} |  |  |  |  |  |  |  |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -448,7 +456,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             resolve_model_path(model)
         except ValueError as exc:
             parser.error(f"--models: {exc}")
-    if args.llama_cpp and not os.access(args.llama_cpp, os.X_OK):
+    if args.llama_cpp and not executable_file(args.llama_cpp):
         parser.error(f"--llama-cpp {args.llama_cpp}: not an executable file")
     if getattr(args, "out", None) is None:
         args.out = Path(tempfile.mkdtemp(prefix="kvserve-ladder-")) if args.quick else Path(__file__).resolve().parent.parent / "docs" / "ladder"
@@ -490,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     when = time.strftime("%Y-%m-%d")
     parts = [f"<!-- written by bench/ladder.py: rerun it rather than editing -->\n# The KV cost ladder\n\n"
              f"Measured {when} on a {machine()} with `{command.strip()}`. Every kvserve rung gets "
-             f"{args.kv_cache_memory} GiB of KV and at most {args.max_num_seqs} running requests; see bench/ladder.py for the workload.\n"]  # fmt: skip
+             f"{args.kv_cache_memory} GiB of KV and at most {args.max_num_seqs} running requests; see bench/ladder.py for the workload.\n"
+             + ("\n--quick: a smoke test of the script (10 requests of a few tokens each), not a measurement: a rung's rate is "
+                "a few seconds of work and swings with the engine's first calls.\n" if args.quick else "")]  # fmt: skip
     for model, (results, meta) in ladders.items():
         slug = Path(model).name
         plot_model(results, meta, args.out / f"{slug}.png")

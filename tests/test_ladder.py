@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +21,12 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     ladder = sys.modules["ladder"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(ladder)
     model = tiny_dir("gemma3")
-    ladder.main(["--quick", "--models", str(model), "--out", str(tmp_path), "--kv-cache-memory", "0.002", "--tier-gib", "0.01"])
+    # /bin/false as llama.cpp: its failure leaves its row out with the reason and keeps every kvserve rung
+    ladder.main(["--quick", "--models", str(model), "--out", str(tmp_path), "--kv-cache-memory", "0.002", "--tier-gib", "0.01",
+                 "--llama-cpp", "/bin/false"])  # fmt: skip
     table = (tmp_path / "ladder.md").read_text()
+    assert "| llama.cpp `llama-batched-bench` | failed: /bin/false exited with status 1 |" in table
+    assert "--quick: a smoke test" in table
     for rung in ladder.RUNGS:
         assert f"| {rung.name} |" in table
     assert "skipped" not in table  # tiny gemma3 has sliding windows: every rung ran
@@ -60,3 +65,11 @@ def test_llama_cpps_rate_is_generated_tokens_over_the_whole_job():
     assert rates.keys() == {1, 2}
     assert abs(rates[1] - 4 / 0.071) < 1e-9 and abs(rates[2] - 2 * 4 / 0.168) < 1e-9
     assert parse_rates(LLAMA_BATCHED_BENCH_OUTPUT, new_tokens=128) == {}  # another run's table
+
+
+def test_batched_bench_refuses_bad_flags_before_loading_a_model():
+    for flags, reason in ((["--parallel", "abc"], "positive integers"), (["--parallel", "1,-2"], "positive integers"),
+                          (["--parallel", "0"], "positive integers"), (["--llama-batched-bench", "/tmp"], "not an executable file"),
+                          (["--llama-batched-bench", "/nonexistent"], "not an executable file"), (["--new-tokens", "0"], "must be positive")):  # fmt: skip
+        run = subprocess.run([sys.executable, str(BENCH / "batched_bench.py"), *flags], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and reason in run.stderr, (flags, run.stderr)
