@@ -176,17 +176,7 @@ void decode_tile(const uint8_t* tile, int k, uint8_t* out) {
 using TileDecoder = void (*)(const uint8_t*, int, uint8_t*);
 
 inline TileDecoder tile_decoder(int type) {
-  switch (type) {
-    case kQ4_0: return decode_tile<kQ4_0>;
-    case kQ4_1: return decode_tile<kQ4_1>;
-    case kQ5_0: return decode_tile<kQ5_0>;
-    case kQ5_1: return decode_tile<kQ5_1>;
-    case kQ8_0: return decode_tile<kQ8_0>;
-    case kQ4_K: return decode_tile<kQ4_K>;
-    case kQ5_K: return decode_tile<kQ5_K>;
-    case kQ6_K: return decode_tile<kQ6_K>;
-    default: return nullptr;
-  }
+  return for_type(type, TileDecoder{}, [](auto t) -> TileDecoder { return decode_tile<decltype(t)::value>; });
 }
 
 // MR rows (x: bf16, row stride ldx; sums: their per-sub-block sums, row stride subs) against NT
@@ -322,33 +312,11 @@ void fused_tile(const Weight& w, int64_t t, const Problem& p, const uint16_t* x,
 constexpr int kFusedRows = 8;
 using FusedTile = void (*)(const Weight&, int64_t, const Problem&, const uint16_t*, int64_t, const float*, void*, RowBest*);
 
-template <int T>
-FusedTile fused_for_rows(int rows) {
-  switch (rows) {
-    case 1: return fused_tile<T, 1>;
-    case 2: return fused_tile<T, 2>;
-    case 3: return fused_tile<T, 3>;
-    case 4: return fused_tile<T, 4>;
-    case 5: return fused_tile<T, 5>;
-    case 6: return fused_tile<T, 6>;
-    case 7: return fused_tile<T, 7>;
-    case 8: return fused_tile<T, 8>;
-    default: return nullptr;
-  }
-}
 
 inline FusedTile fused_tile_for(int type, int rows) {
-  switch (type) {
-    case kQ4_0: return fused_for_rows<kQ4_0>(rows);
-    case kQ4_1: return fused_for_rows<kQ4_1>(rows);
-    case kQ5_0: return fused_for_rows<kQ5_0>(rows);
-    case kQ5_1: return fused_for_rows<kQ5_1>(rows);
-    case kQ8_0: return fused_for_rows<kQ8_0>(rows);
-    case kQ4_K: return fused_for_rows<kQ4_K>(rows);
-    case kQ5_K: return fused_for_rows<kQ5_K>(rows);
-    case kQ6_K: return fused_for_rows<kQ6_K>(rows);
-    default: return nullptr;
-  }
+  return for_type(type, FusedTile{}, [rows](auto t) {
+    return for_rows<1, kFusedRows>(rows, FusedTile{}, [](auto r) -> FusedTile { return fused_tile<decltype(t)::value, decltype(r)::value>; });
+  });
 }
 
 // x (bf16 [rows, k], row stride ldx) @ w^T into p.out / argmax

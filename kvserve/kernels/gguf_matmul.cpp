@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -59,6 +60,33 @@ constexpr BlockShape block_shape(int type) {
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     default: return {0, 0};
+  }
+}
+
+// fn(std::integral_constant<int, T>{}) for the type code `type` (a kernel instantiated per type),
+// or fallback for a type this file does not read
+template <typename R, typename Fn>
+R for_type(int type, R fallback, Fn&& fn) {
+  switch (type) {
+    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    default: return fallback;
+  }
+}
+
+// fn(std::integral_constant<int, rows>{}) for rows in [R, Max], else fallback
+template <int R, int Max, typename Ret, typename Fn>
+Ret for_rows(int rows, Ret fallback, Fn&& fn) {
+  if constexpr (R > Max) {
+    return fallback;
+  } else {
+    return rows == R ? fn(std::integral_constant<int, R>{}) : for_rows<R + 1, Max>(rows, fallback, fn);
   }
 }
 
@@ -162,17 +190,7 @@ void dequantize_row(const uint8_t* row, int k, float* out) {
 using RowDequantizer = void (*)(const uint8_t*, int, float*);
 
 RowDequantizer row_dequantizer(int type) {
-  switch (type) {
-    case kQ4_0: return dequantize_row<kQ4_0>;
-    case kQ4_1: return dequantize_row<kQ4_1>;
-    case kQ5_0: return dequantize_row<kQ5_0>;
-    case kQ5_1: return dequantize_row<kQ5_1>;
-    case kQ8_0: return dequantize_row<kQ8_0>;
-    case kQ4_K: return dequantize_row<kQ4_K>;
-    case kQ5_K: return dequantize_row<kQ5_K>;
-    case kQ6_K: return dequantize_row<kQ6_K>;
-    default: return nullptr;
-  }
+  return for_type(type, RowDequantizer{}, [](auto t) -> RowDequantizer { return dequantize_row<decltype(t)::value>; });
 }
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -330,17 +348,7 @@ void dequantize_tile(const uint8_t* tile, int k, float* out) {
 using TileDequantizer = void (*)(const uint8_t*, int, float*);
 
 TileDequantizer tile_dequantizer(int type) {
-  switch (type) {
-    case kQ4_0: return dequantize_tile<kQ4_0>;
-    case kQ4_1: return dequantize_tile<kQ4_1>;
-    case kQ5_0: return dequantize_tile<kQ5_0>;
-    case kQ5_1: return dequantize_tile<kQ5_1>;
-    case kQ8_0: return dequantize_tile<kQ8_0>;
-    case kQ4_K: return dequantize_tile<kQ4_K>;
-    case kQ5_K: return dequantize_tile<kQ5_K>;
-    case kQ6_K: return dequantize_tile<kQ6_K>;
-    default: return nullptr;
-  }
+  return for_type(type, TileDequantizer{}, [](auto t) -> TileDequantizer { return dequantize_tile<decltype(t)::value>; });
 }
 
 struct Weight {
@@ -412,33 +420,11 @@ void fused_tile(const Weight& w, int64_t t, const Problem& p, const float* x, vo
 
 using FusedTile = void (*)(const Weight&, int64_t, const Problem&, const float*, void*, RowBest*);
 
-template <int T>
-FusedTile fused_for_rows(int rows) {
-  switch (rows) {
-    case 1: return fused_tile<T, 1>;
-    case 2: return fused_tile<T, 2>;
-    case 3: return fused_tile<T, 3>;
-    case 4: return fused_tile<T, 4>;
-    case 5: return fused_tile<T, 5>;
-    case 6: return fused_tile<T, 6>;
-    case 7: return fused_tile<T, 7>;
-    case 8: return fused_tile<T, 8>;
-    default: return nullptr;
-  }
-}
 
 FusedTile fused_tile_for(int type, int rows) {
-  switch (type) {
-    case kQ4_0: return fused_for_rows<kQ4_0>(rows);
-    case kQ4_1: return fused_for_rows<kQ4_1>(rows);
-    case kQ5_0: return fused_for_rows<kQ5_0>(rows);
-    case kQ5_1: return fused_for_rows<kQ5_1>(rows);
-    case kQ8_0: return fused_for_rows<kQ8_0>(rows);
-    case kQ4_K: return fused_for_rows<kQ4_K>(rows);
-    case kQ5_K: return fused_for_rows<kQ5_K>(rows);
-    case kQ6_K: return fused_for_rows<kQ6_K>(rows);
-    default: return nullptr;
-  }
+  return for_type(type, FusedTile{}, [rows](auto t) {
+    return for_rows<1, 8>(rows, FusedTile{}, [](auto r) -> FusedTile { return fused_tile<decltype(t)::value, decltype(r)::value>; });
+  });
 }
 
 // few rows (decode of a small batch): every tile once, fused
