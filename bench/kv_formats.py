@@ -7,9 +7,9 @@ one --kv-cache-memory (from LLM.stats()), and decode speed at long contexts rela
 
 Decode time is the wall time of the steps after every sequence has its first token (prefill
 excluded), per generated token. Formats run in turn, `--rounds` times, and each keeps its best round.
-"capacity" is LLM.stats()'s token capacity with --max-num-seqs set to the decoding sequences;
-"cap@64seq" what the same memory holds at the default --max-num-seqs 64 (int4 and int2 set
-full-precision residual blocks apart for every running sequence).
+"capacity" is LLM.stats()'s token capacity; "cap@64seq" the tokens the same pool holds while 64
+long sequences run (the default --max-num-seqs): int4 and int2 keep each one's recent tokens and
+sink block in full-precision blocks taken from the pool, which the quantized tokens cannot use.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import make_prompts  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.kv.spec import GIB  # noqa: E402
 
 FORMATS = ("auto", "fp8_e4m3", "int8", "int4", "int2")
 
@@ -68,9 +67,9 @@ def main() -> None:
             llm = LLM(args.model, kv_cache_dtype=dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.seqs, 1),
                       enable_prefix_caching=False, kv_hadamard={"rot": True, "plain": False}.get(variant))  # fmt: skip
             stats[fmt] = llm.stats()
-            spec = llm.engine.kv_spec  # the token capacity the default --max-num-seqs 64 leaves (int4/int2 set residual blocks apart)
-            blocks = spec.num_blocks_for_memory(args.kv_cache_memory * GIB, spec.residual_blocks(64, llm.engine.config.max_num_batched_tokens))
-            stats[fmt]["capacity_64"] = blocks * spec.block_size // len(spec.groups)
+            spec = llm.engine.kv_spec
+            apart = 64 * max(spec.residual_units - 1, 0) * spec.residual_blocks_held(max(contexts))
+            stats[fmt]["capacity_64"] = (llm.engine.kv.num_blocks - apart) * spec.block_size // len(spec.groups)
             for length in contexts:
                 ms = decode_ms(llm, length, args.seqs, args.new_tokens)
                 best[fmt, length] = min(best.get((fmt, length), ms), ms)

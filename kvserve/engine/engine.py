@@ -141,7 +141,7 @@ class LLMEngine:
                                                                                                     checkpoint.weight_format)))  # fmt: skip
         self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
         self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
-        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, self.num_residual_blocks, kv_scales(config, self.kv_spec),
+        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, kv_scales(config, self.kv_spec),
                                 key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
         if backend == "cpu_paged":
             self.model.enable_native_kernels()
@@ -233,13 +233,9 @@ class LLMEngine:
         self.rotates_kv = config.rotates_kv(self.kv_spec.head_dim)
         if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
             raise ValueError(f"--kv-hadamard needs a power-of-two head dim; {config.model} has {self.kv_spec.head_dim}")
-        self.num_residual_blocks = self.kv_spec.residual_blocks(config.max_num_seqs, config.max_num_batched_tokens)
-        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB, self.num_residual_blocks)
+        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
         if num_blocks <= 0:
-            residual = self.num_residual_blocks * self.kv_spec.residual_block_bytes
-            apart = (f" after the {residual / GIB:.3f} GiB that {self.kv_spec.kv_dtype} sets apart for its full-precision residual "
-                     "(--kv-quant-residual, --kv-quant-sink-block, --max-num-seqs)") if residual else ""  # fmt: skip
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes{apart}")
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes")
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
         if config.max_model_len is None:
@@ -262,8 +258,7 @@ class LLMEngine:
         if config.enable_prefix_caching:
             kind = RadixPrefixCache if config.prefix_cache == "radix" else HashPrefixCache
             prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity))
-        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache,
-                                 self.num_residual_blocks)  # fmt: skip
+        self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -822,9 +817,10 @@ class LLMEngine:
             "scale_bytes_per_token": self.kv_spec.scale_bytes_per_token,
             # tokens of every layer the pool holds (a sliding-window model holds longer sequences: max_model_len)
             "token_capacity": self.kv.num_blocks * self.kv_spec.block_size // len(self.kv.groups),
-            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block + self.num_residual_blocks * self.kv_spec.residual_block_bytes,
+            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block,
             "kv_cache_dtype": self.kv_spec.kv_dtype,
-            "kv_quant_residual_blocks": self.num_residual_blocks,
+            # int4 / int2: the full-precision blocks the pool could hold at once (they share its bytes)
+            "kv_quant_residual_blocks": self.kv.residual_pool.num_blocks if self.kv.residual_pool is not None else 0,
             "kv_key_centering": self.config.centers_keys,
             "kv_hadamard": self.rotates_kv,
             "kv_quant_sink_block": bool(self.kv_spec.quant_sink_blocks),

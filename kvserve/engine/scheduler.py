@@ -183,7 +183,7 @@ class Scheduler:
         parent.forks.remove(fork)
         fork.fork_parent = None
         _share_prompt_scores(parent, fork)
-        if parent.num_computed_tokens % self.kv.block_size and self.kv.num_free_blocks < len(self.kv.groups):
+        if parent.num_computed_tokens % self.kv.block_size and self.kv.num_free_fresh_blocks < len(self.kv.groups):
             self.add(fork)
             return
         self.kv.fork(parent.request_id, fork.request_id, parent.num_computed_tokens)

@@ -37,13 +37,17 @@ def kv_view(
 ) -> args.KVView:  # fmt: skip
     """The kernels' view of one layer's K and V (kv/pool.py's layout for `spec`, a KVCacheSpec):
     float blocks key/value [slots, kv_heads, head_dim] (contiguous), and for a quantized format its
-    byte records [num_blocks, record_bytes], with the float blocks then a KIVI cache's residual
-    ones, from block id first_residual on. The caller keeps the tensors alive as long as the view."""
+    byte records [num_blocks, record_bytes], with a KIVI cache's full-precision blocks key/value
+    [blocks, block_size, kv_heads, head_dim] (rows contiguous, any block stride) from block id
+    first_residual on. The caller keeps the tensors alive as long as the view."""
     heads, dim, bs = spec.num_kv_heads, spec.head_dim, spec.block_size
-    for tensor in (key, value, key_records, value_records):
+    blocked = key_records is not None and key is not None
+    for tensor in (key_records, value_records) + (() if blocked else (key, value)):
         if tensor is not None and not tensor.is_contiguous():
             raise ValueError("kv_view: the pool's tensors must be contiguous")
-    float_stride = (bs * heads * dim, heads * dim)
+    if blocked and any(t is None or t.dim() != 4 or t.stride()[1:] != (heads * dim, dim, 1) or t.stride(0) != key.stride(0) for t in (key, value)):
+        raise ValueError("kv_view: full-precision blocks [blocks, block_size, kv_heads, head_dim] with contiguous rows")
+    float_stride = (key.stride(0), heads * dim) if blocked else (bs * heads * dim, heads * dim)
     if key_records is None:
         return args.KVView(
             key.data_ptr(), value.data_ptr(), None, None, *float_stride, 0, 0, NO_RESIDUAL, _DTYPE_CODES[key.dtype],

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvserve.kv.arena import BlockArena
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import block_hash, chain_hashes
 from kvserve.kv.prefix import PrefixCache, PrefixHit
@@ -34,17 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int, prefix_cache: PrefixCache | None = None,
-        num_residual_blocks: int = 0,
-    ) -> None:  # fmt: skip
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_seq: int, prefix_cache: PrefixCache | None = None) -> None:
         self.spec = spec
         self.groups = spec.groups
         self.block_size = spec.block_size
-        self.pool = BlockPool(num_blocks)
         # KIVI formats: new tokens go to full-precision blocks (ids from num_blocks on), quantized
-        # into blocks of the pool once full and older than the residual window
-        self.residual_pool = BlockPool(num_residual_blocks, first_id=num_blocks) if num_residual_blocks else None
+        # once full and older than the residual window; both kinds share the pool's bytes (kv/arena.py)
+        self.arena = BlockArena(num_blocks, spec.residual_units) if spec.residual_units else None
+        self.pool = self.arena.quantized if self.arena is not None else BlockPool(num_blocks)
+        self.residual_pool = self.arena.residual if self.arena is not None else None
         self._fresh = self.residual_pool or self.pool
         self.pending_quantization: list[tuple[KVBlock, KVBlock]] = []  # (residual block, quantized block)
         self._quantized: dict[str, list[int]] = {}  # per request and group: leading blocks already considered
@@ -93,6 +92,10 @@ class KVCacheManager:
 
     def _pool_of(self, block: KVBlock) -> BlockPool:
         return self.residual_pool if self.residual_pool is not None and block.block_id >= self.pool.num_blocks else self.pool
+
+    def _units(self, block: KVBlock) -> int:
+        """The pool's blocks `block` takes: a KIVI cache's full-precision block takes several."""
+        return self.spec.residual_units if self._pool_of(block) is self.residual_pool else 1
 
     def _touch(self, block: KVBlock) -> None:
         self._pool_of(block).touch(block)
@@ -152,12 +155,18 @@ class KVCacheManager:
         if hit is not None:
             taken = {id(b): b for row in hit.blocks for b in row if b is not None}
             taken.update({id(src): src for _, src, _ in hit.copies})
-            need += sum(1 for b in taken.values() if b.ref_count == 0) + len(hit.copies)
+            need += sum(self._units(b) for b in taken.values() if b.ref_count == 0) + len(hit.copies) * max(self.spec.residual_units, 1)
         if self.residual_pool is not None:
+            need += (self.spec.residual_units - 1) * self.spec.residual_peak_blocks(num_tokens, chunk)
             first_chunk = len(self.groups) * (blocks_for_tokens(min(chunk, num_tokens), self.block_size) + 1)
-            if first_chunk > self.residual_pool.num_free_blocks:
+            if first_chunk + (len(hit.copies) if hit is not None else 0) > self.residual_pool.num_free_blocks:
                 return False
         return need <= self.pool.num_free_blocks
+
+    @property
+    def num_free_fresh_blocks(self) -> int:
+        """Blocks new tokens (and copies of partly filled blocks) can take now: a KIVI cache's full-precision ones."""
+        return self._fresh.num_free_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def lookup(self, request_id: str, token_ids: Sequence[int], salt: str | None, limit: int | None = None) -> PrefixHit:
@@ -338,25 +347,29 @@ class KVCacheManager:
     # ------------------------------------------------------------------ KIVI's residual
     def plan_quantization(self, request_id: str, num_computed: int) -> None:
         """Move the request's residual blocks that are full and older than the residual window, but
-        its sink block, to fresh quantized blocks (the caller converts them: take_quantization)."""
+        its sink block, to quantized blocks (kv/arena.py picks them; the caller converts them, every
+        pair before anything else runs: take_quantization)."""
         tables = self._tables.get(request_id)
-        if self.residual_pool is None or tables is None:
+        if self.arena is None or tables is None:
             return
         bs = self.block_size
         ready = max(0, num_computed - self.spec.quant_residual) // bs  # blocks wholly before the residual
         done = self._quantized.setdefault(request_id, [0] * len(self.groups))
         row = self._rows[request_id]
+        todo = []
         for g, table in enumerate(tables):
-            for i in range(max(done[g], self.spec.quant_sink_blocks), min(ready, len(table))):
-                block = table[i]
-                if block is not None and block.block_id >= self.pool.num_blocks:
-                    if not self.pool.num_free_blocks:
-                        return  # quantized later, when a block is free
-                    (target,) = self.pool.allocate(1, g)
-                    table[i] = target
-                    self._ids[g][row, i] = target.block_id
-                    self.pending_quantization.append((block, target))
-                done[g] = i + 1
+            end = min(ready, len(table))
+            todo += [(g, i, table[i]) for i in range(max(done[g], self.spec.quant_sink_blocks), end)
+                     if table[i] is not None and table[i].block_id >= self.pool.num_blocks]  # fmt: skip
+            done[g] = max(done[g], end)
+        targets = self.arena.quantize_targets([(block, g) for g, _, block in todo])
+        for (g, i, block), target in zip(todo, targets):
+            if target is None:  # shared and no free block: tried again next step
+                done[g] = min(done[g], i)
+                continue
+            tables[g][i] = target
+            self._ids[g][row, i] = target.block_id
+            self.pending_quantization.append((block, target))
 
     def take_quantization(self) -> list[tuple[KVBlock, KVBlock]]:
         """(residual, quantized) block pairs to convert now; then release_quantized."""

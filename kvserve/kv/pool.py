@@ -70,7 +70,9 @@ class LayerKV:
     spec: KVCacheSpec
     group: int  # the KV cache group whose block tables address it
     block_size: int
-    key: torch.Tensor | None  # float blocks [slots, kv_heads, head_dim] (of a float cache, or a KIVI cache's residual)
+    # float blocks: a float cache's [slots, kv_heads, head_dim]; a KIVI cache's full-precision ones
+    # [blocks, block_size, kv_heads, head_dim], laid over its records (PagedKVPool.residual_view)
+    key: torch.Tensor | None
     value: torch.Tensor | None
     key_records: torch.Tensor | None  # quantized blocks [num_blocks, record_bytes]
     value_records: torch.Tensor | None
@@ -88,10 +90,14 @@ class LayerKV:
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens' K/V [T, kv_heads, head_dim] at their slots (block id * block_size + offset);
         a centered cache stores k - key_center."""
-        if self.key_records is None or self.spec.format.kind == "kivi":
-            offset = self.first_residual * self.block_size if self.key_records is not None else 0
-            self.key.index_copy_(0, slots - offset, k.to(self.key.dtype))
-            self.value.index_copy_(0, slots - offset, v.to(self.value.dtype))
+        if self.key_records is None:
+            self.key.index_copy_(0, slots, k.to(self.key.dtype))
+            self.value.index_copy_(0, slots, v.to(self.value.dtype))
+            return
+        if self.spec.format.kind == "kivi":
+            blocks, within = slots // self.block_size - self.first_residual, slots % self.block_size
+            self.key[blocks, within] = k.to(self.key.dtype)
+            self.value[blocks, within] = v.to(self.value.dtype)
             return
         spec = self.spec
         if self.key_records.device.type == "cpu" and kernels.cpu_kernels_available():
@@ -119,16 +125,16 @@ class LayerKV:
                 main = flat.clamp(max=records.shape[0] - 1)
                 blocks = quant.decode(spec, records.index_select(0, main), which)
                 if fp is not None:
-                    residual = (flat - self.first_residual).clamp(0, fp.shape[0] // bs - 1)
+                    residual = (flat - self.first_residual).clamp(0, fp.shape[0] - 1)
                     in_residual = (flat >= self.first_residual).view(-1, 1, 1, 1)
-                    blocks = torch.where(in_residual, fp.view(-1, bs, heads, dim).index_select(0, residual).float(), blocks)
+                    blocks = torch.where(in_residual, fp.index_select(0, residual).float(), blocks)
             out.append(blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, heads, dim))
         return out[0], out[1]
 
 
 class PagedKVPool:
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_residual_blocks: int = 0,
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
         scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None, key_centering: bool = False, rotate: bool = False,
     ) -> None:  # fmt: skip
         self.spec = spec
@@ -136,16 +142,20 @@ class PagedKVPool:
         self.rotation = Rotation(spec.head_dim, device) if rotate else None
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
-        self.num_residual_blocks = num_residual_blocks if spec.format.kind == "kivi" else 0
         fmt = spec.format
         groups, bs = spec.layers_per_group, spec.block_size
-        float_blocks = num_blocks if not fmt.quantized else self.num_residual_blocks
-        self.kv = _zeroed((groups, 2, float_blocks * bs, spec.num_kv_heads, spec.head_dim), spec.torch_dtype, device) if float_blocks else None
+        # a KIVI cache's full-precision blocks share the records' bytes (kv/arena.py): block num_blocks + c
+        # lies over quantized blocks c * residual_units onwards
+        self.num_residual_blocks = num_blocks // spec.residual_units if spec.residual_units else 0
         self.records = _zeroed((groups, 2, num_blocks, spec.record_bytes), torch.uint8, device) if fmt.quantized else None
         if not fmt.quantized:
+            self.kv = _zeroed((groups, 2, num_blocks * bs, spec.num_kv_heads, spec.head_dim), spec.torch_dtype, device)
             self.first_residual = 0
+        elif self.num_residual_blocks:
+            self.kv = self.residual_view()
+            self.first_residual = num_blocks
         else:
-            self.first_residual = num_blocks if self.num_residual_blocks else NO_RESIDUAL
+            self.kv, self.first_residual = None, NO_RESIDUAL
         # int8 / fp8 keys are stored minus a per-layer, per-head center (zero until set_key_centers)
         centered = key_centering and fmt.kind == "scaled"
         self.key_centers = torch.zeros(spec.num_layers, spec.num_kv_heads, spec.head_dim, device=device) if centered else None
@@ -173,16 +183,27 @@ class PagedKVPool:
             view = kernels.kv_view(self.spec, key, value, key_records, value_records, self.first_residual if key_records is not None else kernels.NO_RESIDUAL)
         return LayerKV(self.spec, group, self.block_size, key, value, key_records, value_records, self.first_residual, view, scales, key_center)
 
+    def residual_view(self) -> torch.Tensor:
+        """The full-precision blocks of a KIVI cache over its records: [layers_per_group, 2, blocks,
+        block_size, kv_heads, head_dim], block c from byte c * residual_units * record_bytes of each
+        layer's K (V) records on."""
+        spec = self.spec
+        element = spec.torch_dtype.itemsize
+        if spec.record_bytes % element:
+            raise ValueError(f"{spec.kv_dtype} records of {spec.record_bytes} bytes do not align {spec.residual_dtype} blocks")
+        groups, units, heads, dim = spec.layers_per_group, self.num_blocks * spec.record_bytes // element, spec.num_kv_heads, spec.head_dim
+        shape = (groups, 2, self.num_residual_blocks, self.block_size, heads, dim)
+        strides = (2 * units, units, spec.residual_units * spec.record_bytes // element, heads * dim, dim, 1)
+        return self.records.view(spec.torch_dtype).as_strided(shape, strides)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.records) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.kv if self.records is None else None, self.records) if t is not None)
 
     def _float_block(self, block_id: int) -> torch.Tensor:
         """A block, every layer of its group, in float: [layers_per_group, 2, block_size, kv_heads, head_dim]."""
-        bs = self.block_size
         if block_id >= self.first_residual:
-            start = (block_id - self.first_residual) * bs
-            return self.kv[:, :, start : start + bs].float()
+            return self._block_view(block_id).float()
         layers = [torch.stack([quant.decode(self.spec, self.records[j, w, block_id][None], which)[0]
                                for w, which in enumerate(("key", "value"))]) for j in range(self.spec.layers_per_group)]  # fmt: skip
         return torch.stack(layers)
@@ -191,9 +212,11 @@ class PagedKVPool:
         """Copy the first `slots` tokens of block `source` into block `target`, every layer (a partial
         prefix hit, a fork's partly filled block); the target is a float block of a KIVI cache."""
         bs = self.block_size
-        if self.records is None or self.spec.format.kind == "kivi":
-            start = (target - self.first_residual) * bs if self.records is not None else target * bs
-            self.kv[:, :, start : start + slots].copy_(self._float_block(source)[:, :, :slots])
+        if self.records is None:
+            self.kv[:, :, target * bs : target * bs + slots].copy_(self._float_block(source)[:, :, :slots])
+            return
+        if self.spec.format.kind == "kivi":
+            self.kv[:, :, target - self.first_residual, :slots].copy_(self._float_block(source)[:, :, :slots])
             return
         data, scales = quant.data_rows, quant.scale_rows
         for j in range(self.spec.layers_per_group):
@@ -234,13 +257,12 @@ class PagedKVPool:
         """Quantize full residual blocks into quantized ones: (residual block id, quantized block id) pairs."""
         if not pairs:
             return
-        bs = self.block_size
-        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
         source = torch.tensor([s - self.first_residual for s, _ in pairs], device=self.kv.device)
         target = torch.tensor([t for _, t in pairs], device=self.kv.device)
         for j in range(self.spec.layers_per_group):
             for w, which in enumerate(("key", "value")):
-                blocks = self.kv[j, w].view(-1, bs, heads, dim).index_select(0, source)
+                # every source is read before any target is written: a target may lie in a source's bytes
+                blocks = self.kv[j, w].index_select(0, source)
                 self.records[j, w].index_copy_(0, target, quant.encode(self.spec, blocks, which))
 
     def _block_view(self, block_id: int) -> torch.Tensor:
@@ -248,8 +270,9 @@ class PagedKVPool:
         [layers_per_group, 2, block_size, kv_heads, head_dim], quantized ones [layers_per_group, 2, record_bytes]."""
         if block_id < self.first_residual and self.records is not None:
             return self.records[:, :, block_id]
-        start = (block_id - self.first_residual) * self.block_size
-        return self.kv[:, :, start : start + self.block_size]
+        if self.records is not None:
+            return self.kv[:, :, block_id - self.first_residual]
+        return self.kv[:, :, block_id * self.block_size : (block_id + 1) * self.block_size]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block, every layer of its group, as stored (a contiguous copy)."""
@@ -257,7 +280,8 @@ class PagedKVPool:
 
     def block_bytes(self, block_id: int) -> bytes:
         """read_block's data as bytes: what a KV tier stores for the block."""
-        view = self._block_view(block_id).view(torch.uint8)
+        view = self._block_view(block_id)
+        view = (view if view.is_contiguous() else view.contiguous()).view(torch.uint8)
         if view.device.type == "cpu":
             return view.numpy().tobytes()  # one gathering copy, no torch op (no OpenMP team woken for a small copy)
         return view.contiguous().cpu().numpy().tobytes()

@@ -260,31 +260,53 @@ class KVCacheSpec:
         """One full-precision block of one group (quantized formats keep recent tokens in those)."""
         return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * self.head_dim * KV_FORMATS[self.residual_dtype].bits // 8
 
-    def residual_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        """Full-precision blocks a KIVI cache (int4, int2) sets apart: per running sequence and group
-        its residual (or window), a partly filled block and its sink block, plus one step's worth of new tokens."""
+    @property
+    def residual_units(self) -> int:
+        """Quantized blocks' room one full-precision block of a KIVI cache (int4, int2) takes: both
+        kinds are carved from the same bytes (kv/arena.py), a full-precision block from that many
+        consecutive quantized ones. 0 for other formats."""
         if self.format.kind != "kivi":
             return 0
-        per_seq = sum(blocks_for_tokens(min(self.quant_residual, g.window or self.quant_residual), self.block_size) + 2 + self.quant_sink_blocks
-                      for g in self.groups)
-        return max_num_seqs * per_seq + len(self.groups) * (blocks_for_tokens(max_num_batched_tokens, self.block_size) + 1)
+        return -(-self.residual_block_bytes // self.bytes_per_block)
+
+    def residual_blocks_held(self, num_tokens: int) -> int:
+        """Full-precision blocks of every group a KIVI sequence with num_tokens computed holds between
+        steps: its sink block, the blocks of its residual window and the partly filled one."""
+        if self.format.kind != "kivi":
+            return 0
+        bs, recent = self.block_size, blocks_for_tokens(self.quant_residual, self.block_size) + 1
+        return sum(min(g.blocks_held(num_tokens, bs), recent + self.quant_sink_blocks) for g in self.groups)
+
+    def residual_peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Full-precision blocks of every group a KIVI sequence holds at most during a step on its way
+        to num_tokens: a step's new tokens are stored in full precision and quantized after it."""
+        if self.format.kind != "kivi":
+            return 0
+        bs = self.block_size
+        recent = blocks_for_tokens(self.quant_residual, bs) + blocks_for_tokens(min(chunk, num_tokens), bs) + 1 + self.quant_sink_blocks
+        return sum(min(g.peak_blocks(num_tokens, bs, chunk), recent) for g in self.groups)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The element type of the float blocks: all of a float cache's, a KIVI cache's residual ones."""
         return KV_FORMATS[self.kv_dtype if not self.format.quantized else self.residual_dtype].torch_dtype
 
-    def num_blocks_for_memory(self, memory_bytes: float, residual_blocks: int = 0) -> int:
-        return int((memory_bytes - residual_blocks * self.residual_block_bytes) // self.bytes_per_block)
+    def num_blocks_for_memory(self, memory_bytes: float) -> int:
+        """Blocks memory_bytes holds (a KIVI cache's full-precision blocks are taken from them as needed)."""
+        return int(memory_bytes // self.bytes_per_block)
 
     # ------------------------------------------------------------------ one sequence's needs
     def blocks_held(self, num_tokens: int) -> int:
-        """Blocks of every group a sequence with num_tokens computed holds between steps."""
-        return sum(g.blocks_held(num_tokens, self.block_size) for g in self.groups)
+        """Blocks of every group a sequence with num_tokens computed holds between steps (a KIVI
+        cache's full-precision ones counted as the quantized blocks they take)."""
+        whole = sum(g.blocks_held(num_tokens, self.block_size) for g in self.groups)
+        return whole + max(self.residual_units - 1, 0) * self.residual_blocks_held(num_tokens)
 
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
-        """Blocks of every group a sequence needs at most on its way to num_tokens, `chunk` tokens per step at most."""
-        return sum(g.peak_blocks(num_tokens, self.block_size, chunk) for g in self.groups)
+        """Blocks of every group a sequence needs at most on its way to num_tokens, `chunk` tokens per
+        step at most; a KIVI cache counts a full-precision block as the quantized blocks it takes."""
+        whole = sum(g.peak_blocks(num_tokens, self.block_size, chunk) for g in self.groups)
+        return whole + max(self.residual_units - 1, 0) * self.residual_peak_blocks(num_tokens, chunk)
 
     def max_tokens(self, num_blocks: int, chunk: int, limit: int) -> int:
         """The longest sequence (at most `limit` tokens) whose peak need fits num_blocks; 0 if none does."""

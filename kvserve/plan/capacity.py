@@ -51,7 +51,7 @@ class Workload:
     shared_prefix_seqs: int = 0
     max_num_batched_tokens: int = 2048  # the engine's prefill chunk: a sliding-window group holds a chunk and its window
     max_model_len: int = NO_LIMIT  # the model's context, when known
-    max_num_seqs: int = 64  # int4 / int2 set full-precision residual blocks apart for this many running sequences
+    max_num_seqs: int = 64
 
     def __post_init__(self) -> None:
         if not self.seq_lens:
@@ -122,10 +122,11 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
 def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> dict:
     """What the budget holds, and what the workload would need from it."""
     chunk = workload.max_num_batched_tokens
-    # int4 / int2 keep each running sequence's recent tokens in full-precision blocks set apart first
-    residual_blocks = spec.residual_blocks(workload.max_num_seqs, chunk)
-    residual_bytes = residual_blocks * spec.residual_block_bytes
-    num_blocks = max(spec.num_blocks_for_memory(budget.kv_bytes, residual_blocks), 0)
+    num_blocks = max(spec.num_blocks_for_memory(budget.kv_bytes), 0)
+    # int4 / int2 keep each sequence's recent tokens in full-precision blocks taken from the same pool
+    # (physical_bytes counts them between steps); the most they hold at once, every block one:
+    residual_blocks = num_blocks // spec.residual_units if spec.residual_units else 0
+    residual_bytes = sum(spec.residual_blocks_held(n) for n in workload.seq_lens) * spec.residual_units * spec.bytes_per_block
     mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
     max_seqs = int(num_blocks * spec.bytes_per_block // mean_physical)
     longest = max(workload.seq_lens)
@@ -134,7 +135,7 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     extra = max(spec.peak_blocks(n, chunk) - spec.blocks_held(n) for n in set(workload.seq_lens)) * spec.bytes_per_block
     # the engine admits --max-model-len only if its pool holds one sequence of that length at its peak
     longest_blocks = spec.peak_blocks(longest, chunk)
-    required = max(needed + extra, longest_blocks * spec.bytes_per_block) + residual_bytes
+    required = max(needed + extra, longest_blocks * spec.bytes_per_block)
     required_memory = budget.weights_gib + budget.headroom_gib + required / GIB
     result = {
         "kv_budget_bytes": budget.kv_bytes,
@@ -153,8 +154,6 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
         # max_seqs counts sequences of the mean size without prefix sharing; a workload that fits runs whole
         all_at_once = len(workload.seq_lens) if result["fits"] else 1
         max_num_seqs = max(max_seqs, all_at_once)
-        if residual_blocks:  # the residual blocks were set apart for --max-num-seqs sequences, no more
-            max_num_seqs = min(max_num_seqs, workload.max_num_seqs)
         result["recommended"] = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": chunk,

@@ -64,8 +64,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--replay", default=None, metavar="TRACE", help="JSONL trace to replay through the scheduler")
     rep.add_argument("--kv-cache-memory", type=float, default=None, help="replay: GiB of KV pool (default: the planned budget, else 2)")
     rep.add_argument("--num-kv-blocks", type=int, default=None, help="replay: exact number of KV blocks")
-    rep.add_argument("--max-num-seqs", type=int, default=64,
-                     help="sequences per step (replay); int4/int2 set full-precision residual blocks apart for this many")
+    rep.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (replay)")
     rep.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget per step: the prefill chunk a sliding-window layer holds with its window (and replay's)")
     rep.add_argument("--max-model-len", type=int, default=None, help="replay: longest sequence")
@@ -200,14 +199,14 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
     ]
     need = f"{_fmt_bytes(required)} of {kv_dtype} KV"
     parts = []
-    if required - result["residual_bytes"] > result["shared_bytes"]:
-        parts.append(f"{_fmt_bytes(required - result['residual_bytes'] - result['shared_bytes'])} more than its blocks between steps "
+    if required > result["shared_bytes"]:
+        parts.append(f"{_fmt_bytes(required - result['shared_bytes'])} more than its blocks between steps "
                      "while one prefill chunk runs: the chunk and the window before it in each sliding-window group "
                      f"(or a whole sequence of --max-model-len {longest} at its peak)")  # fmt: skip
     if result["residual_bytes"]:
         sink = result.get("shape", {}).get("kv_quant_sink_block", True)
-        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of full-precision residual blocks for the recent tokens"
-                     f"{' and first block' if sink else ''} of --max-num-seqs sequences")  # fmt: skip
+        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of it in full-precision blocks for each sequence's recent tokens"
+                     f"{' and first block' if sink else ''}, taken from the pool as they are needed")  # fmt: skip
     if parts:
         need += " (" + "; ".join(parts) + ")"
     if result["fits"]:
