@@ -198,7 +198,8 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv if self.records is None else None, self.records) if t is not None)
+        held = self.records if self.records is not None else self.kv  # a KIVI cache's kv is a view of its records
+        return held.numel() * held.element_size()
 
     def _float_block(self, block_id: int) -> torch.Tensor:
         """A block, every layer of its group, in float: [layers_per_group, 2, block_size, kv_heads, head_dim]."""
