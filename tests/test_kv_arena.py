@@ -280,6 +280,13 @@ def test_the_snapshot_shows_a_full_precision_block_over_its_units():
     assert states[c * 4 : c * 4 + 4] == ["owned"] * 4 and states[d * 4 : d * 4 + 4] == ["cached"] * 4
     assert states[unit.block_id] == "owned" and unit.block_id >= 8  # the tail, not a whole chunk
     assert states.count("free") + states.count("cached") == arena.quantized.num_free_blocks
+    # the residual pool's grid: a chunk its quantized blocks hold is not free for a full-precision block
+    arena.quantized.allocate(1)  # the tail's last loose unit
+    (q,) = arena.quantize_targets([(held, 0)])  # over its own bytes: its chunk now holds a quantized block
+    arena.residual.free([held])
+    chunks = [STATES[s] for s in block_states(arena.residual)]
+    assert chunks[c] == "owned" and chunks[d] == "cached" and q.block_id == c * 4
+    assert chunks.count("free") + chunks.count("cached") == arena.residual.num_free_blocks
 
 
 def test_samples_sharing_a_prompt_quantize_their_shared_blocks_apart(tiny_dir):
@@ -304,4 +311,29 @@ def test_samples_sharing_a_prompt_quantize_their_shared_blocks_apart(tiny_dir):
         out = llm.generate([prompt], SamplingParams(n=3, max_tokens=60, temperature=0, ignore_eos=True), use_tqdm=False)
         assert [o.token_ids for o in out] == [one] * 3, blocks
         assert shared and llm.stats()["num_preemptions"] == 0
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize(("kv_dtype", "dtype"), [("int4", "bfloat16"), ("int4", "float32"), ("int2", "bfloat16")])
+def test_every_request_a_small_pool_accepts_runs(tiny_dir, kv_dtype, dtype):
+    """A pool of a few chunks: --max-model-len counts whole chunks for a sequence's full-precision
+    blocks (a prompt just under it used to be accepted and never admitted, the engine spinning), and
+    a preempted fork comes back. Every request within max_model_len finishes, alone and as n=2."""
+    path = str(tiny_dir("qwen3"))
+    for blocks in (8, 10, 16, 25, 40, 70):
+        try:
+            llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_dtype, num_kv_blocks=blocks, enable_prefix_caching=False)
+        except ValueError as e:  # too small for a sequence of two tokens: said at start
+            assert "cannot hold" in str(e) or "holds no" in str(e)
+            continue
+        engine = llm.engine
+        longest = engine.max_model_len
+        for prompt_len, n in ((longest - 4, 1), (max(1, longest // 2 - 4), 2), (5, 2)):
+            engine.add_request(random_prompts(1, prompt_len, prompt_len, seed=blocks)[0],
+                               SamplingParams(n=n, max_tokens=longest - prompt_len, temperature=0, ignore_eos=True))  # fmt: skip
+        for _ in range(5000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        assert not engine.has_unfinished_requests(), (blocks, longest)
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]

@@ -46,6 +46,10 @@ class BlockArena:
         """Chunks whose bytes hold a full-precision block (held, or free and cached)."""
         return [c for c, mode in enumerate(self._residual_mode) if mode]
 
+    def chunks_in_use(self) -> list[bool]:
+        """Per chunk: something holds it (a full-precision block, or quantized blocks)."""
+        return [held > 0 for held in self._held[: self.num_chunks]]
+
     def chunk_of(self, unit: int) -> int:
         return min(unit // self.residual_units, self.num_chunks)
 

@@ -158,8 +158,10 @@ class KVCacheManager:
             need += sum(self._units(b) for b in taken.values() if b.ref_count == 0) + len(hit.copies) * max(self.spec.residual_units, 1)
         if self.residual_pool is not None:
             need += (self.spec.residual_units - 1) * self.spec.residual_peak_blocks(num_tokens, chunk)
-            first_chunk = len(self.groups) * (blocks_for_tokens(min(chunk, num_tokens), self.block_size) + 1)
-            if first_chunk + (len(hit.copies) if hit is not None else 0) > self.residual_pool.num_free_blocks:
+            # the first step's tokens (and a partial hit's copied block) take full-precision blocks, whole chunks
+            start = hit.num_tokens if hit is not None else 0
+            first_step = len(self.groups) * (blocks_for_tokens(min(num_tokens, start + chunk), self.block_size) - start // self.block_size)
+            if first_step > self.residual_pool.num_free_blocks:
                 return False
         return need <= self.pool.num_free_blocks
 

@@ -308,14 +308,23 @@ class KVCacheSpec:
         whole = sum(g.peak_blocks(num_tokens, self.block_size, chunk) for g in self.groups)
         return whole + max(self.residual_units - 1, 0) * self.residual_peak_blocks(num_tokens, chunk)
 
+    def min_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The smallest pool that holds one sequence of num_tokens at its peak: its blocks (a KIVI
+        cache's full-precision ones at the room they take), and for KIVI enough whole chunks of
+        `residual_units` blocks for its full-precision blocks at once."""
+        return max(self.peak_blocks(num_tokens, chunk), self.residual_peak_blocks(num_tokens, chunk) * self.residual_units)
+
+    def fits(self, num_tokens: int, num_blocks: int, chunk: int) -> bool:
+        return self.min_blocks(num_tokens, chunk) <= num_blocks
+
     def max_tokens(self, num_blocks: int, chunk: int, limit: int) -> int:
         """The longest sequence (at most `limit` tokens) whose peak need fits num_blocks; 0 if none does."""
-        if self.peak_blocks(1, chunk) > num_blocks:
+        if not self.fits(1, num_blocks, chunk):
             return 0
         low, high = 1, limit
         while low < high:
             mid = (low + high + 1) // 2
-            if self.peak_blocks(mid, chunk) <= num_blocks:
+            if self.fits(mid, num_blocks, chunk):
                 low = mid
             else:
                 high = mid - 1

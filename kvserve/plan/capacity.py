@@ -134,7 +134,7 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     # chunk per step) also holds a whole chunk and the window before it in each sliding-window group
     extra = max(spec.peak_blocks(n, chunk) - spec.blocks_held(n) for n in set(workload.seq_lens)) * spec.bytes_per_block
     # the engine admits --max-model-len only if its pool holds one sequence of that length at its peak
-    longest_blocks = spec.peak_blocks(longest, chunk)
+    longest_blocks = spec.min_blocks(longest, chunk)
     required = max(needed + extra, longest_blocks * spec.bytes_per_block)
     required_memory = budget.weights_gib + budget.headroom_gib + required / GIB
     result = {

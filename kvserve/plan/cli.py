@@ -205,7 +205,7 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
                      f"(or a whole sequence of --max-model-len {longest} at its peak)")  # fmt: skip
     if result["residual_bytes"]:
         sink = result.get("shape", {}).get("kv_quant_sink_block", True)
-        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of it in full-precision blocks for each sequence's recent tokens"
+        parts.append(f"{_fmt_bytes(result['residual_bytes'])} of it between steps in full-precision blocks for each sequence's recent tokens"
                      f"{' and first block' if sink else ''}, taken from the pool as they are needed")  # fmt: skip
     if parts:
         need += " (" + "; ".join(parts) + ")"

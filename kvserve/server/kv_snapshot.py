@@ -17,7 +17,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.kv.arena import QuantizedBlocks
+from kvserve.kv.arena import QuantizedBlocks, ResidualBlocks
 from kvserve.kv.block_pool import BlockPool
 from kvserve.server.prefix_tree import prefix_tree, tree_group
 
@@ -28,13 +28,15 @@ USAGE_HIGH, USAGE_LOW = 0.9, 0.5  # the alert rules' lines (deploy/prometheus/kv
 _REF_COUNT, _HASH = attrgetter("ref_count"), attrgetter("block_hash")
 
 
-def block_states(pool: BlockPool | QuantizedBlocks) -> np.ndarray:
+def block_states(pool: BlockPool | QuantizedBlocks | ResidualBlocks) -> np.ndarray:
     """Each block's state, an index into STATES. A KIVI cache's quantized blocks under a full-precision
     block (kv/arena.py) take that block's state: its bytes are theirs."""
     blocks, n = pool.blocks, pool.num_blocks
     refs = np.fromiter(map(_REF_COUNT, blocks), np.int32, n)  # one C-level pass per field: ~10 ms per 100K blocks
     cached = np.fromiter(map(_HASH, blocks), object, n) != None  # noqa: E711 (elementwise)
     states = np.where(refs >= 2, 3, np.where(refs == 1, 2, np.where(cached, 1, 0))).astype(np.int8)
+    if isinstance(pool, ResidualBlocks):  # a chunk holding quantized blocks is not free for a full-precision one
+        states[(states == 0) & np.asarray(pool.arena.chunks_in_use()[: len(states)], bool)] = 2
     if isinstance(pool, QuantizedBlocks):
         arena = pool.arena
         chunks = arena.full_precision_chunks()
