@@ -378,3 +378,14 @@ def test_plan_refuses_the_weight_dtypes_the_engine_refuses():
                          (("--dtype", "float16", "--weight-dtype", "gguf"), "float32 or bfloat16 activations")):  # fmt: skip
         proc = run_plan("--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--seq-lens", "100", *flags)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_replay_rounds_an_int4_block_size_as_the_planner_does(tiny_dir, tmp_path):
+    """int4's blocks hold whole key groups: replay rounds --block-size 16 (the default) up to 32 as
+    the plan and the engine do, instead of refusing, and runs the trace."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_len": n, "output_len": 8}) for n in (40, 100, 180)) + "\n")
+    out = plan_json("--model", str(tiny_dir("qwen3")), "--replay", str(trace), "--kv-dtype", "int4", "--num-kv-blocks", "60")
+    replay = out["replay"]
+    assert replay["block_size"] == out["block_size"] == 32 and replay["num_requests"] == 3
+    assert replay["generation_tokens"] == 24 and replay["prompt_tokens"] == 320

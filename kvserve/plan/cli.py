@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvserve.config import WEIGHT_DTYPES
-from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, normalize_kv_dtype
+from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, block_size_for, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan, tier_tokens
 from kvserve.plan.replay import read_trace, replay
@@ -348,7 +348,7 @@ def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | Non
     memory = args.kv_cache_memory or (budget.kv_bytes / GIB if budget else 2.0)
     pool_dtype = kv_dtype if kv_dtype in ("float32", "bfloat16", "float16") else "float16"
     config = EngineConfig(
-        model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=args.block_size,
+        model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=block_size_for(kv_dtype, args.block_size),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=memory, num_kv_blocks=args.num_kv_blocks,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, kv_quant_residual=shape.quant_residual,
