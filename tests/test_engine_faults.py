@@ -57,3 +57,24 @@ def test_offline_generate_reports_a_failed_step(llm):
     outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert outs[0].finish_reason == "error" and "second step" in outs[0].error and len(outs[0].token_ids) == 1
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_request_an_empty_pool_never_admits_fails_instead_of_spinning(llm):
+    """The backstop behind --max-model-len's sizing: should admission refuse a request even with the
+    whole pool free (a sizing bug, as int4's chunks once were), that request fails with a reason and
+    the requests behind it run; the engine does not step forever."""
+    engine: LLMEngine = llm.engine
+    admit = engine.kv.can_admit
+    engine.kv.can_admit = lambda request_id, num_tokens, chunk, hit=None: num_tokens < 40 and admit(request_id, num_tokens, chunk, hit)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(5, 55)), params, request_id="big")
+    engine.add_request([5, 6, 7], params, request_id="small")
+    outputs = {}
+    for _ in range(50):
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert outputs["big"].finish_reason == "error" and "cannot hold" in outputs["big"].error
+    assert outputs["small"].finish_reason == "length" and not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

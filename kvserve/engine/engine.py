@@ -556,11 +556,26 @@ class LLMEngine:
             pending = self.scheduler.pending_loads() + [stored for stored, _ in self._handing_over]
             if pending and not handed_over:  # only requests waiting for a tier: wait a little for one
                 self.kv.offloader.wait(pending, 0.005)
+            elif not pending and self.scheduler.waiting and not self.scheduler.running and self.kv.num_free_blocks == self.kv.num_blocks:
+                return handed_over + self._refuse_head()
             return handed_over
         try:
             return handed_over + self._run_batch(batch)
         except Exception as exc:  # noqa: BLE001 - isolated to this step's requests
             return handed_over + self._fail_batch(batch, exc)
+
+    def _refuse_head(self) -> list[RequestOutput]:
+        """The first waiting request is not admitted into an empty pool, so it never would be: it
+        fails (finish_reason "error") instead of the engine spinning with every request behind it.
+        --max-model-len is sized so this should not happen; this is the backstop."""
+        seq = self.scheduler.waiting[0]
+        log.error("request %s (%d tokens) does not fit the empty KV pool; failing it", seq.request_id, seq.num_tokens)
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.finished_time = "error", time.monotonic()
+        out = self._output(seq)
+        out.error = f"the KV cache ({self.kv.num_blocks} blocks) cannot hold this request's {seq.num_tokens} tokens even alone"
+        return [out]
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(exc).__name__, exc,
