@@ -247,12 +247,13 @@ class LLMEngine:
             if self.max_model_len > capacity:
                 raise ValueError(
                     f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens for one sequence "
-                    f"({num_blocks} blocks); raise kv_cache_memory or lower max_model_len"
+                    f"({num_blocks} blocks); raise {'num_kv_blocks' if config.num_kv_blocks else 'kv_cache_memory'} or lower max_model_len"
                 )
         if config.max_model_len is not None and config.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {config.max_model_len}")
         if self.max_model_len < 2:
-            raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; raise kv_cache_memory")
+            raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; "
+                             f"raise {'num_kv_blocks' if config.num_kv_blocks else 'kv_cache_memory'}")
         self.cache_identity = identity
         prefix_cache = None
         if config.enable_prefix_caching:
