@@ -162,15 +162,24 @@ class _Side:
     def usage(self) -> float:
         return self.arena.units_held / self.arena.num_units
 
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; one nothing holds any more gives its bytes back."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            block.ref_count -= 1
+            if not block.ref_count:
+                self.used[block.group] -= 1
+                self._release(block)
+
+    def _release(self, block: KVBlock) -> None:
+        raise NotImplementedError
+
 
 class QuantizedBlocks(_Side):
     @property
     def blocks(self) -> list[KVBlock]:
         return self.arena.units
-
-    @property
-    def first_id(self) -> int:
-        return 0
 
     @property
     def num_blocks(self) -> int:
@@ -188,43 +197,31 @@ class QuantizedBlocks(_Side):
 
     def touch(self, block: KVBlock) -> None:
         arena = self.arena
-        if block.ref_count == 0:
-            c = arena.chunk_of(block.block_id)
-            if c in arena._whole:
-                arena._open(c, keep=block)
-            else:
-                del arena._loose[block.block_id]
-            arena._held[c] += 1
-            arena.units_held += 1
-            self.used[block.group] = self.used.get(block.group, 0) + 1
-        block.ref_count += 1
+        if block.ref_count:
+            block.ref_count += 1
+            return
+        c = arena.chunk_of(block.block_id)
+        if c in arena._whole:
+            arena._open(c, keep=block)
+        else:
+            del arena._loose[block.block_id]
+        arena._hold_unit(block, block.group)
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def _release(self, block: KVBlock) -> None:
         arena = self.arena
-        for block in blocks:
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block.block_id} freed more often than taken")
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            self.used[block.group] -= 1
-            arena.units_held -= 1
-            c = arena.chunk_of(block.block_id)
-            arena._held[c] -= 1
-            if arena._held[c] == 0 and c < arena.num_chunks:
-                arena._close(c)
-            else:
-                arena._loose[block.block_id] = block
+        arena.units_held -= 1
+        c = arena.chunk_of(block.block_id)
+        arena._held[c] -= 1
+        if arena._held[c] == 0 and c < arena.num_chunks:
+            arena._close(c)
+        else:
+            arena._loose[block.block_id] = block
 
 
 class ResidualBlocks(_Side):
     @property
     def blocks(self) -> list[KVBlock]:
         return self.arena.residuals
-
-    @property
-    def first_id(self) -> int:
-        return self.arena.num_units
 
     @property
     def num_blocks(self) -> int:
@@ -266,18 +263,11 @@ class ResidualBlocks(_Side):
             return
         block.ref_count += 1
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def _release(self, block: KVBlock) -> None:
         arena = self.arena
-        for block in blocks:
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block.block_id} freed more often than taken")
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            self.used[block.group] -= 1
-            c = block.block_id - arena.num_units
-            if arena._residual_mode[c]:
-                arena._held[c] = 0
-                arena.units_held -= arena.residual_units
-                arena._close(c)
-            # else it was quantized into its own chunk, which its quantized blocks hold now
+        c = block.block_id - arena.num_units
+        if arena._residual_mode[c]:
+            arena._held[c] = 0
+            arena.units_held -= arena.residual_units
+            arena._close(c)
+        # else it was quantized into its own chunk, which its quantized blocks hold now

@@ -29,11 +29,10 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, first_id: int = 0) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.first_id = first_id
-        self.blocks = [KVBlock(first_id + i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
         self.num_evictions = 0

@@ -260,7 +260,7 @@ class KVCacheSpec:
         """One full-precision block of one group (quantized formats keep recent tokens in those)."""
         return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * self.head_dim * KV_FORMATS[self.residual_dtype].bits // 8
 
-    @property
+    @functools.cached_property
     def residual_units(self) -> int:
         """Quantized blocks' room one full-precision block of a KIVI cache (int4, int2) takes: both
         kinds are carved from the same bytes (kv/arena.py), a full-precision block from that many
