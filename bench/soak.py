@@ -190,11 +190,26 @@ def wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
         time.sleep(1.0 if not busy else 0.2)
 
 
-def poll_health(url: str, stop, result) -> None:
-    """In its own process: /health every 100 ms; the worst latency and any non-200."""
+RSS_SAMPLE_S = 10.0
+
+
+def least_squares_slope(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+
+
+def poll_health(url: str, pid: int, stop, result) -> None:
+    """In its own process: /health every 100 ms (the worst latency and any non-200), and the server's RSS every
+    RSS_SAMPLE_S seconds, so that a long run shows whether the RSS levels off."""
     worst, count, failures = 0.0, 0, 0
+    start, rss = time.monotonic(), []
     with httpx.Client(timeout=30) as http:
         while not stop.is_set():
+            now = time.monotonic() - start
+            if not rss or now - rss[-1][0] >= RSS_SAMPLE_S:
+                rss.append((now, rss_bytes(pid) / 2**20))
             start = time.perf_counter()
             try:
                 ok = http.get(url + "/health").status_code == 200
@@ -203,7 +218,7 @@ def poll_health(url: str, stop, result) -> None:
             worst = max(worst, time.perf_counter() - start)
             count, failures = count + 1, failures + (not ok)
             stop.wait(0.1)
-    result.put({"worst": worst, "count": count, "failures": failures})
+    result.put({"worst": worst, "count": count, "failures": failures, "rss": rss})
 
 
 # ---------------------------------------------------------------------------- the workload
@@ -412,6 +427,7 @@ class SoakReport:
     health_failures: int
     rss_after_warmup_mib: float
     rss_end_mib: float
+    rss_samples: list[tuple[float, float]]  # (seconds into the measured load, server RSS in MiB)
     counters: dict[str, tuple[float, float]]  # metric -> (server delta, what clients saw)
     log_problems: list[str] = field(default_factory=list)
     # clients that left leaving no line in the server's log: finished there first (a success), or never read by it
@@ -426,6 +442,15 @@ class SoakReport:
     def rss_slope_mib_per_1k(self) -> float:
         """The server's RSS change after warm-up per 1,000 requests sent (a leak shows as a slope)."""
         return (self.rss_end_mib - self.rss_after_warmup_mib) / max(1, self.requests) * 1000
+
+    def rss_half_slopes_mib_per_1k(self) -> tuple[float, float] | None:
+        """Least-squares RSS slope per 1,000 requests over the first and the second half of the measured load (requests
+        taken as even in time): growth that levels off shows as a second slope near zero. None under 8 samples."""
+        if len(self.rss_samples) < 8:
+            return None
+        per_request_s = self.duration_s / max(1, self.requests)
+        half = len(self.rss_samples) // 2
+        return tuple(least_squares_slope(part) * per_request_s * 1000 for part in (self.rss_samples[:half], self.rss_samples[half:]))
 
     def failures(self) -> list[str]:
         problems = []
@@ -465,6 +490,9 @@ class SoakReport:
             ("server RSS after warm-up / at the end", f"{self.rss_after_warmup_mib:.0f} MiB / {self.rss_end_mib:.0f} MiB "
                                                       f"({self.rss_growth:+.1%}; {self.rss_slope_mib_per_1k:+.2f} MiB per 1,000 requests)"),  # fmt: skip
         ]
+        if halves := self.rss_half_slopes_mib_per_1k():
+            rows.append(("RSS slope, first / second half of the load", f"{halves[0]:+.2f} / {halves[1]:+.2f} MiB per 1,000 requests "
+                         f"({len(self.rss_samples)} samples, every {RSS_SAMPLE_S:.0f} s)"))  # fmt: skip
         return "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
@@ -488,7 +516,7 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         rss_warm = rss_bytes(proc.pid)
         if cfg.tracemalloc:
             proc.send_signal(signal.SIGUSR1)
-        poller = ctx.Process(target=poll_health, args=(url, stop, result), daemon=True)
+        poller = ctx.Process(target=poll_health, args=(url, proc.pid, stop, result), daemon=True)
         poller.start()
         start = time.monotonic()
         records = asyncio.run(load(url, work, cfg, cfg.duration, "soak"))
@@ -593,6 +621,7 @@ def report(cfg, records, warm, before, after, elapsed, health, rss_warm, rss_end
         health_failures=health["failures"],
         rss_after_warmup_mib=rss_warm / 2**20,
         rss_end_mib=rss_end / 2**20,
+        rss_samples=[tuple(p) for p in health["rss"]],
         counters=counters,
         untraced=left["finished on the server first, or never read"],
         log_problems=problems,
@@ -621,7 +650,8 @@ def main() -> int:
     for problem in failures:
         print(f"FAIL: {problem}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**asdict(rep), "rss_slope_mib_per_1k": rep.rss_slope_mib_per_1k, "failures": failures}, indent=2))
+        Path(args.json).write_text(json.dumps({**asdict(rep), "rss_slope_mib_per_1k": rep.rss_slope_mib_per_1k,
+                                               "rss_half_slopes_mib_per_1k": rep.rss_half_slopes_mib_per_1k(), "failures": failures}, indent=2))
     return 1 if failures else 0
 
 

@@ -185,9 +185,6 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("--kv-offload-host-gib / --kv-offload-disk-dir / --kv-remote-url keep blocks by their prefix hashes: they need prefix caching "
                              "(drop --no-enable-prefix-caching)")  # fmt: skip
-        if KV_FORMATS[self.kv_cache_dtype].kind == "kivi":
-            raise ValueError(f"the KV tiers do not take --kv-cache-dtype {self.kv_cache_dtype} yet (its blocks are quantized only "
-                             "once they leave the residual); use a float, int8 or fp8 cache")  # fmt: skip
 
     def _validate_remote(self) -> None:
         url = self.kv_remote_url

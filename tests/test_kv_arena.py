@@ -108,6 +108,38 @@ def test_random_use_never_lets_two_blocks_share_bytes(units, k):
     assert arena.quantized.num_free_blocks == units and arena.residual.num_free_blocks == units // k
 
 
+def test_a_roomy_pool_keeps_its_cached_blocks_and_a_tight_one_evicts_them_before_breaking_a_chunk():
+    """A decode's blocks quantized one at a time take clean units (the tail's, else their own chunk's),
+    never one a cached block lies on while chunks are free: six requests' published blocks all stay
+    cached in a pool of 40 chunks. With a quarter of the chunks whole or fewer, a new quantized block
+    takes the least recently freed cached unit before it breaks a whole chunk."""
+    arena = BlockArena(40 * 4 + 2, 4)  # 40 chunks and a tail of 2 units
+    evicted: list[int] = []
+    arena.quantized.on_evict = arena.residual.on_evict = lambda block: evicted.append(block.block_id)
+    published = []
+    for request in range(6):
+        for n, block in enumerate(arena.residual.allocate(3)):
+            (target,) = arena.quantize_targets([(block, 0)])
+            arena.residual.free([block])
+            target.block_hash = request * 10 + n
+            published.append(target)
+            arena.quantized.free([target])
+            check(arena)
+    assert not evicted and all(b.block_hash is not None for b in published)
+
+    arena = BlockArena(8 * 4, 4)
+    arena.quantized.on_evict = arena.residual.on_evict = lambda block: evicted.append(block.block_id)
+    arena.residual.allocate(6)  # two chunks whole: not roomy
+    units = arena.quantized.allocate(4)  # nothing loose or cached: a whole chunk is opened, its other units taken next
+    assert {arena.chunk_of(u.block_id) for u in units} == {arena.chunk_of(units[0].block_id)} and len(arena._whole) == 1
+    for i, unit in enumerate(units[:2]):
+        unit.block_hash = 100 + i
+        arena.quantized.free([unit])
+    (taken,) = arena.quantized.allocate(1)
+    assert taken is units[0] and evicted == [units[0].block_id] and len(arena._whole) == 1
+    check(arena)
+
+
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_random_batches_of_private_and_shared_blocks_quantize_without_overwriting_a_held_one(k):
     """A batch of full-precision blocks, some also held by a fork, quantized with some quantized

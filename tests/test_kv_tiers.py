@@ -202,6 +202,31 @@ def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_t
     assert all(t["usage_bytes"] <= t["capacity_bytes"] for t in usage.values())
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family, kv_dtype, sink_block", [("qwen3", "int4", True), ("llama", "int2", True), ("qwen3", "int4", False)])
+def test_kivi_blocks_come_back_from_the_tiers_as_they_would_from_the_pool(tiny_dir, tmp_path, tier, family, kv_dtype, sink_block):
+    """int4 / int2: a prefix hit reads its quantized blocks (and its full-precision sink block), so it is
+    judged against a hit on the same blocks in the pool. Prompts evicted from a pool of 8 full-precision
+    blocks come back from the tiers (counted) with the tokens and logprobs a roomy pool's hits give,
+    greedy and seeded; their first, cold runs match the roomy pool's too."""
+    path = str(tiny_dir(family))
+    prompts = random_prompts(8, 150, 200, seed=7)
+    kivi = dict(kv_cache_dtype=kv_dtype, kv_quant_residual=32, kv_quant_sink_block=sink_block, max_num_seqs=2)
+    roomy = LLM(path, dtype="float32", num_kv_blocks=2000, **kivi)
+    units = 8 * roomy.engine.kv_spec.residual_units  # the prefill of one prompt at full precision, with little to spare
+    llm = tiered(path, tmp_path, tier, num_kv_blocks=units, **({"kv_offload_host_gib": 0.01} if tier == "host" else {}), **kivi)
+    for params in (GREEDY, SEEDED):
+        cold, hit = (one_by_one(roomy, prompts, params) for _ in range(2))
+        assert all(o.num_cached_tokens > 0 for o in hit)
+        assert [trace(o) for o in one_by_one(llm, prompts, params)] == [trace(o) for o in cold]
+        again = one_by_one(llm, prompts, params)
+        assert [trace(o) for o in again] == [trace(o) for o in hit]
+        assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in hit]
+    stats = llm.stats()
+    assert sum(t["hit_tokens"] for t in stats["kv_tiers"].values()) >= 8 * 64
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def written_down(path, tmp_path, prompts) -> list:
     """The prompts' greedy traces from an engine that wrote every block to the disk tier (write-through), then stopped."""
     first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
@@ -282,7 +307,6 @@ def test_a_preempted_sequence_resumes_from_the_tier_with_the_same_tokens(tiny_di
     (dict(kv_offload_disk_dir="/etc/hostname"), "not a directory"),
     (dict(kv_offload_policy="sometimes"), "kv_offload_policy"),
     (dict(kv_offload_host_gib=1.0, enable_prefix_caching=False), "prefix caching"),
-    (dict(kv_offload_host_gib=1.0, kv_cache_dtype="int4"), "int4"),
 ])  # fmt: skip
 def test_bad_tier_settings_are_refused_by_name(tiny_dir, settings, message):
     with pytest.raises(ValueError, match=message):

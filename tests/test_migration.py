@@ -55,6 +55,30 @@ def test_a_request_migrated_midway_gives_the_tokens_of_an_unmigrated_run(tiny_di
     assert target.stats()["kv_migrations_total"]["hit_tokens"] >= 80  # the records were used, not recomputed
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_an_int4_request_migrated_resumes_as_it_would_from_its_own_prefix_cache(tiny_dir, kv_dtype):
+    """KIVI blocks travel as stored (quantized ones, and the full-precision sink block), so the
+    target resumes exactly as the source does when the request comes back to it (its published
+    blocks a prefix hit there, the rest recomputed)."""
+    path = str(tiny_dir("qwen3"))
+    prompt = random_prompts(1, 150, 150, seed=35)[0]
+    settings = dict(dtype="float32", num_kv_blocks=400, kv_cache_dtype=kv_dtype, kv_quant_residual=32)
+    params = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=7, logprobs=2)
+
+    def exported(llm: LLM, with_records: bool) -> RequestState:
+        seq = llm.engine.add_request(prompt, params)
+        run_until(llm, seq.request_id, 30)
+        return RequestState.from_bytes(llm.export_request(seq.request_id, with_records=with_records).to_bytes())
+
+    home = LLM(path, **settings)
+    want = trace(home.import_request(exported(home, with_records=False)))
+    state = exported(LLM(path, **settings), with_records=True)
+    assert len(state.records) >= 4
+    target = LLM(path, **settings)
+    assert trace(target.import_request(state)) == want
+    assert target.stats()["kv_migrations_total"]["hit_tokens"] >= 4 * 32
+
+
 def test_a_request_migrated_through_the_remote_tier(tiny_dir):
     path = str(tiny_dir("llama"))
     prompt = random_prompts(1, 90, 90, seed=32)[0]

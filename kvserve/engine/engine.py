@@ -451,8 +451,10 @@ class LLMEngine:
 
     def max_migration_bytes(self) -> int:
         """The largest state (engine/migration.py) a request can need here: its JSON and its records."""
-        records = self.max_migrated_records(self.max_model_len)
-        return MAX_STATE_BYTES + records * (4 + self.kv_spec.bytes_per_block + record_overhead(self.kv.block_size))
+        records, spec = self.max_migrated_records(self.max_model_len), self.kv_spec
+        # a KIVI cache's sink blocks travel in full precision: up to residual_units quantized blocks' bytes
+        sink_bytes = spec.quant_sink_blocks * len(self.kv.groups) * max(spec.residual_units - 1, 0) * spec.bytes_per_block
+        return MAX_STATE_BYTES + records * (4 + spec.bytes_per_block + record_overhead(self.kv.block_size)) + sink_bytes
 
     def decode_records(self, state: RequestState) -> list[BlockRecord]:
         """The state's KV records that pass their checks (the others are counted, then recomputed);

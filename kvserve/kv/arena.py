@@ -11,9 +11,11 @@ Units past the last whole chunk only ever hold quantized blocks.
 
 Two facades, each with BlockPool's interface, share the state: `quantized` (a unit per block) and
 `residual` (a chunk per block). Quantized blocks fill chunks already in use before a free chunk is
-broken, so whole chunks stay for full-precision blocks. Quantizing needs no free memory: a block
-only its sequence holds may be quantized over its own bytes (quantize_targets). A free block keeps
-its hash for the prefix cache until its bytes are reused by either kind.
+broken, so whole chunks stay for full-precision blocks; but a block the prefix cache still knows is
+reused only after the clean units, and after whole chunks while the pool is roomy. Quantizing needs
+no free memory: a block only its sequence holds may be quantized over its own bytes
+(quantize_targets). A free block keeps its hash for the prefix cache until its bytes are reused by
+either kind.
 """
 
 from __future__ import annotations
@@ -22,6 +24,35 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvserve.kv.block_pool import KVBlock, NoFreeBlocksError, forget
+
+# while more than this share of the chunks is whole, a new quantized block opens one rather than
+# evict a cached block from a chunk in use (a pool with room keeps its prefix cache)
+ROOMY_WHOLE_SHARE = 0.25
+
+
+class LooseUnits:
+    """Free units of chunks something holds (and the tail's), least recently freed first: those the
+    prefix cache knows (cached) apart from the others (clean), so that the clean ones go first."""
+
+    def __init__(self, units: list[KVBlock]) -> None:
+        self.clean: OrderedDict[int, KVBlock] = OrderedDict()
+        self.cached: OrderedDict[int, KVBlock] = OrderedDict()
+        for unit in units:
+            self.add(unit)
+
+    def add(self, unit: KVBlock) -> None:
+        (self.clean if unit.block_hash is None else self.cached)[unit.block_id] = unit
+
+    def discard(self, unit: KVBlock) -> None:
+        self.clean.pop(unit.block_id, None)
+        self.cached.pop(unit.block_id, None)
+
+    def __len__(self) -> int:
+        return len(self.clean) + len(self.cached)
+
+    def __iter__(self):
+        yield from self.clean
+        yield from self.cached
 
 
 class BlockArena:
@@ -36,8 +67,7 @@ class BlockArena:
         self._held = [0] * (self.num_chunks + 1)  # per chunk: held units, or 1 for a held full-precision block
         self._residual_mode = [False] * self.num_chunks  # holds (or keeps cached) a full-precision block
         self._whole: OrderedDict[int, None] = OrderedDict((c, None) for c in range(self.num_chunks))  # chunks nothing holds
-        # free units of chunks something holds (and the tail's), least recently freed first
-        self._loose: OrderedDict[int, KVBlock] = OrderedDict((u.block_id, u) for u in self.units[self.num_chunks * residual_units :])
+        self._loose = LooseUnits(self.units[self.num_chunks * residual_units :])
         self.units_held = 0
         self.quantized = QuantizedBlocks(self)
         self.residual = ResidualBlocks(self)
@@ -73,23 +103,27 @@ class BlockArena:
             self._residual_mode[c] = False
         for unit in self._chunk_units(c):
             if unit is not keep:
-                self._loose[unit.block_id] = unit
+                self._loose.add(unit)
 
     def _close(self, c: int) -> None:
         """Nothing holds chunk c any more: its free units stop being loose, the chunk is whole."""
         for unit in self._chunk_units(c):
-            self._loose.pop(unit.block_id, None)
+            self._loose.discard(unit)
         self._whole[c] = None
 
     def take_unit(self, group: int) -> KVBlock:
-        """A free quantized block: loose before a whole chunk is opened."""
-        if self._loose:
-            _, unit = self._loose.popitem(last=False)
-        elif self._whole:
-            c = next(iter(self._whole))
+        """A free quantized block: a clean loose one; else a whole chunk is opened while the pool is
+        roomy; else the least recently freed cached loose one; else a whole chunk."""
+        loose, whole = self._loose, self._whole
+        if loose.clean:
+            _, unit = loose.clean.popitem(last=False)
+        elif whole and (len(whole) > ROOMY_WHOLE_SHARE * self.num_chunks or not loose.cached):
+            c = next(iter(whole))
             units = self._chunk_units(c)
             unit = next((u for u in units if u.block_hash is None), units[0])  # keep cached ones when it can
             self._open(c, keep=unit)
+        elif loose.cached:
+            _, unit = loose.cached.popitem(last=False)
         else:
             raise NoFreeBlocksError("no free quantized block")
         self._evict(unit, self.quantized)
@@ -108,8 +142,8 @@ class BlockArena:
         holds may be quantized over its own bytes (the caller converts every pair before anything
         else touches them, reading every source first): the first n // residual_units such blocks'
         chunks take the first n // residual_units * residual_units of them, in order, so a prefill's
-        blocks stay contiguous and the other chunks come back whole when released; the rest take a loose unit, else the first
-        unit of their own chunk (a shared block: else a whole chunk's, else it waits). A chunk
+        blocks stay contiguous and the other chunks come back whole when released; the rest take a clean loose unit, else
+        the first unit of their own chunk (which evicts nothing; a shared block: take_unit, else it waits). A chunk
         quantized over stays held by its quantized blocks; its full-precision block is retired and
         its release frees nothing."""
         k = self.residual_units
@@ -125,14 +159,14 @@ class BlockArena:
         for j, (block, group) in enumerate(residuals):
             if j in targets:
                 continue
-            if self._loose or (block.ref_count > 1 and self._whole):
+            if self._loose.clean or (block.ref_count > 1 and (self._loose or self._whole)):
                 targets[j] = self.take_unit(group)
             elif block.ref_count == 1:
                 chunk = block.block_id - self.num_units
                 self._retire(chunk)
                 unit = self.units[chunk * k]
                 for other in self._chunk_units(chunk)[1:]:
-                    self._loose[other.block_id] = other
+                    self._loose.add(other)
                 self._hold_unit(unit, group)
                 targets[j] = unit
             else:
@@ -204,7 +238,7 @@ class QuantizedBlocks(_Side):
         if c in arena._whole:
             arena._open(c, keep=block)
         else:
-            del arena._loose[block.block_id]
+            arena._loose.discard(block)
         arena._hold_unit(block, block.group)
 
     def _release(self, block: KVBlock) -> None:
@@ -215,7 +249,7 @@ class QuantizedBlocks(_Side):
         if arena._held[c] == 0 and c < arena.num_chunks:
             arena._close(c)
         else:
-            arena._loose[block.block_id] = block
+            arena._loose.add(block)
 
 
 class ResidualBlocks(_Side):

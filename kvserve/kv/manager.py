@@ -59,7 +59,7 @@ class KVCacheManager:
         if prefix_cache is not None:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
-                self.residual_pool.on_evict = prefix_cache.evicted
+                self.residual_pool.on_evict = self._evicting
         self.prefix_stats = PrefixCacheStats()
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
@@ -211,21 +211,29 @@ class KVCacheManager:
             if all(where[record_key(hashes[i], g)] is not None for i, g in entries):
                 break
             end -= 1
-        held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
-        if end == start or len(entries) + sum(b.ref_count == 0 for b in held) > self.pool.num_free_blocks:
-            return None
-        if self._recompute_decided.get(request_id) == end:
-            return None  # decided already (a request waiting for room asks again every step)
+        if end == start or self._recompute_decided.get(request_id) == end:
+            return None  # nothing to load, or decided already (a request waiting for room asks again every step)
         if request_id in self._load_cut:
             return None  # its last load ran past its patience: it recomputes the rest
-        keys = [record_key(hashes[i], g) for i, g in entries]
-        if not offloader.worth_loading([where[key] for key in keys], self.spec.bytes_per_block, (end - start) * bs):
-            self._recompute_decided[request_id] = end
-            return None
+        held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
-            self.pool.touch(block)
-        targets = [self.pool.allocate(1, g)[0] for _, g in entries]
-        self.pool.free(list(reversed(held)))
+            self._touch(block)
+        # a KIVI cache's sink blocks are full-precision ones (a whole chunk each, taken first); the rest are quantized
+        sink = self.spec.quant_sink_blocks if self.residual_pool is not None else 0
+        full_precision = [k for k, (i, _) in enumerate(entries) if i < sink]
+        room = (len(entries) + len(full_precision) * (self.spec.residual_units - 1) <= self.pool.num_free_blocks
+                and len(full_precision) <= self._fresh.num_free_blocks)  # fmt: skip
+        keys = [record_key(hashes[i], g) for i, g in entries]
+        if not room or not offloader.worth_loading([where[key] for key in keys], self.spec.bytes_per_block, (end - start) * bs):
+            if room:
+                self._recompute_decided[request_id] = end
+            self._release(list(reversed(held)))
+            return None
+        targets: list[KVBlock | None] = [None] * len(entries)
+        for k in full_precision:
+            targets[k] = self._fresh.allocate(1, entries[k][1])[0]
+        targets = [t if t is not None else self.pool.allocate(1, g)[0] for t, (_, g) in zip(targets, entries)]
+        self._release(list(reversed(held)))
         salt = self._salts.get(request_id)
         parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
         job = LoadJob(keys, targets, expected_seconds=offloader.load_seconds([where[key] for key in keys], self.spec.bytes_per_block)[0])
@@ -252,17 +260,16 @@ class KVCacheManager:
             if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
                 served.setdefault(i, tier)
         self.offloader.credit_hits(list(served.values()), self.block_size)
-        self.pool.free(list(reversed(job.targets)))
+        self._release(list(reversed(job.targets)))
         return len(served) * self.block_size
 
     # ------------------------------------------------------------------ migration
     def published_blocks(self, request_id: str) -> list[KVBlock]:
         """The request's blocks in the prefix cache, in prefix order (every group's; a sliding group's
-        dropped ones and quantized residual ones excepted): what a migration carries."""
+        dropped ones excepted): what a migration carries."""
         tables = self._tables.get(request_id, [])
         count = self._published.get(request_id, 0)
-        return [table[i] for i in range(count) for table in tables
-                if i < len(table) and table[i] is not None and table[i].block_hash is not None and self._pool_of(table[i]) is self.pool]  # fmt: skip
+        return [table[i] for i in range(count) for table in tables if i < len(table) and table[i] is not None and table[i].block_hash is not None]
 
     def adopt_blocks(self, token_ids: Sequence[int], salt: str | None, records: Sequence, write: Callable[[int, bytes], None]) -> int:
         """Records of the chain of token_ids (BlockRecord, from another engine) written into free
@@ -279,14 +286,15 @@ class KVCacheManager:
             i = index.get(record.block_hash)
             if i is None or not 0 <= record.group < len(self.groups) or record.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 continue
-            if self.pool.num_free_blocks == 0:
+            kind = self._fresh if i < self.spec.quant_sink_blocks else self.pool  # a KIVI cache's sink blocks are full-precision ones
+            if kind.num_free_blocks == 0:
                 break
-            block = self.pool.allocate(1, record.group)[0]
+            block = kind.allocate(1, record.group)[0]
             taken.append(block)
             write(block.block_id, record.payload)
             parent = hashes[i - 1] if i else cache.parent_of_first(salt)
             adopted += cache.publish(record.group, block, hashes[i], parent, record.token_ids, salt)
-        self.pool.free(list(reversed(taken)))
+        self._release(list(reversed(taken)))
         return adopted
 
     def record_hit(self, hit: PrefixHit, prompt_len: int, salt: str | None) -> None:
@@ -402,7 +410,7 @@ class KVCacheManager:
             for g, block in enumerate(blocks):
                 if block is not None:
                     published = cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
-                    if published and self.offloader is not None and self.offloader.offloads_on_publish and self._pool_of(block) is self.pool:
+                    if published and self.offloader is not None and self.offloader.offloads_on_publish:
                         self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
         self._published[request_id] = full
 
