@@ -90,6 +90,26 @@ def test_a_second_engine_reuses_what_the_first_computed_with_the_same_tokens(tin
     assert all(o.num_cached_tokens == 0 for o in run(other, prompts, GREEDY))
 
 
+def test_int4_blocks_computed_by_one_engine_serve_another_as_its_own_pool_would(tiny_dir, redis_server):
+    """int4 (KIVI) blocks are published once quantized, and the sink block as it is: a second engine
+    reading them from the shared tier gives the tokens a hit on the same blocks in one pool gives."""
+    path = str(tiny_dir("qwen3"))
+    prompts = random_prompts(4, 150, 200, seed=8)
+    kivi = dict(kv_cache_dtype="int4", kv_quant_residual=32, max_num_seqs=2)
+    roomy = LLM(path, dtype="float32", num_kv_blocks=2000, **kivi)
+    units = 8 * roomy.engine.kv_spec.residual_units
+    first = remote(path, redis_server.url, num_kv_blocks=units, **kivi)
+    for params in (GREEDY, SEEDED):
+        assert [trace(o) for o in run(first, prompts, params)] == [trace(o) for o in run(roomy, prompts, params)]
+    second = remote(path, redis_server.url, num_kv_blocks=units, **kivi)
+    for params in (GREEDY, SEEDED):
+        hits = run(roomy, prompts, params)
+        outs = run(second, prompts, params)
+        assert [trace(o) for o in outs] == [trace(o) for o in hits]
+        assert [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in hits] and all(o.num_cached_tokens >= 96 for o in outs)
+    assert second.stats()["kv_tiers"]["remote"]["hit_tokens"] >= 4 * 96
+
+
 def test_entries_have_the_ttl_and_hold_no_prompt_text(tiny_dir, redis_server):
     path = str(tiny_dir("llama"))
     llm = remote(path, redis_server.url, kv_remote_ttl=120)
