@@ -10,7 +10,8 @@ off and tries again. A separate process polls /health throughout.
 After a warm-up (same load, then idle) the soak measures: requests by outcome, rejections by
 status and code, 5xx that are not the documented 503, blocks leaked, TTFT p50/p99, generated
 tokens/s, the worst /health latency, the server's RSS after warm-up and at the end (and its slope
-per 1,000 requests); and checks
+per 1,000 requests, overall and, from samples every 10 s, over each half of the load: growth that
+levels off shows a second-half slope near zero); and checks
 that every 200 stream ended with [DONE], every greedy output equals its solo run, every block is
 free, and the server's counters (rejected by reason, aborted, finished) equal what clients saw.
 Every request carries its own X-Request-Id, so each rejection a client saw is matched to the
@@ -204,10 +205,10 @@ def poll_health(url: str, pid: int, stop, result) -> None:
     """In its own process: /health every 100 ms (the worst latency and any non-200), and the server's RSS every
     RSS_SAMPLE_S seconds, so that a long run shows whether the RSS levels off."""
     worst, count, failures = 0.0, 0, 0
-    start, rss = time.monotonic(), []
+    began, rss = time.monotonic(), []
     with httpx.Client(timeout=30) as http:
         while not stop.is_set():
-            now = time.monotonic() - start
+            now = time.monotonic() - began
             if not rss or now - rss[-1][0] >= RSS_SAMPLE_S:
                 rss.append((now, rss_bytes(pid) / 2**20))
             start = time.perf_counter()
