@@ -369,3 +369,34 @@ def test_every_request_a_small_pool_accepts_runs(tiny_dir, kv_dtype, dtype):
             engine.step()
         assert not engine.has_unfinished_requests(), (blocks, longest)
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize(("kv_dtype", "dtype"), [("int4", "bfloat16"), ("int4", "float32"), ("int2", "bfloat16")])
+def test_a_prompt_that_fits_cold_is_admitted_with_its_cached_prefix(tiny_dir, kv_dtype, dtype):
+    """A prompt just under max_model_len runs again from its cached blocks: the hit's full-precision
+    sink block is counted once (it was counted twice, and an idle pool refused the request)."""
+    path = str(tiny_dir("qwen3"))
+    for blocks in (40, 48, 64, 84):
+        llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_dtype, num_kv_blocks=blocks, max_num_seqs=4)
+        longest = llm.engine.max_model_len
+        for prompt_len in (longest - 2, longest - 8):
+            prompt = random_prompts(1, prompt_len, prompt_len, seed=prompt_len)[0]
+            params = SamplingParams(max_tokens=1, temperature=0)
+            cold, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+            assert (cold.finish_reason, again.finish_reason) == ("length", "length"), (blocks, prompt_len)
+            assert again.num_cached_tokens > 0, (blocks, prompt_len)  # taken, not recomputed (the scheduler's fallback)
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_an_idle_pool_that_refuses_a_hit_computes_the_prefix_again(tiny_dir, monkeypatch):
+    """The scheduler's backstop: where admission with the cached prefix fails and nothing runs that
+    could free memory, the request is admitted as if nothing were cached, never failed."""
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=64)
+    prompt = random_prompts(1, 100, 100, seed=9)[0]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    cold = llm.generate([prompt], params, use_tqdm=False)[0]
+    kv = llm.engine.kv
+    admit = kv.can_admit
+    monkeypatch.setattr(kv, "can_admit", lambda rid, n, chunk, hit=None: admit(rid, n, chunk, hit) and not (hit is not None and hit.num_tokens))
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.finish_reason == "length" and again.num_cached_tokens == 0 and again.token_ids == cold.token_ids

@@ -227,6 +227,28 @@ def test_kivi_blocks_come_back_from_the_tiers_as_they_would_from_the_pool(tiny_d
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_a_record_larger_than_the_host_tier_goes_to_the_disk_tier(tiny_dir, tmp_path):
+    """An int4 cache's full-precision sink record is several quantized records' size: a host tier
+    too small for it (it still takes the quantized ones) hands it to the disk tier, so every prefix
+    chain stays whole and comes back."""
+    path = str(tiny_dir("qwen3"))
+    prompts = random_prompts(6, 150, 200, seed=10)
+    kivi = dict(kv_cache_dtype="int4", kv_quant_residual=32, max_num_seqs=2)
+    roomy = LLM(path, dtype="float32", num_kv_blocks=2000, **kivi)
+    spec = roomy.engine.kv_spec
+    host_gib = 3 * spec.bytes_per_block / 2**30  # a few quantized records; the sink record is residual_units times larger
+    assert spec.residual_block_bytes > 3 * spec.bytes_per_block
+    llm = tiered(path, tmp_path, "both", num_kv_blocks=8 * spec.residual_units, kv_offload_host_gib=host_gib, **kivi)
+    one_by_one(roomy, prompts, GREEDY)
+    hits = one_by_one(roomy, prompts, GREEDY)
+    one_by_one(llm, prompts, GREEDY)
+    again = one_by_one(llm, prompts, GREEDY)
+    assert [trace(o) for o in again] == [trace(o) for o in hits]
+    assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in hits]
+    tiers = llm.stats()["kv_tiers"]
+    assert tiers["disk"]["hit_tokens"] > 0 and tiers["host"]["usage_bytes"] <= tiers["host"]["capacity_bytes"]
+
+
 def written_down(path, tmp_path, prompts) -> list:
     """The prompts' greedy traces from an engine that wrote every block to the disk tier (write-through), then stopped."""
     first = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")

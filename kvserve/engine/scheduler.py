@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.prefix import PrefixHit
 from kvserve.kv.tiers.offload import LoadJob
 from kvserve.kv.spec import blocks_for_tokens
 
@@ -94,7 +95,12 @@ class Scheduler:
                     self.loading[seq.request_id] = job
                     continue
             if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
-                break
+                # with nothing running the pool will not get freer: computing the prefix again takes
+                # no more than the request alone, which fits (a hit must never fail a request)
+                cold = PrefixHit(blocks=[[] for _ in self.kv.groups])
+                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, cold):
+                    break
+                hit = cold
             self.kv.take_hit(seq.request_id, hit)
             seq.num_computed_tokens = hit.num_tokens
             if seq.migrated and seq.num_preemptions == 0:

@@ -158,6 +158,8 @@ class KVCacheManager:
             need += sum(self._units(b) for b in taken.values() if b.ref_count == 0) + len(hit.copies) * max(self.spec.residual_units, 1)
         if self.residual_pool is not None:
             need += (self.spec.residual_units - 1) * self.spec.residual_peak_blocks(num_tokens, chunk)
+            if hit is not None:  # the hit's full-precision (sink) blocks: counted whole above, held or taken
+                need -= (self.spec.residual_units - 1) * sum(b is not None and self._pool_of(b) is self.residual_pool for row in hit.blocks for b in row)
             # the first step's tokens (and a partial hit's copied block) take full-precision blocks, whole chunks
             start = hit.num_tokens if hit is not None else 0
             first_step = len(self.groups) * (blocks_for_tokens(min(num_tokens, start + chunk), self.block_size) - start // self.block_size)

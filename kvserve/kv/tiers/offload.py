@@ -114,9 +114,9 @@ class KVOffloader:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
         self._warned_corrupt = False
         # a record a local tier drops for room goes down to the next local tier
-        for upper, lower in zip(self.local, self.local[1:]):
+        for i, upper in enumerate(self.local[:-1]):
             if hasattr(upper, "on_evict"):
-                upper.on_evict = lambda key, data, lower=lower: self._store(lower, key, data)
+                upper.on_evict = lambda key, data, below=i + 1: self._store_local(below, key, data)
 
     @property
     def offloads_on_publish(self) -> bool:
@@ -156,8 +156,11 @@ class KVOffloader:
         try:
             data = encode_record(record, self.identity)
             for store in targets:
-                if not (store.shared and store.contains(key)):  # another engine may have sent it already
-                    self._store(store, key, data)
+                if store.shared:
+                    if not store.contains(key):  # another engine may have sent it already
+                        self._store(store, key, data)
+                else:
+                    self._store_local(self.local.index(store), key, data)
         except Exception:  # noqa: BLE001 - a record that cannot be stored is only a future recompute
             logger.exception("storing KV record %s failed; it will be recomputed when needed", key)
         finally:
@@ -166,12 +169,21 @@ class KVOffloader:
                     self._pending_bytes -= len(record.payload)
                     self._room.notify_all()
 
-    def _store(self, store: BlockStore, key: str, data: bytes) -> None:
+    def _store(self, store: BlockStore, key: str, data: bytes) -> bool:
         start = time.perf_counter()
-        if store.put(key, data):
-            c = self.counters[store.name]
-            c.bytes_written += len(data)
-            c.seconds_written += time.perf_counter() - start
+        if not store.put(key, data):
+            return False
+        c = self.counters[store.name]
+        c.bytes_written += len(data)
+        c.seconds_written += time.perf_counter() - start
+        return True
+
+    def _store_local(self, first: int, key: str, data: bytes) -> None:
+        """Into the first local tier from self.local[first] down that takes it: a record larger than
+        a tier's whole budget (a KIVI cache's full-precision sink block in a small host tier) goes below."""
+        for store in self.local[first:]:
+            if self._store(store, key, data):
+                return
 
     def flushed(self) -> Future:
         """Done once every block copied out before this call is stored (a producer answers then)."""
