@@ -98,7 +98,8 @@ class Scheduler:
                 # with nothing running the pool will not get freer: computing the prefix again takes
                 # no more than the request alone, which fits (a hit must never fail a request)
                 cold = PrefixHit(blocks=[[] for _ in self.kv.groups])
-                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, cold):
+                chunk = self.config.max_num_batched_tokens
+                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, chunk, cold):
                     break
                 hit = cold
             self.kv.take_hit(seq.request_id, hit)

@@ -159,7 +159,8 @@ class KVCacheManager:
         if self.residual_pool is not None:
             need += (self.spec.residual_units - 1) * self.spec.residual_peak_blocks(num_tokens, chunk)
             if hit is not None:  # the hit's full-precision (sink) blocks: counted whole above, held or taken
-                need -= (self.spec.residual_units - 1) * sum(b is not None and self._pool_of(b) is self.residual_pool for row in hit.blocks for b in row)
+                full_precision = sum(b is not None and self._pool_of(b) is self.residual_pool for row in hit.blocks for b in row)
+                need -= (self.spec.residual_units - 1) * full_precision
             # the first step's tokens (and a partial hit's copied block) take full-precision blocks, whole chunks
             start = hit.num_tokens if hit is not None else 0
             first_step = len(self.groups) * (blocks_for_tokens(min(num_tokens, start + chunk), self.block_size) - start // self.block_size)
