@@ -97,6 +97,11 @@ class KVCacheManager:
         """The pool's blocks `block` takes: a KIVI cache's full-precision block takes several."""
         return self.spec.residual_units if self._pool_of(block) is self.residual_pool else 1
 
+    def _side_for(self, index: int) -> BlockPool:
+        """Where a published block at this index of a sequence goes: a KIVI cache's sink blocks are
+        full-precision ones, every other published block a quantized (or plain) one."""
+        return self._fresh if index < self.spec.quant_sink_blocks else self.pool
+
     def _touch(self, block: KVBlock) -> None:
         self._pool_of(block).touch(block)
 
@@ -221,9 +226,8 @@ class KVCacheManager:
         held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
             self._touch(block)
-        # a KIVI cache's sink blocks are full-precision ones (a whole chunk each, taken first); the rest are quantized
-        sink = self.spec.quant_sink_blocks if self.residual_pool is not None else 0
-        full_precision = [k for k, (i, _) in enumerate(entries) if i < sink]
+        # a KIVI cache's sink blocks take a whole chunk each: taken first
+        full_precision = [k for k, (i, _) in enumerate(entries) if self._side_for(i) is not self.pool]
         room = (len(entries) + len(full_precision) * (self.spec.residual_units - 1) <= self.pool.num_free_blocks
                 and len(full_precision) <= self._fresh.num_free_blocks)  # fmt: skip
         keys = [record_key(hashes[i], g) for i, g in entries]
@@ -289,7 +293,7 @@ class KVCacheManager:
             i = index.get(record.block_hash)
             if i is None or not 0 <= record.group < len(self.groups) or record.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 continue
-            kind = self._fresh if i < self.spec.quant_sink_blocks else self.pool  # a KIVI cache's sink blocks are full-precision ones
+            kind = self._side_for(i)
             if kind.num_free_blocks == 0:
                 break
             block = kind.allocate(1, record.group)[0]
