@@ -124,6 +124,30 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(type_name, dtype):
         assert torch.equal(kernels.gguf_matmul(x[i : i + 1], weight, out_dtype=torch.float32)[0], batched[i : i + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_fused_projections_parts_in_one_call_give_each_parts_own_bits(dtype):
+    """A fused projection's parts (mixed types, as a Q4_K_M file mixes them) run in one call, one
+    parallel loop over all their tiles for a decode step: each part's columns are its own product's
+    bits, at every row count, into a fresh matrix or a column slice of a wider one."""
+    shapes = [("Q5_0", 37), ("Q8_0", 16), ("Q4_K", 70), ("Q6_K", 3), ("Q4_1", 20)]
+    parts = tuple(weight_of(type_name, n, 256, seed=i)[0] for i, (type_name, n) in enumerate(shapes))
+    width = sum(n for _, n in shapes)
+    product = kernels.GgufProduct(parts)
+    for rows in (1, 3, 8, 9, 20):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        alone = torch.cat([kernels.gguf_matmul(x, part, out_dtype=torch.float32)[0] for part in parts], dim=1)
+        assert torch.equal(product(x, out_dtype=torch.float32), alone)
+        wide = torch.zeros(rows, width + 10, dtype=dtype)
+        product(x, out=wide[:, 4 : 4 + width])
+        assert torch.equal(wide[:, 4 : 4 + width], alone.to(dtype)) and not wide[:, :4].any() and not wide[:, 4 + width :].any()
+    with pytest.raises(ValueError, match="sharing k"):
+        kernels.GgufProduct((parts[0], weight_of("Q8_0", 16, 64)[0]))
+    with pytest.raises(ValueError, match="out must be"):
+        product(x, out=torch.empty(20, width - 1, dtype=dtype))
+    with pytest.raises(ValueError, match="x must be"):
+        product(x[:, :128].contiguous())
+
+
 def test_outputs_go_into_a_column_slice_and_argmax_alone():
     weight, _ = weight_of("Q4_1", 40, 96, seed=4)
     x = torch.randn(9, 96)

@@ -310,6 +310,40 @@ def gguf_matmul(
     return out, argmax
 
 
+class GgufProduct:
+    """x @ W^T for W a fused projection's parts in GGUF blocks (stacked on the output axis), in one
+    kernel call: each part's outputs are gguf_matmul's bits, side by side. The parts' descriptors
+    are built once; a call builds only the rows' arguments."""
+
+    def __init__(self, parts: tuple[GgufWeight, ...]) -> None:
+        if not parts or any(part.k != parts[0].k for part in parts):
+            raise ValueError("GgufProduct: one or more parts sharing k")
+        self._library = _require()
+        self.parts = parts
+        self.k = parts[0].k
+        self.n = sum(part.n for part in parts)
+        self._parts = (args.GgufPart * len(parts))(*(args.GgufPart(part.data.data_ptr(), part.n, part.type_code, 0) for part in parts))
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, k] (float32 or bf16, unit inner stride, on the CPU) into `out` ([R, n] in out_dtype,
+        x's by default, unit inner stride: it may be a column slice) or a new tensor."""
+        k, n = self.k, self.n
+        if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != k or x.stride(1) != 1 or x.shape[0] == 0 or not x.is_cpu:
+            raise ValueError(f"GgufProduct: x must be float32 or bf16 [rows > 0, {k}] on the CPU with unit inner stride")
+        rows = x.shape[0]
+        dtype = out_dtype or x.dtype
+        if out is None:
+            out = torch.empty(rows, n, dtype=dtype)
+        elif tuple(out.shape) != (rows, n) or out.dtype != dtype or out.stride(1) != 1 or (rows > 1 and out.stride(0) < n):
+            raise ValueError(f"GgufProduct: out must be {dtype} [{rows}, {n}] with unit inner stride")
+        call = args.GgufMatmulArgs(
+            None, x.data_ptr(), out.data_ptr(), None, n, x.stride(0) if rows > 1 else k, out.stride(0) if rows > 1 else n, k, rows, 0,
+            _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], 0,
+        )  # fmt: skip
+        _check(self._library.kvserve_gguf_matmul_parts(ctypes.byref(call), self._parts, len(self.parts)), "gguf product")
+        return out
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A bf16 weight [n, k] re-laid for kvserve_packed_matmul: tiles of 16 rows with k-pairs interleaved."""

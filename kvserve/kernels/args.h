@@ -102,6 +102,14 @@ struct GgufMatmulArgs {
   int32_t pad_;
 };
 
+// one part of a fused projection for kvserve_gguf_matmul_parts: a weight in GGUF blocks
+struct GgufPart {
+  const uint8_t* blocks;
+  int64_t n;
+  int32_t type;
+  int32_t pad_;
+};
+
 // x @ weight^T on a weight packed by kvserve_pack_bf16_weight (packed_matmul.cpp)
 struct PackedMatmulArgs {
   const uint16_t* packed;  // bf16 [ceil(n/16) * 16 * k]

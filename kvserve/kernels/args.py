@@ -51,6 +51,10 @@ class GgufMatmulArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class GgufPart(ctypes.Structure):
+    _fields_ = [("blocks", _p), ("n", _i64), ("type", _i32), ("pad_", _i32)]
+
+
 class PackedMatmulArgs(ctypes.Structure):
     _fields_ = [
         ("packed", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("k", _i32), ("rows", _i32),

@@ -135,6 +135,8 @@ def load_kernels() -> ctypes.CDLL | None:
             "kvserve_sample", "kvserve_kv_store",
         )},  # fmt: skip
         **_AMX_SIGNATURES,
+        # GgufMatmulArgs (x, out, rows), GgufPart[count], count
+        "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
         "kvserve_has_bf16_dot": [],
         "kvserve_has_int8_screen": [],
         "kvserve_set_attention_amx": [_c_int],

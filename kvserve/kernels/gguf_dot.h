@@ -267,6 +267,13 @@ inline TilesBlock tiles_block_for(int type) {
   return has_min(type) ? tiles_block<16, true> : tiles_block<16, false>;
 }
 
+// bf16 rows: x [rows][ldx], and their sums (sub_block_sums) for the types with a min, else null
+struct BfRows {
+  const uint16_t* x;
+  int64_t ldx;
+  const float* sums;
+};
+
 // Few rows (a decode step): each tile's pairs go straight into the rows' chains as they are
 // decoded, the same operations in the same order as micro_kernel on a decoded tile.
 template <int MR>
@@ -301,16 +308,21 @@ struct FusedRows {
 };
 
 template <int T, int MR>
-void fused_tile(const Weight& w, int64_t t, const Problem& p, const uint16_t* x, int64_t ldx, const float* sums, void* out, RowBest* best) {
+void fused_tile(const Weight& w, int64_t t, const Problem& p, const BfRows& x, RowBest* best) {
   constexpr BlockShape shape = block_shape(T);
-  FusedRows<MR> rows(x, ldx, sums, w.k / sub_values(T));
+  FusedRows<MR> rows(x.x, x.ldx, x.sums, w.k / sub_values(T));
   const uint8_t* tile = w.tiles + t * w.tile_bytes;
-  for (int b = 0; b < w.k / shape.values; ++b) decode_block<T>(tile + static_cast<int64_t>(b) * shape.bytes * kTile, rows);
-  for (int m = 0; m < MR; ++m) emit(p, t, m, (f32x16)rows.acc[m], out, best);
+  const uint8_t* ahead = (t + kPrefetchTiles) * kTile < w.n ? tile + kPrefetchTiles * w.tile_bytes : nullptr;
+  constexpr int64_t block_bytes = static_cast<int64_t>(shape.bytes) * kTile;
+  for (int b = 0; b < w.k / shape.values; ++b) {
+    if (ahead) prefetch_block(ahead + b * block_bytes, block_bytes);
+    decode_block<T>(tile + b * block_bytes, rows);
+  }
+  for (int m = 0; m < MR; ++m) emit(p, t, m, (f32x16)rows.acc[m], p.out, best);
 }
 
 constexpr int kFusedRows = 8;
-using FusedTile = void (*)(const Weight&, int64_t, const Problem&, const uint16_t*, int64_t, const float*, void*, RowBest*);
+using FusedTile = void (*)(const Weight&, int64_t, const Problem&, const BfRows&, RowBest*);
 
 
 inline FusedTile fused_tile_for(int type, int rows) {
@@ -319,39 +331,69 @@ inline FusedTile fused_tile_for(int type, int rows) {
   });
 }
 
+// the rows' sums over each run of 32 values (sums[r * k / 32 + s]): every type with a min has
+// sub-blocks of 32 values
+inline std::vector<float> sub_block_sums(const uint16_t* x, int64_t ldx, int rows, int k) {
+  constexpr int sub = 32;
+  const int subs = k / sub;
+  std::vector<float> sums(static_cast<size_t>(rows) * subs);
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int r = 0; r < rows; ++r)
+    for (int s = 0; s < subs; ++s) {
+      float total = 0.0f;
+      for (int l = 0; l < sub; ++l) total += Elem<kBFloat16>::load(x[r * ldx + s * sub + l]);
+      sums[static_cast<size_t>(r) * subs + s] = total;
+    }
+  return sums;
+}
+
+// one weight of a few-row product: its tiles, the fused kernel for its type, where it writes
+struct FusedPart {
+  Weight w;
+  Problem p;
+  FusedTile fused;
+  int64_t tiles;
+};
+
+// Few rows against several weights that share them (a fused projection's parts, or one weight):
+// every part's tiles in one parallel loop, split evenly between the threads. argmax: one part only.
+void run_fused(const FusedPart* parts, int count, const BfRows& x, int rows, int64_t* argmax) {
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) total += parts[i].tiles;
+  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> merged_index(rows, -1);
+#pragma omp parallel
+  {
+    std::vector<RowBest> best;
+    if (argmax) best.assign(rows, RowBest{f32x16{} - std::numeric_limits<float>::infinity(), i32x16{} - 1});
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int i = 0;
+    int64_t before = 0;  // tiles of parts[0..i)
+    for (int64_t g = total * me / threads; g < total * (me + 1) / threads; ++g) {
+      while (g - before >= parts[i].tiles) before += parts[i++].tiles;
+      const FusedPart& part = parts[i];
+      part.fused(part.w, g - before, part.p, x, argmax ? best.data() : nullptr);
+    }
+    if (argmax) merge_best(best, merged_value, merged_index);
+  }
+  if (argmax)
+    for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
+}
+
 // x (bf16 [rows, k], row stride ldx) @ w^T into p.out / argmax
 void run(const Weight& w, int type, const Problem& p, const uint16_t* x, int64_t ldx, int rows, int64_t* argmax) {
   const TileShape ts = tile_shape(type, w.k);
-  const TileDecoder decode = tile_decoder(type);
-  const TilesBlock tiles_for = tiles_block_for(type);
-  std::vector<float> sums;
-  if (ts.mins) {
-    sums.resize(static_cast<size_t>(rows) * ts.subs);
-#pragma omp parallel for schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; ++r)
-      for (int s = 0; s < ts.subs; ++s) {
-        float total = 0.0f;
-        for (int l = 0; l < sub_values(type); ++l) total += Elem<kBFloat16>::load(x[r * ldx + s * sub_values(type) + l]);
-        sums[static_cast<size_t>(r) * ts.subs + s] = total;
-      }
-  }
+  const std::vector<float> sums = ts.mins ? sub_block_sums(x, ldx, rows, w.k) : std::vector<float>{};
   const int64_t tiles = (w.n + kTile - 1) / kTile;
-  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> merged_index(rows, -1);
-  const FusedTile fused = rows <= kFusedRows ? fused_tile_for(type, rows) : nullptr;
-  if (fused) {
-#pragma omp parallel
-    {
-      std::vector<RowBest> best;
-      if (argmax) best.assign(rows, RowBest{f32x16{} - std::numeric_limits<float>::infinity(), i32x16{} - 1});
-#pragma omp for schedule(static) nowait
-      for (int64_t t = 0; t < tiles; ++t) fused(w, t, p, x, ldx, ts.mins ? sums.data() : nullptr, p.out, argmax ? best.data() : nullptr);
-      if (argmax) merge_best(best, merged_value, merged_index);
-    }
-    if (argmax)
-      for (int r = 0; r < rows; ++r) argmax[r] = merged_index[r] < 0 ? 0 : merged_index[r];
+  if (rows <= kFusedRows) {
+    const FusedPart part{w, p, fused_tile_for(type, rows), tiles};
+    run_fused(&part, 1, {x, ldx, ts.mins ? sums.data() : nullptr}, rows, argmax);
     return;
   }
+  const TileDecoder decode = tile_decoder(type);
+  const TilesBlock tiles_for = tiles_block_for(type);
+  std::vector<float> merged_value(rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> merged_index(rows, -1);
   const int64_t blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const int64_t tile_bytes = (ts.bytes() + 63) / 64 * 64;
 #pragma omp parallel

@@ -397,17 +397,29 @@ inline V16 load_lanes(const float* p) {
 #endif
 }
 
+// A decode step streams each weight from memory once: while a few rows' tile is decoded, the
+// tile kPrefetchTiles on is fetched a block at a time (the hardware prefetchers alone reached a
+// third of the memory's bandwidth on a decode step's projections).
+constexpr int64_t kPrefetchTiles = 2;
+
+inline void prefetch_block(const uint8_t* block, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + line, 0, 3);
+}
+
 // MR (<= kMaxRows) rows against tile t, each value folded into the FMA chains as it is decoded:
 // the same FMA chain per output as the dequantize-the-tile-then-multiply path, so the same bits
 template <int T, int MR>
 void fused_tile(const Weight& w, int64_t t, const Problem& p, const float* x, void* out, RowBest* best) {
   constexpr BlockShape shape = block_shape(T);
+  constexpr int64_t block_bytes = static_cast<int64_t>(shape.bytes) * kTile;
   V16 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = broadcast(0.0f);
   const uint8_t* tile = w.tiles + t * w.tile_bytes;
+  const uint8_t* ahead = (t + kPrefetchTiles) * kTile < w.n ? tile + kPrefetchTiles * w.tile_bytes : nullptr;
   for (int b = 0; b < w.k / shape.values; ++b) {
     const float* xb = x + b * shape.values;
-    dequantize_tile_block<T>(tile + static_cast<int64_t>(b) * shape.bytes * kTile, [&acc, xb, &p](int l, V16 wv) {
+    if (ahead) prefetch_block(ahead + b * block_bytes, block_bytes);
+    dequantize_tile_block<T>(tile + b * block_bytes, [&acc, xb, &p](int l, V16 wv) {
       for (int m = 0; m < MR; ++m) acc[m] = fma(broadcast(xb[m * p.ldx + l]), wv, acc[m]);
     });
   }
@@ -492,15 +504,19 @@ int kvserve_gguf_dequantize(const uint8_t* tiles, int type, int64_t n, int k, co
   return 0;
 }
 
+// The arguments make a product this file computes.
+static bool valid(const kvserve::GgufMatmulArgs* a) {
+  const bool x_ok = a->x_dtype == kFloat32 || a->x_dtype == kBFloat16;
+  return kvserve_gguf_row_bytes(a->type, a->k) != 0 && a->n > 0 && a->rows > 0 && a->ldx >= a->k && x_ok && a->out_dtype >= 0 && a->out_dtype <= 2 &&
+         (!a->out || a->ldo >= a->n);
+}
+
 // x: float32 or bf16 [rows, k] (row stride ldx). out ([rows, ldo] in out_dtype, columns 0..n-1
 // written) and argmax (int64 [rows]) may each be null.
 int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
-  const int64_t row_bytes = kvserve_gguf_row_bytes(a->type, a->k);
+  if (!valid(a)) return 1;
   const int k = a->k, rows = a->rows;
-  const bool x_ok = a->x_dtype == kFloat32 || a->x_dtype == kBFloat16;
-  if (row_bytes == 0 || a->n <= 0 || rows <= 0 || a->ldx < k || !x_ok || a->out_dtype < 0 || a->out_dtype > 2 || (a->out && a->ldo < a->n))
-    return 1;
-  Weight w{a->blocks, row_bytes * kTile, a->n, k, tile_dequantizer(a->type)};
+  Weight w{a->blocks, kvserve_gguf_row_bytes(a->type, k) * kTile, a->n, k, tile_dequantizer(a->type)};
   Problem p{nullptr, kFloat32, a->n, k, static_cast<const float*>(a->x), a->ldx, a->out, a->out_dtype, a->ldo};
 #if KVSERVE_HAS_GGUF_DOT
   if (a->x_dtype == kBFloat16) {
@@ -521,6 +537,46 @@ int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   const FusedTile fused = rows <= kMaxRows ? fused_tile_for(a->type, rows) : nullptr;
   if (fused) run_fused(w, p, rows, fused, a->argmax);
   else run(w, p, rows, a->argmax);
+  return 0;
+}
+
+// Several weights times the same rows (a fused projection's parts), their outputs side by side:
+// `a` as kvserve_gguf_matmul takes it (its blocks, n and type unused; no argmax), part i writing
+// the columns after parts 0..i-1's. A decode step's bf16 rows run every part's tiles in one
+// parallel loop; other products run the parts one after another. Each output's arithmetic is
+// kvserve_gguf_matmul's.
+int kvserve_gguf_matmul_parts(const kvserve::GgufMatmulArgs* a, const kvserve::GgufPart* parts, int count) {
+  if (count <= 0 || a->argmax) return 1;
+  const int64_t out_bytes = a->out_dtype == kFloat32 ? 4 : 2;
+  std::vector<kvserve::GgufMatmulArgs> each(count, *a);
+  int64_t column = 0;
+  for (int i = 0; i < count; ++i) {
+    each[i].blocks = parts[i].blocks;
+    each[i].n = parts[i].n;
+    each[i].type = parts[i].type;
+    each[i].out = a->out ? static_cast<char*>(a->out) + column * out_bytes : nullptr;
+    column += parts[i].n;
+    if (!valid(&each[i])) return 1;
+  }
+  if (a->out && a->ldo < column) return 1;
+#if KVSERVE_HAS_GGUF_DOT
+  if (a->x_dtype == kBFloat16 && a->rows <= dot::kFusedRows) {
+    std::vector<dot::FusedPart> fused;
+    bool mins = false;
+    for (const kvserve::GgufMatmulArgs& part : each) {
+      Weight w{part.blocks, kvserve_gguf_row_bytes(part.type, part.k) * kTile, part.n, part.k, tile_dequantizer(part.type)};
+      Problem p{nullptr, kFloat32, part.n, part.k, nullptr, part.ldx, part.out, part.out_dtype, part.ldo};
+      fused.push_back({w, p, dot::fused_tile_for(part.type, part.rows), (part.n + kTile - 1) / kTile});
+      mins = mins || dot::has_min(part.type);
+    }
+    const uint16_t* x = static_cast<const uint16_t*>(a->x);
+    const std::vector<float> sums = mins ? dot::sub_block_sums(x, a->ldx, a->rows, a->k) : std::vector<float>{};
+    dot::run_fused(fused.data(), count, {x, a->ldx, mins ? sums.data() : nullptr}, a->rows, nullptr);
+    return 0;
+  }
+#endif
+  for (const kvserve::GgufMatmulArgs& part : each)
+    if (const int rc = kvserve_gguf_matmul(&part)) return rc;
   return 0;
 }
 

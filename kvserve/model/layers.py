@@ -39,12 +39,14 @@ class Linear(nn.Linear):
     packed: kernels.PackedWeight | None = None
     float_packed: kernels.FloatPackedWeight | None = None
     gguf: tuple[kernels.GgufWeight, ...] | None = None  # the fused projection's parts, stacked on the output axis
+    gguf_product: kernels.GgufProduct | None = None
 
     def hold_gguf(self, parts: tuple[kernels.GgufWeight, ...]) -> None:
         """Keep the weight as these GGUF tensors (their outputs side by side) instead of a float copy."""
         if sum(p.n for p in parts) != self.out_features or any(p.k != self.in_features for p in parts):
             raise ValueError(f"GGUF parts {[(p.n, p.k) for p in parts]} do not make a [{self.out_features}, {self.in_features}] weight")
         self.gguf = parts
+        self.gguf_product = kernels.GgufProduct(parts)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="cpu"), requires_grad=False)
 
     def enable_native(self) -> None:
@@ -71,7 +73,7 @@ class Linear(nn.Linear):
     def _native_product(self, x: torch.Tensor) -> torch.Tensor | None:
         rows_ok = x.dim() == 2 and x.shape[0] > 0 and x.stride(1) == 1
         if self.gguf is not None and rows_ok and x.dtype in kernels.FLOAT_PACK_DTYPES:
-            return gguf_product(x, self.gguf)
+            return self.gguf_product(x)
         if self.amx is not None and rows_ok and x.dtype == torch.bfloat16:
             return kernels.amx_matmul(x, self.amx)[0]
         if self.packed is not None and rows_ok and x.dtype == torch.bfloat16:
@@ -91,22 +93,6 @@ class Linear(nn.Linear):
         if self.float_packed is not None:
             return kernels.unpack_float_weight(self.float_packed)
         return self.weight
-
-
-def gguf_product(
-    x: torch.Tensor, parts: tuple[kernels.GgufWeight, ...], out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x @ W^T for W the parts stacked on the output axis, each written into its columns (of `out`
-    when given)."""
-    if len(parts) == 1 and out is None:
-        return kernels.gguf_matmul(x, parts[0], out_dtype=out_dtype)[0]
-    if out is None:
-        out = torch.empty(x.shape[0], sum(p.n for p in parts), dtype=out_dtype or x.dtype)
-    column = 0
-    for part in parts:
-        kernels.gguf_matmul(x, part, out_dtype=out_dtype, out=out[:, column : column + part.n])
-        column += part.n
-    return out
 
 
 class GgufEmbedding(nn.Module):
@@ -223,10 +209,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return self.down_proj(kernels.gated_activation(self.gate_up_proj(x), self.activation))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj.forward(kernels.gated_activation(self.gate_up_proj.forward(x), self.activation))
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         if self.activation == "gelu_tanh":
             act = F.gelu(gate, approximate="tanh")
         else:
             act = F.silu(gate)
-        return self.down_proj(act * up)
+        return self.down_proj.forward(act * up)

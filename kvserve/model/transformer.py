@@ -15,7 +15,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import (
-    GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, gguf_product, packs_as_float, residual_add_norm,
+    GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm,
 )
 
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         """Stores every token's K/V; returns the output of ``rows`` only when given (else of all)."""
         tokens = x.shape[0]
         positions = meta.positions
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.native:
@@ -72,7 +72,7 @@ class Attention(nn.Module):
             out = out.index_select(0, rows)
             if out.shape[0] == 0:  # a step in which no sequence samples still stores its K/V
                 return x.new_empty(0, x.shape[1])
-        return self.o_proj(out)
+        return self.o_proj.forward(out)
 
 
 class DecoderLayer(nn.Module):
@@ -102,16 +102,16 @@ class DecoderLayer(nn.Module):
         next_norm of it (the next layer's input norm, fused with this layer's last residual add).
         With ``rows``, everything after the attention runs for those rows only (the last layer of a
         prefill: no later layer reads the other rows, and their K/V are already stored)."""
-        attn = self.self_attn(normed, attention, meta, rows)
+        attn = self.self_attn.forward(normed, attention, meta, rows)
         if rows is not None:
             x = x.index_select(0, rows)
             if x.shape[0] == 0:
                 return x, None
         if self.sandwich:
             x, normed = residual_add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            return residual_add_norm(x, self.mlp(normed), self.post_feedforward_layernorm, next_norm)
+            return residual_add_norm(x, self.mlp.forward(normed), self.post_feedforward_layernorm, next_norm)
         x, normed = residual_add_norm(x, attn, None, self.post_attention_layernorm)
-        return residual_add_norm(x, self.mlp(normed), None, next_norm)
+        return residual_add_norm(x, self.mlp.forward(normed), None, next_norm)
 
 
 class CausalLM(nn.Module):
@@ -180,11 +180,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        normed = self.layers[0].input_layernorm(x)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i < last else None
-            x, normed = layer(x, normed, attention, meta, next_norm, output_rows if i == last else None)
+        layers = list(self.layers)  # modules' forward called directly: nn.Module's call machinery is ~1 us each, 100+ a step
+        normed = layers[0].input_layernorm.forward(x)
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i < last else None
+            x, normed = layer.forward(x, normed, attention, meta, next_norm, output_rows if i == last else None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -197,7 +198,7 @@ class CausalLM(nn.Module):
         normed = self.norm(hidden)
         if self.gguf_lm_head is not None:
             out = self._native_logits_buffer(normed.shape[0])
-            return self._softcap(gguf_product(self._gguf_rows(normed), (self.gguf_lm_head,), out_dtype=torch.float32, out=out))
+            return self._softcap(kernels.gguf_matmul(self._gguf_rows(normed), self.gguf_lm_head, out_dtype=torch.float32, out=out)[0])
         if self._use_bf16_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(self._bf16_lm_head(normed, out_dtype=torch.float32, out=out)[0])
