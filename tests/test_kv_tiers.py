@@ -242,9 +242,15 @@ def test_a_record_larger_than_the_host_tier_goes_to_the_disk_tier(tiny_dir, tmp_
     one_by_one(roomy, prompts, GREEDY)
     hits = one_by_one(roomy, prompts, GREEDY)
     one_by_one(llm, prompts, GREEDY)
+    offloader, asked = llm.engine.kv.offloader, []
+    weigh = offloader.worth_loading
+    offloader.worth_loading = lambda tiers, sizes, tokens: asked.append(list(sizes)) or weigh(tiers, sizes, tokens)
     again = one_by_one(llm, prompts, GREEDY)
     assert [trace(o) for o in again] == [trace(o) for o in hits]
     assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in hits]
+    # the load-or-recompute estimate counts the sink record (block 0) at its own, larger size
+    from_start = [sizes for sizes in asked if sizes[0] == spec.residual_block_bytes]
+    assert from_start and all(set(sizes[1:]) == {spec.bytes_per_block} for sizes in from_start)
     tiers = llm.stats()["kv_tiers"]
     assert tiers["disk"]["hit_tokens"] > 0 and tiers["host"]["usage_bytes"] <= tiers["host"]["capacity_bytes"]
 
@@ -351,13 +357,19 @@ def test_loading_is_chosen_only_where_it_beats_recompute():
     counters.loads = 5  # measured: 1 ms latency, 1 MB/s
     counters.latency, counters.bandwidth = 1e-3, 1e6
     offloader.prefill_rate = 1e6  # 16 tokens recompute in 16 us: far faster than a 1 ms read
-    assert not offloader.worth_loading([store], 1000, 16)
+    assert not offloader.worth_loading([store], [1000], 16)
     offloader.prefill_rate = 100.0  # 160 ms to recompute
-    assert offloader.worth_loading([store], 1000, 16)
+    assert offloader.worth_loading([store], [1000], 16)
     assert offloader.decisions == {"load": 1, "recompute": 1}
+    # each record counts its own bytes (a KIVI cache's full-precision sink record is several
+    # quantized records' size): 1 ms + 2 x 10 ms against 30 ms of recompute loads; 1 ms + 10 + 40 ms
+    # against 40 ms recomputes
+    assert offloader.load_seconds([store, store], [10_000, 10_000]) == (pytest.approx(0.021), False)
+    assert offloader.worth_loading([store, store], [10_000, 10_000], 3)
+    assert not offloader.worth_loading([store, store], [10_000, 40_000], 4)
     counters.loads = 0
     offloader.prefill_rate = 1e6
-    assert offloader.worth_loading([store], 1000, 16)  # never measured: tried
+    assert offloader.worth_loading([store], [1000], 16)  # never measured: tried
     offloader.observe_prefill(1000, 0.5)
     assert offloader.prefill_rate < 1e6
 

@@ -231,7 +231,10 @@ class KVCacheManager:
         room = (len(entries) + len(full_precision) * (self.spec.residual_units - 1) <= self.pool.num_free_blocks
                 and len(full_precision) <= self._fresh.num_free_blocks)  # fmt: skip
         keys = [record_key(hashes[i], g) for i, g in entries]
-        if not room or not offloader.worth_loading([where[key] for key in keys], self.spec.bytes_per_block, (end - start) * bs):
+        tiers, sizes = [where[key] for key in keys], [self.spec.bytes_per_block] * len(entries)
+        for k in full_precision:
+            sizes[k] = self.spec.residual_block_bytes
+        if not room or not offloader.worth_loading(tiers, sizes, (end - start) * bs):
             if room:
                 self._recompute_decided[request_id] = end
             self._release(list(reversed(held)))
@@ -243,7 +246,7 @@ class KVCacheManager:
         self._release(list(reversed(held)))
         salt = self._salts.get(request_id)
         parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
-        job = LoadJob(keys, targets, expected_seconds=offloader.load_seconds([where[key] for key in keys], self.spec.bytes_per_block)[0])
+        job = LoadJob(keys, targets, expected_seconds=offloader.load_seconds(tiers, sizes)[0])
         job.entries = [(i, g, hashes[i], parents[i], tuple(token_ids[i * bs : (i + 1) * bs]), salt) for i, g in entries]
         offloader.load(job, [t.block_id for t in targets])
         return job

@@ -208,23 +208,24 @@ class KVOffloader:
                     found[i] = self.remote
         return found
 
-    def load_seconds(self, tiers: Sequence[BlockStore], record_bytes: int) -> tuple[float, bool]:
-        """The expected time to read one record from each of these tiers, and whether a tier among
-        them is not measured yet."""
+    def load_seconds(self, tiers: Sequence[BlockStore], record_bytes: Sequence[int]) -> tuple[float, bool]:
+        """The expected time to read one record of record_bytes[i] bytes from each tiers[i] (a KIVI
+        cache's sink records are larger than its quantized ones), and whether a tier among them is
+        not measured yet."""
         seconds = 0.0
         by_tier: dict[str, int] = {}
-        for store in tiers:
-            by_tier[store.name] = by_tier.get(store.name, 0) + 1
+        for store, size in zip(tiers, record_bytes, strict=True):
+            by_tier[store.name] = by_tier.get(store.name, 0) + size
         unmeasured = False
-        for name, count in by_tier.items():
+        for name, size in by_tier.items():
             c = self.counters[name]
-            seconds += c.latency + count * record_bytes / c.bandwidth
+            seconds += c.latency + size / c.bandwidth
             unmeasured |= c.loads < _LOADS_TO_MEASURE
         return seconds, unmeasured
 
-    def worth_loading(self, tiers: Sequence[BlockStore], record_bytes: int, tokens: int) -> bool:
-        """Loading records from these tiers (one per record) is expected to beat recomputing `tokens`
-        prompt tokens at the measured prefill rate; counted either way."""
+    def worth_loading(self, tiers: Sequence[BlockStore], record_bytes: Sequence[int], tokens: int) -> bool:
+        """Loading records from these tiers (one per record, of record_bytes[i] bytes) is expected to
+        beat recomputing `tokens` prompt tokens at the measured prefill rate; counted either way."""
         seconds, unmeasured = self.load_seconds(tiers, record_bytes)
         load = unmeasured or seconds < tokens / self.prefill_rate  # a tier never read cannot be measured
         self.decisions["load" if load else "recompute"] += 1
