@@ -8,13 +8,24 @@ running one after another. `--weight-dtypes gguf auto-dtype` puts the GGUF block
 weights dequantized into --dtype auto (two engines, one process).
 
     .venv/bin/python bench/single_stream.py [--model gemma-3-270m] [--rounds 7] [--weight-dtypes gguf auto-dtype]
+
+`--against CHECKOUT` compares two versions of the code instead: each pair of runs starts this
+script once on CHECKOUT's kvserve (PYTHONPATH; its default weights, or --against-weight-dtype) and
+once on this one's (the first --weight-dtypes entry), in alternating order, each a fresh process
+that reports the median of --repeats decodes greedy and at temperature 1.0; it prints every pair's
+ratio and the median ratio. A worktree of an older commit serves as CHECKOUT:
+
+    git worktree add --detach /tmp/before <commit>
+    .venv/bin/python bench/single_stream.py --against /tmp/before --pairs 8 --weight-dtypes gguf
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +43,49 @@ def decode_tps(llm: LLM, prompt: list[int], params: SamplingParams) -> float:
     return (len(out.token_ids) - 1) / (m["last_token_time"] - m["first_token_time"])
 
 
+PAIRED = {"greedy": SETTINGS["greedy"], "temperature 1.0": SETTINGS["temperature 1.0"]}
+
+
+def one_run(model: str, weight_dtype: str, new_tokens: int, repeats: int) -> dict[str, float]:
+    """One engine (weight_dtype "default": the checkout's own default, for code that predates the
+    flag): the median decode tok/s of `repeats` requests per setting of PAIRED."""
+    settings = {} if weight_dtype == "default" else {"weight_dtype": weight_dtype}
+    llm = LLM(model, kv_cache_memory=0.5, enable_prefix_caching=False, **settings)
+    prompt = make_prompts(llm.tokenizer, 1, 128, 128, seed=0)[0]
+    return {name: statistics.median(decode_tps(llm, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=1, **sampling))
+                                    for _ in range(repeats))
+            for name, sampling in PAIRED.items()}  # fmt: skip
+
+
+def against(args: argparse.Namespace) -> None:
+    """Pairs of fresh processes, this checkout's code against args.against's, in alternating order."""
+    checkout = Path(args.against).resolve()
+    if not (checkout / "kvserve" / "__init__.py").is_file():
+        sys.exit(f"--against {checkout}: not a kvserve checkout (no kvserve/__init__.py)")
+    here = Path(__file__).resolve().parents[1]
+    sides = {"before": (checkout, args.against_weight_dtype), "now": (here, args.weight_dtypes[0])}
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "now": []}
+    for pair in range(args.pairs):
+        for side in ("before", "now") if pair % 2 == 0 else ("now", "before"):
+            root, weight_dtype = sides[side]
+            command = [sys.executable, __file__, "--one-run", "--model", args.model, "--weight-dtypes", weight_dtype,
+                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"pair {pair + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[side][-1].items()), flush=True)
+    print(f"\n{args.model}: {sides['now'][1]} weights here against {checkout} ({sides['before'][1]} weights), "
+          f"{args.pairs} pairs, median of {args.repeats} decodes of {args.new_tokens} tokens per run")  # fmt: skip
+    print("| sampling | before tok/s (median of runs) | now tok/s | ratio of medians | median pair ratio (min-max) |")
+    print("|---|---:|---:|---:|---:|")
+    for name in PAIRED:
+        before = [r[name] for r in runs["before"]]
+        now = [r[name] for r in runs["now"]]
+        ratios = [n / b for n, b in zip(now, before)]
+        print(f"| {name} | {statistics.median(before):.1f} | {statistics.median(now):.1f} | {statistics.median(now) / statistics.median(before):.2f}x "
+              f"| {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m")
@@ -39,7 +93,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--weight-dtypes", nargs="+", default=["auto"],
                         help="engines to compare: auto, gguf, float32, bfloat16, or auto-dtype (--dtype auto's own dtype)")
+    parser.add_argument("--against", metavar="CHECKOUT", help="compare this code with another checkout's (pairs of processes)")
+    parser.add_argument("--against-weight-dtype", default="default",
+                        help="the weights CHECKOUT's engine takes (default: its own default; it may predate --weight-dtype)")
+    parser.add_argument("--pairs", type=int, default=8, help="with --against: pairs of runs")
+    parser.add_argument("--repeats", type=int, default=5, help="with --against: decodes per setting in one run (their median)")
+    parser.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_run:
+        print(json.dumps(one_run(args.model, args.weight_dtypes[0], args.new_tokens, args.repeats)))
+        return
+    if args.against:
+        against(args)
+        return
     engines = {}
     for weight_dtype in args.weight_dtypes:
         if weight_dtype == "auto-dtype":
