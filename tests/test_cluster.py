@@ -290,6 +290,25 @@ def test_replicas_get_the_flags_given_and_never_the_api_key():
     assert isinstance(args, argparse.Namespace)
 
 
+def test_the_routers_ports_stay_taken_while_the_replicas_start():
+    """The router's ports are held by listening sockets until smg starts: a replica binding port 0
+    meanwhile cannot be given one of them (a port released early was, once, and smg failed to bind).
+    A listening socket refuses every other bind of its port, SO_REUSEADDR or not."""
+    from kvserve.server.cluster import _reserved_port
+    from kvserve.server.shutdown import bound_socket
+
+    held = _reserved_port("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    with pytest.raises(ValueError, match="cannot listen"):
+        bound_socket("127.0.0.1", port)
+    others = [bound_socket("127.0.0.1", 0) for _ in range(200)]
+    assert port not in {sock.getsockname()[1] for sock in others}
+    for sock in others:
+        sock.close()
+    held.close()
+    bound_socket("127.0.0.1", port).close()  # free again once released
+
+
 def test_a_killed_cluster_takes_its_replicas_and_router_with_it(model_dir):
     """SIGKILL (or the OOM killer) gives the cluster no chance to stop anything: the parent-death
     signal must, or replicas would go on serving with no router in front."""

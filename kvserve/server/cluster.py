@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -120,15 +121,15 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--router-args: {exc}") from None
 
 
-def _free_port(host: str, port: int) -> int:
-    """`port`, checked free on `host` (or a free one for 0); smg itself takes no port 0."""
+def _reserved_port(host: str, port: int) -> socket.socket:
+    """A listening socket on `port` of `host` (a free port for 0; smg itself takes no port 0), held
+    until the router is started on it: meanwhile no replica binding port 0 can be given the same
+    port (a released one could be, and then the router failed to bind)."""
     from kvserve.server.shutdown import bound_socket
 
     sock = bound_socket(host, port)
-    try:
-        return sock.getsockname()[1]
-    finally:
-        sock.close()
+    sock.listen()
+    return sock
 
 
 def _die_with_parent() -> None:
@@ -215,22 +216,14 @@ class Cluster:
         args = self.args
         deadline = time.monotonic() + args.startup_timeout
         # the router's ports first: a port in use is an error before minutes of model loading
-        port = _free_port(args.host, args.port)
-        metrics_port = _free_port("127.0.0.1", args.router_prometheus_port)
-        command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
-        for i in range(args.replicas):
-            self.replicas.append(_Child(f"replica {i}", [*command, *self.replica_argv, "--threads", str(self.threads)], self._env(),
-                                        watch="kvserve: serving"))  # fmt: skip
-        while any(r.found is None for r in self.replicas):
-            for r in self.replicas:
-                if r.found is None and r.proc.poll() is not None:
-                    raise self._failed(r, "exited before it was serving")
-            if self._stop.is_set():
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                raise ValueError(f"the replicas did not all start within --startup-timeout {args.startup_timeout:g} s")
-            time.sleep(0.1)
-        self.urls = [r.found.split(" on ", 1)[1].split()[0] for r in self.replicas]
+        reserved = [_reserved_port(args.host, args.port)]
+        try:
+            reserved.append(_reserved_port("127.0.0.1", args.router_prometheus_port))
+            port, metrics_port = (sock.getsockname()[1] for sock in reserved)
+            self._start_replicas(deadline)
+        finally:
+            for sock in reserved:
+                sock.close()
         router_argv = [self.smg, "launch", "--worker-urls", *self.urls, "--policy", args.router_policy, "--host", args.host,
                        "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                        "--log-level", args.router_log_level]  # fmt: skip
@@ -247,6 +240,24 @@ class Cluster:
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self._wait_ready(deadline)
         return self.url
+
+    def _start_replicas(self, deadline: float) -> None:
+        """Start every replica on a port of its own choosing; return once each reports serving."""
+        args = self.args
+        command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+        for i in range(args.replicas):
+            self.replicas.append(_Child(f"replica {i}", [*command, *self.replica_argv, "--threads", str(self.threads)], self._env(),
+                                        watch="kvserve: serving"))  # fmt: skip
+        while any(r.found is None for r in self.replicas):
+            for r in self.replicas:
+                if r.found is None and r.proc.poll() is not None:
+                    raise self._failed(r, "exited before it was serving")
+            if self._stop.is_set():
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise ValueError(f"the replicas did not all start within --startup-timeout {args.startup_timeout:g} s")
+            time.sleep(0.1)
+        self.urls = [r.found.split(" on ", 1)[1].split()[0] for r in self.replicas]
 
     def _wait_ready(self, deadline: float) -> None:
         want = len(self.replicas)
