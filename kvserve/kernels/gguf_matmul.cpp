@@ -511,12 +511,17 @@ static bool valid(const kvserve::GgufMatmulArgs* a) {
          (!a->out || a->ldo >= a->n);
 }
 
+// The weight the arguments name.
+static Weight weight_of(const kvserve::GgufMatmulArgs& a) {
+  return {a.blocks, kvserve_gguf_row_bytes(a.type, a.k) * kTile, a.n, a.k, tile_dequantizer(a.type)};
+}
+
 // x: float32 or bf16 [rows, k] (row stride ldx). out ([rows, ldo] in out_dtype, columns 0..n-1
 // written) and argmax (int64 [rows]) may each be null.
 int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   if (!valid(a)) return 1;
   const int k = a->k, rows = a->rows;
-  Weight w{a->blocks, kvserve_gguf_row_bytes(a->type, k) * kTile, a->n, k, tile_dequantizer(a->type)};
+  const Weight w = weight_of(*a);
   Problem p{nullptr, kFloat32, a->n, k, static_cast<const float*>(a->x), a->ldx, a->out, a->out_dtype, a->ldo};
 #if KVSERVE_HAS_GGUF_DOT
   if (a->x_dtype == kBFloat16) {
@@ -564,9 +569,8 @@ int kvserve_gguf_matmul_parts(const kvserve::GgufMatmulArgs* a, const kvserve::G
     std::vector<dot::FusedPart> fused;
     bool mins = false;
     for (const kvserve::GgufMatmulArgs& part : each) {
-      Weight w{part.blocks, kvserve_gguf_row_bytes(part.type, part.k) * kTile, part.n, part.k, tile_dequantizer(part.type)};
-      Problem p{nullptr, kFloat32, part.n, part.k, nullptr, part.ldx, part.out, part.out_dtype, part.ldo};
-      fused.push_back({w, p, dot::fused_tile_for(part.type, part.rows), (part.n + kTile - 1) / kTile});
+      const Problem p{nullptr, kFloat32, part.n, part.k, nullptr, part.ldx, part.out, part.out_dtype, part.ldo};
+      fused.push_back({weight_of(part), p, dot::fused_tile_for(part.type, part.rows), (part.n + kTile - 1) / kTile});
       mins = mins || dot::has_min(part.type);
     }
     const uint16_t* x = static_cast<const uint16_t*>(a->x);
