@@ -128,6 +128,34 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "KVCopyArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVCopyArgs)), KVSERVE_FIELD(KVCopyArgs, key), KVSERVE_FIELD(KVCopyArgs, value), KVSERVE_FIELD(KVCopyArgs, k), KVSERVE_FIELD(KVCopyArgs, v), KVSERVE_FIELD(KVCopyArgs, slots), KVSERVE_FIELD(KVCopyArgs, num_tokens), KVSERVE_FIELD(KVCopyArgs, k_stride), KVSERVE_FIELD(KVCopyArgs, v_stride), KVSERVE_FIELD(KVCopyArgs, token_bytes), KVSERVE_FIELD(KVCopyArgs, num_slots)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "DecodeStep")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(DecodeStep)), KVSERVE_FIELD(DecodeStep, positions), KVSERVE_FIELD(DecodeStep, slots), KVSERVE_FIELD(DecodeStep, block_tables), KVSERVE_FIELD(DecodeStep, kv_lens), KVSERVE_FIELD(DecodeStep, max_blocks), KVSERVE_FIELD(DecodeStep, rows)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "DecodeOp")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(DecodeOp)), KVSERVE_FIELD(DecodeOp, args), KVSERVE_FIELD(DecodeOp, parts), KVSERVE_FIELD(DecodeOp, kind), KVSERVE_FIELD(DecodeOp, group), KVSERVE_FIELD(DecodeOp, count), KVSERVE_FIELD(DecodeOp, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
+  if (!std::strcmp(name, "GgufPart")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(GgufPart)), KVSERVE_FIELD(GgufPart, blocks), KVSERVE_FIELD(GgufPart, n), KVSERVE_FIELD(GgufPart, type), KVSERVE_FIELD(GgufPart, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   return -1;
 }
 

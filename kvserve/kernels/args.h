@@ -285,4 +285,42 @@ struct KVStoreArgs {
   int32_t pad_;
 };
 
+// decode_program.cpp: a float pool's K/V write, tokens' rows (k_stride / v_stride bytes apart) copied
+// into key / value at their slots; the pool holds the activations' dtype, token_bytes per token.
+struct KVCopyArgs {
+  void* key;
+  void* value;
+  const void* k;
+  const void* v;
+  const int64_t* slots;
+  int64_t num_tokens;
+  int64_t k_stride;
+  int64_t v_stride;
+  int64_t token_bytes;
+  int64_t num_slots;
+};
+
+// decode_program.cpp: what changes from one decode step to the next. Every op of a program reads
+// its rows, positions and its KV cache group's slots, block tables and lengths from here.
+constexpr int kDecodeGroups = 8;
+struct DecodeStep {
+  const int64_t* positions;                       // [rows]
+  const int64_t* slots[kDecodeGroups];            // [rows] per group
+  const int64_t* block_tables[kDecodeGroups];     // [rows, max_blocks[g]] per group
+  const int64_t* kv_lens[kDecodeGroups];          // [rows] per group
+  int64_t max_blocks[kDecodeGroups];
+  int64_t rows;
+};
+
+// One kernel call of a decode program: `args` is that kernel's argument struct, built once with
+// every pointer to the program's buffers and weights; the step's fields are written before the call.
+struct DecodeOp {
+  void* args;
+  const void* parts;  // GGUF products: the GgufPart array
+  int32_t kind;       // decode_program.cpp's OpKind
+  int32_t group;      // stores and attention: the KV cache group
+  int32_t count;      // GGUF products: the number of parts
+  int32_t pad_;
+};
+
 }  // namespace kvserve

@@ -136,9 +136,30 @@ class KVStoreArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class KVCopyArgs(ctypes.Structure):
+    _fields_ = [
+        ("key", _p), ("value", _p), ("k", _p), ("v", _p), ("slots", _p), ("num_tokens", _i64), ("k_stride", _i64), ("v_stride", _i64),
+        ("token_bytes", _i64), ("num_slots", _i64),
+    ]  # fmt: skip
+
+
+DECODE_GROUPS = 8
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [
+        ("positions", _p), ("slots", _p * DECODE_GROUPS), ("block_tables", _p * DECODE_GROUPS), ("kv_lens", _p * DECODE_GROUPS),
+        ("max_blocks", _i64 * DECODE_GROUPS), ("rows", _i64),
+    ]  # fmt: skip
+
+
+class DecodeOp(ctypes.Structure):
+    _fields_ = [("args", _p), ("parts", _p), ("kind", _i32), ("group", _i32), ("count", _i32), ("pad_", _i32)]
+
+
 STRUCTS = (
-    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
-    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs,
+    KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, GgufPart, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
+    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, DecodeStep, DecodeOp,
 )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
-    "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "abi.cpp",
+    "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = ["simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h"]
 # test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
@@ -137,6 +137,8 @@ def load_kernels() -> ctypes.CDLL | None:
         **_AMX_SIGNATURES,
         # GgufMatmulArgs (x, out, rows), GgufPart[count], count
         "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
+        # DecodeOp[count], count, DecodeStep, the failing op's index (out)
+        "kvserve_decode_program_run": [_ptr, _c_int64, _ptr, _ptr],
         "kvserve_has_bf16_dot": [],
         "kvserve_has_int8_screen": [],
         "kvserve_set_attention_amx": [_c_int],

@@ -70,17 +70,29 @@ class Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.dense_weight().to(x.dtype), bias)
 
-    def _native_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        rows_ok = x.dim() == 2 and x.shape[0] > 0 and x.stride(1) == 1
-        if self.gguf is not None and rows_ok and x.dtype in kernels.FLOAT_PACK_DTYPES:
-            return self.gguf_product(x)
-        if self.amx is not None and rows_ok and x.dtype == torch.bfloat16:
-            return kernels.amx_matmul(x, self.amx)[0]
-        if self.packed is not None and rows_ok and x.dtype == torch.bfloat16:
-            return kernels.packed_matmul(x, self.packed)[0]
-        if self.float_packed is not None and fits_float_matmul(x, self.float_packed):
-            return kernels.float_matmul(x, self.float_packed)[0]
+    def native_weight(self, dtype: torch.dtype) -> kernels.GgufProduct | kernels.AmxWeight | kernels.PackedWeight | kernels.FloatPackedWeight | None:
+        """What the native product of rows in `dtype` computes on (None: F.linear's fallback)."""
+        if self.gguf_product is not None and dtype in kernels.FLOAT_PACK_DTYPES:
+            return self.gguf_product
+        if self.amx is not None and dtype == torch.bfloat16:
+            return self.amx
+        if self.packed is not None and dtype == torch.bfloat16:
+            return self.packed
+        if self.float_packed is not None and dtype in kernels.FLOAT_PACK_DTYPES:
+            return self.float_packed
         return None
+
+    def _native_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        weight = self.native_weight(x.dtype)
+        if weight is None or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1 or x.shape[1] != self.in_features:
+            return None
+        if weight is self.gguf_product:
+            return weight(x)
+        if weight is self.amx:
+            return kernels.amx_matmul(x, weight)[0]
+        if weight is self.packed:
+            return kernels.packed_matmul(x, weight)[0]
+        return kernels.float_matmul(x, weight)[0]
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, rebuilt from its packed copy where the row-major one was freed."""

@@ -6,6 +6,8 @@ Gemma's sandwich norms, scaled embeddings, GELU, and sliding-window layers with 
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
+from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.layers import (
     GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm,
 )
@@ -142,6 +145,11 @@ class CausalLM(nn.Module):
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
         self._screen_scratch: torch.Tensor | None = None  # screened_sample's approximations, reused
+        self.fused_decode = True  # decode steps' layers run as one kernel program where they can (model/fused_decode.py)
+        self._fused: FusedDecode | None = None
+        self._fused_backend: weakref.ref | None = None  # the program's backend: a new one (another pool) builds another
+        self._fused_dtype: torch.dtype | None = None
+        self._fused_supported = False
 
     def hold_gguf_lm_head(self, weight: kernels.GgufWeight) -> None:
         """Compute the logits on these GGUF blocks (the tied embedding's, or the file's output tensor)."""
@@ -182,11 +190,28 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         layers = list(self.layers)  # modules' forward called directly: nn.Module's call machinery is ~1 us each, 100+ a step
         normed = layers[0].input_layernorm.forward(x)
+        if output_rows is None and self.fused_decode and FusedDecode.applies(meta, x.shape[0]):
+            fused = self._fused_decode_for(attention, x.shape[0], x.dtype)
+            if fused is not None:
+                return fused.run(x, normed, meta)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i < last else None
             x, normed = layer.forward(x, normed, attention, meta, next_norm, output_rows if i == last else None)
         return x
+
+    def _fused_decode_for(self, attention: AttentionBackend, rows: int, dtype: torch.dtype) -> FusedDecode | None:
+        """The decode program for this backend, rebuilt with twice the rows when a step outgrows it;
+        None where the layers do not all run on its kernels (asked once per backend and dtype)."""
+        if self._fused_backend is None or self._fused_backend() is not attention or self._fused_dtype != dtype:
+            self._fused, self._fused_backend, self._fused_dtype = None, weakref.ref(attention), dtype
+            self._fused_supported = FusedDecode.supports(self, attention, dtype)
+        if not self._fused_supported:
+            return None
+        if self._fused is None or self._fused.capacity < rows:
+            capacity = max(rows, 2 * self._fused.capacity if self._fused is not None else 8)
+            self._fused = FusedDecode(self, attention, capacity, dtype)
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for the sampled rows only.

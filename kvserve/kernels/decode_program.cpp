@@ -1,0 +1,144 @@
+// A decode step's layers as one call: the ops (products, norms, K/V stores, attention) run in
+// order, each the same kernel entry the per-op Python path calls, with argument structs built
+// once per program. Only the step's fields (rows, positions, slots, block tables, KV lengths)
+// are written before each call, so a step's bits are those of the per-op path, at one ctypes
+// call for all layers instead of ~10 per layer.
+
+#include <cstdint>
+#include <cstring>
+
+#include "args.h"
+
+using namespace kvserve;
+
+extern "C" {
+int kvserve_gguf_matmul_parts(const GgufMatmulArgs* a, const GgufPart* parts, int count);
+int kvserve_amx_matmul(const AmxMatmulArgs* a);
+int kvserve_packed_matmul(const PackedMatmulArgs* a);
+int kvserve_float_matmul(const FloatMatmulArgs* a);
+int kvserve_qk_norm_rope(const QkNormRopeArgs* args);
+int kvserve_kv_store(const KVStoreArgs* args);
+int kvserve_paged_decode_attention(const DecodeAttentionArgs* args);
+int kvserve_add_rms_norm(const AddRmsNormArgs* args);
+int kvserve_gated_activation(const GatedActivationArgs* args);
+int kvserve_hadamard(const HadamardArgs* args);
+}
+
+namespace {
+
+// kvserve/kernels/program.py's OP_KINDS
+enum OpKind : int32_t {
+  kGgufProduct = 0,
+  kAmxProduct = 1,
+  kPackedProduct = 2,
+  kFloatProduct = 3,
+  kQkNormRope = 4,
+  kKVCopy = 5,
+  kKVStore = 6,
+  kDecodeAttention = 7,
+  kAddRmsNorm = 8,
+  kGatedActivation = 9,
+  kHadamard = 10,
+};
+
+int copy_kv(const KVCopyArgs& a) {
+  for (int64_t t = 0; t < a.num_tokens; ++t)
+    if (a.slots[t] < 0 || a.slots[t] >= a.num_slots) return 1;
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    const int64_t at = a.slots[t] * a.token_bytes;
+    std::memcpy(static_cast<char*>(a.key) + at, static_cast<const char*>(a.k) + t * a.k_stride, a.token_bytes);
+    std::memcpy(static_cast<char*>(a.value) + at, static_cast<const char*>(a.v) + t * a.v_stride, a.token_bytes);
+  }
+  return 0;
+}
+
+int run_op(const DecodeOp& op, const DecodeStep& step) {
+  const int64_t rows = step.rows;
+  if (op.group < 0 || op.group >= kDecodeGroups) return 1;
+  const int g = op.group;
+  switch (op.kind) {
+    case kGgufProduct: {
+      auto& a = *static_cast<GgufMatmulArgs*>(op.args);
+      a.rows = static_cast<int32_t>(rows);
+      return kvserve_gguf_matmul_parts(&a, static_cast<const GgufPart*>(op.parts), op.count);
+    }
+    case kAmxProduct: {
+      auto& a = *static_cast<AmxMatmulArgs*>(op.args);
+      a.rows = static_cast<int32_t>(rows);
+      return kvserve_amx_matmul(&a);
+    }
+    case kPackedProduct: {
+      auto& a = *static_cast<PackedMatmulArgs*>(op.args);
+      a.rows = static_cast<int32_t>(rows);
+      return kvserve_packed_matmul(&a);
+    }
+    case kFloatProduct: {
+      auto& a = *static_cast<FloatMatmulArgs*>(op.args);
+      a.rows = static_cast<int32_t>(rows);
+      return kvserve_float_matmul(&a);
+    }
+    case kQkNormRope: {
+      auto& a = *static_cast<QkNormRopeArgs*>(op.args);
+      a.tokens = rows;
+      a.positions = step.positions;
+      return kvserve_qk_norm_rope(&a);
+    }
+    case kKVCopy: {
+      auto& a = *static_cast<KVCopyArgs*>(op.args);
+      a.num_tokens = rows;
+      a.slots = step.slots[g];
+      return copy_kv(a);
+    }
+    case kKVStore: {
+      auto& a = *static_cast<KVStoreArgs*>(op.args);
+      a.num_tokens = rows;
+      a.slots = step.slots[g];
+      return kvserve_kv_store(&a);
+    }
+    case kDecodeAttention: {
+      auto& a = *static_cast<DecodeAttentionArgs*>(op.args);
+      a.num_seqs = rows;
+      a.block_tables = step.block_tables[g];
+      a.kv_lens = step.kv_lens[g];
+      a.max_blocks = step.max_blocks[g];
+      return kvserve_paged_decode_attention(&a);
+    }
+    case kAddRmsNorm: {
+      auto& a = *static_cast<AddRmsNormArgs*>(op.args);
+      a.rows = rows;
+      return kvserve_add_rms_norm(&a);
+    }
+    case kGatedActivation: {
+      auto& a = *static_cast<GatedActivationArgs*>(op.args);
+      a.rows = rows;
+      return kvserve_gated_activation(&a);
+    }
+    case kHadamard: {
+      auto& a = *static_cast<HadamardArgs*>(op.args);
+      a.tokens = rows;
+      return kvserve_hadamard(&a);
+    }
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs ops[0 .. count) for this step. Returns 0, or the failing op's status with its index in
+// *failed (the ops after it do not run).
+int kvserve_decode_program_run(const DecodeOp* ops, int64_t count, const DecodeStep* step, int64_t* failed) {
+  if (step->rows <= 0) return 1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int status = run_op(ops[i], *step);
+    if (status) {
+      *failed = i;
+      return status;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
