@@ -1,7 +1,7 @@
 """Decode steps' layers as one kernel program (model/fused_decode.py) give the per-module path's
 bits: greedy and seeded tokens with their logprobs, on every family, float32 and bf16, float,
 int8 and fp8 KV, dense and GGUF weights, batches that outgrow the program's rows. What the
-program does not cover (QKV bias, KIVI KV, the torch attention backend) keeps the per-module path."""
+program does not cover (KIVI KV, the torch attention backend) keeps the per-module path."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def fused_against_per_module(llm: LLM, expect_program: bool = True) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma3-w4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gemma3-w4"])
 def test_the_decode_program_gives_the_per_module_bits(tiny_dir, family, dtype):
     llm = LLM(str(tiny_dir(family)), dtype=dtype, kv_cache_memory=0.02, max_num_seqs=16, enable_prefix_caching=False)
     fused_against_per_module(llm)
@@ -68,8 +68,8 @@ def test_the_decode_program_runs_on_gguf_blocks(tiny_root, dtype):
 
 @pytest.mark.parametrize(
     ("family", "settings"),
-    [("qwen2", {}), ("qwen3", {"kv_cache_dtype": "int4", "kv_quant_residual": 32}), ("gemma3", {"attention_backend": "torch_sdpa"})],
-    ids=["qkv-bias", "kivi-int4", "torch-sdpa"],
+    [("qwen3", {"kv_cache_dtype": "int4", "kv_quant_residual": 32}), ("gemma3", {"attention_backend": "torch_sdpa"})],
+    ids=["kivi-int4", "torch-sdpa"],
 )
 def test_what_the_program_does_not_cover_keeps_the_per_module_path(tiny_dir, family, settings):
     llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.02, max_num_seqs=16, enable_prefix_caching=False, **settings)

@@ -100,6 +100,17 @@ def test_api_errors_name_the_field_once_and_never_say_body():
     assert (message, param) == ("temperature: Input should be a number", "temperature")
 
 
+def test_a_message_without_content_is_refused_unless_an_assistants():
+    from kvserve.server.protocol import ChatCompletionRequest
+
+    for role in ("user", "system", "developer", "tool"):
+        message, param = _api_message(ChatCompletionRequest, {"messages": [{"role": role}]})
+        assert (message, param) == (f"messages.0: a {role} message needs its content", "messages")
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}])
+    assert body.messages[1].text() == ""
+
+
 def test_integral_floats_are_integers_as_openai_takes_them():
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 

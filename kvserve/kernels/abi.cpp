@@ -156,6 +156,13 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "BiasAddArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(BiasAddArgs)), KVSERVE_FIELD(BiasAddArgs, out), KVSERVE_FIELD(BiasAddArgs, bias), KVSERVE_FIELD(BiasAddArgs, rows), KVSERVE_FIELD(BiasAddArgs, width), KVSERVE_FIELD(BiasAddArgs, ld), KVSERVE_FIELD(BiasAddArgs, dtype), KVSERVE_FIELD(BiasAddArgs, pad_)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   return -1;
 }
 

@@ -300,6 +300,18 @@ struct KVCopyArgs {
   int64_t num_slots;
 };
 
+// decode_program.cpp: out[r] += bias for rows of `width` elements `ld` apart (dtype 0 fp32, 1 bf16,
+// 2 fp16; the float sum rounded once to dtype, as torch's add).
+struct BiasAddArgs {
+  void* out;
+  const void* bias;
+  int64_t rows;
+  int64_t width;
+  int64_t ld;
+  int32_t dtype;
+  int32_t pad_;
+};
+
 // decode_program.cpp: what changes from one decode step to the next. Every op of a program reads
 // its rows, positions and its KV cache group's slots, block tables and lengths from here.
 constexpr int kDecodeGroups = 8;

@@ -143,6 +143,10 @@ class KVCopyArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class BiasAddArgs(ctypes.Structure):
+    _fields_ = [("out", _p), ("bias", _p), ("rows", _i64), ("width", _i64), ("ld", _i64), ("dtype", _i32), ("pad_", _i32)]
+
+
 DECODE_GROUPS = 8
 
 
@@ -159,7 +163,7 @@ class DecodeOp(ctypes.Structure):
 
 STRUCTS = (
     KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, GgufPart, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
-    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, DecodeStep, DecodeOp,
+    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, BiasAddArgs, DecodeStep, DecodeOp,
 )  # fmt: skip
 
 

@@ -8,8 +8,9 @@
 #include <cstring>
 
 #include "args.h"
+#include "simd.h"
 
-using namespace kvserve;
+using namespace kvserve;  // args.h's structs, simd.h's Elem and dtype codes
 
 extern "C" {
 int kvserve_gguf_matmul_parts(const GgufMatmulArgs* a, const GgufPart* parts, int count);
@@ -39,6 +40,7 @@ enum OpKind : int32_t {
   kAddRmsNorm = 8,
   kGatedActivation = 9,
   kHadamard = 10,
+  kBiasAdd = 11,
 };
 
 int copy_kv(const KVCopyArgs& a) {
@@ -50,6 +52,15 @@ int copy_kv(const KVCopyArgs& a) {
     std::memcpy(static_cast<char*>(a.value) + at, static_cast<const char*>(a.v) + t * a.v_stride, a.token_bytes);
   }
   return 0;
+}
+
+template <int DT>
+void add_bias(const BiasAddArgs& a) {
+  using E = Elem<DT>;
+  auto* out = static_cast<typename E::type*>(a.out);
+  const auto* bias = static_cast<const typename E::type*>(a.bias);
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t j = 0; j < a.width; ++j) out[r * a.ld + j] = E::store(E::load(out[r * a.ld + j]) + E::load(bias[j]));
 }
 
 int run_op(const DecodeOp& op, const DecodeStep& step) {
@@ -117,6 +128,17 @@ int run_op(const DecodeOp& op, const DecodeStep& step) {
       auto& a = *static_cast<HadamardArgs*>(op.args);
       a.tokens = rows;
       return kvserve_hadamard(&a);
+    }
+    case kBiasAdd: {
+      auto& a = *static_cast<BiasAddArgs*>(op.args);
+      a.rows = rows;
+      if (a.width <= 0 || a.ld < a.width) return 1;
+      switch (a.dtype) {
+        case kFloat32: add_bias<kFloat32>(a); return 0;
+        case kBFloat16: add_bias<kBFloat16>(a); return 0;
+        case kFloat16: add_bias<kFloat16>(a); return 0;
+        default: return 1;
+      }
     }
     default:
       return 1;

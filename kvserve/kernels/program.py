@@ -17,7 +17,7 @@ from kvserve.kernels import args
 
 OP_KINDS = {
     "gguf": 0, "amx": 1, "packed": 2, "float": 3, "qk_norm_rope": 4, "kv_copy": 5, "kv_store": 6, "decode_attention": 7,
-    "add_rms_norm": 8, "gated_activation": 9, "hadamard": 10,
+    "add_rms_norm": 8, "gated_activation": 9, "hadamard": 10, "bias_add": 11,
 }  # fmt: skip
 Product = kernels.GgufProduct | kernels.AmxWeight | kernels.PackedWeight | kernels.FloatPackedWeight
 
@@ -74,6 +74,14 @@ class DecodeProgram:
             self._add(call, "float")
         else:
             raise TypeError(f"decode program: no product kernel for {type(weight).__name__}")
+
+    def bias_add(self, out: torch.Tensor, bias: torch.Tensor) -> None:
+        """out[r] += bias ([width], out's dtype), as Linear adds its bias after the product."""
+        width = out.shape[1]
+        if bias.dtype != out.dtype or tuple(bias.shape) != (width,) or not bias.is_contiguous() or not bias.is_cpu:
+            raise ValueError(f"decode program: a contiguous {out.dtype} bias [{width}]")
+        self._keep.append(bias)
+        self._add(args.BiasAddArgs(self._buffer(out, width), bias.data_ptr(), 0, width, width, kernels._DTYPE_CODES[out.dtype], 0), "bias_add")
 
     @staticmethod
     def _require_bf16(x: torch.Tensor) -> None:

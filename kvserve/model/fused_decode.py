@@ -1,11 +1,11 @@
 """A decode step's decoder layers as one kernel program (kernels/program.py).
 
 Built per attention backend and row capacity from the model's native modules: for each layer the
-QKV product, per-head norm and RoPE, the K/V store, paged decode attention, the output product,
-the residual add with its norms, the gated MLP's two products and its activation. The ops are the
-kernels the per-module path calls, in the same order on the same inputs, so a step's bits do not
-change; only the Python around them goes. Anything the program does not cover (a torch fallback,
-QKV bias, KIVI KV, another attention backend) keeps the per-module path.
+QKV product (and its bias), per-head norm and RoPE, the Hadamard rotation, the K/V store, paged
+decode attention, the output product, the residual add with its norms, the gated MLP's two products
+and its activation. The ops are the kernels the per-module path calls, in the same order on the
+same inputs, so a step's bits do not change; only the Python around them goes. Anything the program
+does not cover (a torch fallback, KIVI KV, another attention backend) keeps the per-module path.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class FusedDecode:
             kv = attention.layers[attn.layer]
             program = self.program
             program.product(attn.qkv_proj.native_weight(dtype), self.normed, qkv)
+            if attn.qkv_proj.bias is not None:  # Qwen2
+                program.bias_add(qkv, attn.qkv_proj.bias)
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             program.qk_norm_rope(qkv, q, k, attn.num_heads, attn.num_kv_heads, attn.head_dim, *norms, attn.eps, attn.rotary.cos, attn.rotary.sin)
             rotation = attention.pool.rotation.native if attention.pool.rotation is not None else None
@@ -90,7 +92,7 @@ class FusedDecode:
 
     @staticmethod
     def supports(model: CausalLM, attention: AttentionBackend, dtype: torch.dtype) -> bool:
-        """Every layer runs on kernels the program has: native modules, no QKV bias, a cpu_paged
+        """Every layer runs on kernels the program has: native modules, a bias on QKV only, a cpu_paged
         backend over a pool of float K/V in the activations' dtype or int8/fp8 records (rotated or not)."""
         rotation = attention.pool.rotation
         if type(attention) is not CpuPagedBackend or dtype not in kernels.FLOAT_PACK_DTYPES:
@@ -99,9 +101,13 @@ class FusedDecode:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not (attn.native and mlp.native and layer.input_layernorm.native) or attn.qkv_proj.bias is not None:
+            if not (attn.native and mlp.native and layer.input_layernorm.native):
                 return False
-            if any(linear.native_weight(dtype) is None for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(linear.native_weight(dtype) is None for linear in linears) or any(linear.bias is not None for linear in linears[1:]):
+                return False
+            bias = attn.qkv_proj.bias
+            if bias is not None and (bias.dtype != dtype or not bias.is_cpu):
                 return False
             kv = attention.layers[attn.layer]
             if kv.key_records is None:

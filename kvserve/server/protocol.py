@@ -293,6 +293,13 @@ class ChatMessage(BaseModel):
                              "refused rather than dropped from the conversation")  # fmt: skip
         return value
 
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        # as OpenAI: only an assistant turn may leave its content out (a tool call's)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join((part.text if part.type == "text" else part.refusal) or "" for part in self.content)
