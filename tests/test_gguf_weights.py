@@ -309,3 +309,91 @@ def test_a_quantized_norm_is_dequantized_beside_the_blocks(tmp_path):
         llm = LLM(path, weight_dtype=weight_dtype, dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
         runs.append(traces(llm, PROMPTS, params))
     assert runs[0] == runs[1]
+
+
+# --------------------------------------------------------------------------- the int8 screen of a Q8_0 lm_head
+needs_screen = pytest.mark.skipif(not kernels.gguf_screen_available(), reason="the Q8_0 screen needs AVX512-BF16, VNNI and VBMI")
+
+
+def near_tie_weight(n: int, k: int, seed: int = 0) -> kernels.GgufWeight:
+    """Q8_0 rows that differ from one base row by a code or two (logits closer together than the
+    screen's error bound, so the exact rescoring decides), with exact duplicates (ties)."""
+    rng = np.random.default_rng(seed)
+    blocks_per_row = k // 32
+    base = rng.integers(-127, 128, size=(blocks_per_row, 32), dtype=np.int16)
+    scales = (rng.uniform(0.5, 1.5, size=blocks_per_row) * 0.01).astype(np.float16)
+    rows = np.empty((n, blocks_per_row, 34), dtype=np.uint8)
+    for i in range(n):
+        codes = base.copy()
+        for _ in range(rng.integers(1, 3)):
+            b, j = rng.integers(blocks_per_row), rng.integers(32)
+            codes[b, j] = np.clip(codes[b, j] + rng.choice([-1, 1]), -127, 127)
+        rows[i, :, :2] = scales.view(np.uint8).reshape(-1, 2)
+        rows[i, :, 2:] = codes.astype(np.int8).view(np.uint8)
+    rows[n // 2] = rows[3]  # a tie: the lower index must win
+    rows[n - 1] = rows[3]
+    return kernels.gguf_weight(torch.from_numpy(rows.reshape(n, -1).copy()), "Q8_0", n, k)
+
+
+@needs_screen
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_the_screened_argmax_is_the_full_products(rows):
+    g = torch.Generator().manual_seed(rows)
+    for weight, screens in ((weight_of("Q8_0", 1000, 256, seed=rows)[0], True), (near_tie_weight(301, 128, seed=rows), False)):
+        screen = kernels.gguf_screen(weight)
+        x = torch.randn(rows, weight.k, generator=g)
+        x[:, 5] *= 40  # an outlier dim: its block's scale is coarse
+        if rows > 2:
+            x[1] = x[0]  # the same row twice
+        x = x.to(torch.bfloat16)
+        full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+        got, rescored = kernels.gguf_screened_argmax(x, screen)
+        assert torch.equal(got, full)
+        tiles = -(-weight.n // 16)
+        assert rows <= rescored < rows * tiles if screens else rescored <= rows * tiles  # random rows: most tiles screened out
+
+
+@needs_screen
+def test_the_near_ties_are_decided_by_the_exact_rescoring():
+    weight = near_tie_weight(301, 128, seed=5)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+    got, rescored = kernels.gguf_screened_argmax(x, kernels.gguf_screen(weight))
+    assert torch.equal(got, full) and rescored >= 16 * 10  # most tiles stay candidates
+    tied = torch.zeros(1, 128, dtype=torch.bfloat16)  # every logit 0: the lowest index
+    assert kernels.gguf_screened_argmax(tied, kernels.gguf_screen(weight))[0].tolist() == [0]
+
+
+@needs_screen
+def test_the_screen_refuses_what_it_does_not_cover():
+    weight, _ = weight_of("Q8_0", 64, 64)
+    screen = kernels.gguf_screen(weight)
+    bad = torch.randn(2, 64).to(torch.bfloat16)
+    bad[1, 3] = float("nan")
+    assert kernels.gguf_screened_argmax(bad, screen) == (None, 0)  # the caller takes the full product
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.gguf_screened_argmax(torch.randn(2, 64), screen)
+    with pytest.raises(ValueError, match="Q8_0"):
+        kernels.gguf_screen(weight_of("Q4_0", 64, 64)[0])
+
+
+@needs_screen
+def test_greedy_rows_on_a_q8_0_lm_head_take_the_screen_with_the_same_tokens(tmp_path):
+    from kvserve.model import transformer
+
+    path = tiny_gguf(str(tmp_path), quantized=True, types={**TINY_GGUF_TYPES, "output": "Q8_0"})
+    llm = LLM(str(path), weight_dtype="gguf", dtype="bfloat16", kv_cache_memory=0.02, skip_tokenizer_init=True, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.gguf_screen is not None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [p[i:] + [i] for p in PROMPTS for i in range(4)]  # 12 requests: steps of 9 rows or more take the screen
+    calls = []
+    screened = kernels.gguf_screened_argmax
+    try:
+        transformer.kernels.gguf_screened_argmax = lambda *a: calls.append(1) or screened(*a)
+        with_screen = traces(llm, prompts, params)
+    finally:
+        transformer.kernels.gguf_screened_argmax = screened
+    assert calls, "greedy rows took the screen"
+    model.gguf_screen = None
+    assert traces(llm, prompts, params) == with_screen

@@ -310,6 +310,53 @@ def gguf_matmul(
     return out, argmax
 
 
+@dataclass(frozen=True)
+class GgufScreen:
+    """A Q8_0 weight's bounds for its int8-screened greedy argmax (gguf_screen.h): per tile of 16
+    rows and block of 32 codes the largest |d| * sum |q|, and per tile the largest row L1 norm
+    (4 bytes per 512 weights beside the blocks)."""
+
+    weight: GgufWeight
+    block_bound: torch.Tensor  # float32 [tiles, k / 32]
+    tile_l1: torch.Tensor  # float32 [tiles]
+
+
+def gguf_screen_available() -> bool:
+    library = load_kernels()
+    return library is not None and bool(library.kvserve_gguf_screen_available())
+
+
+def gguf_screen(weight: GgufWeight) -> GgufScreen:
+    if weight.type_name != "Q8_0" or not gguf_screen_available():
+        raise ValueError("gguf_screen: a Q8_0 weight, on a CPU with AVX512-BF16, VNNI and VBMI")
+    tiles = -(-weight.n // 16)
+    block_bound = torch.empty(tiles, weight.k // 32)
+    tile_l1 = torch.empty(tiles)
+    _check(_require().kvserve_gguf_screen_bounds(weight.data.data_ptr(), weight.n, weight.k, block_bound.data_ptr(), tile_l1.data_ptr()), "gguf_screen")
+    return GgufScreen(weight, block_bound, tile_l1)
+
+
+def gguf_screened_argmax(x: torch.Tensor, screen: GgufScreen) -> tuple[torch.Tensor | None, int]:
+    """gguf_matmul(x, screen.weight, want_argmax=True)'s argmax [R] of bf16 rows x [R, k], bit for
+    bit, screened with int8 dot products on the Q8_0 codes; and how many tiles were recomputed
+    exactly. None (nothing computed) for a row that is not finite: take the full product."""
+    weight = screen.weight
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0 or not x.is_cpu:
+        raise ValueError(f"gguf_screened_argmax: x must be bf16 [rows > 0, {weight.k}] on the CPU with unit inner stride")
+    rows = x.shape[0]
+    argmax = torch.empty(rows, dtype=torch.int64)
+    rescored = ctypes.c_int64(0)
+    call = args.GgufMatmulArgs(
+        weight.data.data_ptr(), x.data_ptr(), None, argmax.data_ptr(), weight.n, x.stride(0) if rows > 1 else weight.k, weight.n, weight.k,
+        rows, weight.type_code, _DTYPE_CODES[x.dtype], 0, 0,
+    )  # fmt: skip
+    status = _require().kvserve_gguf_screened_argmax(ctypes.byref(call), screen.block_bound.data_ptr(), screen.tile_l1.data_ptr(), ctypes.byref(rescored))
+    if status == 3:
+        return None, 0
+    _check(status, "gguf_screened_argmax")
+    return argmax, rescored.value
+
+
 class GgufProduct:
     """x @ W^T for W a fused projection's parts in GGUF blocks (stacked on the output axis), in one
     kernel call: each part's outputs are gguf_matmul's bits, side by side. The parts' descriptors

@@ -28,7 +28,7 @@ SOURCES = [
     "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
-HEADERS = ["simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h"]
+HEADERS = ["simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_screen.h"]
 # test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
 AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]
 AMX_EMULATION_FLAGS = ["-DKVSERVE_AMX_EMULATE", "-ffp-contract=off"]
@@ -137,6 +137,11 @@ def load_kernels() -> ctypes.CDLL | None:
         **_AMX_SIGNATURES,
         # GgufMatmulArgs (x, out, rows), GgufPart[count], count
         "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
+        "kvserve_gguf_screen_available": [],
+        # Q8_0 blocks, n, k, block bounds (out), tile L1 norms (out)
+        "kvserve_gguf_screen_bounds": [_ptr, _c_int64, _c_int, _ptr, _ptr],
+        # GgufMatmulArgs (x, argmax, rows), block bounds, tile L1 norms, rescored tiles (out, nullable)
+        "kvserve_gguf_screened_argmax": [_ptr, _ptr, _ptr, _ptr],
         # DecodeOp[count], count, DecodeStep, the failing op's index (out)
         "kvserve_decode_program_run": [_ptr, _c_int64, _ptr, _ptr],
         "kvserve_has_bf16_dot": [],

@@ -27,6 +27,8 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -467,6 +469,7 @@ void run(const Weight& w, const Problem& p, int rows, int64_t* argmax) {
 }
 
 #include "gguf_dot.h"
+#include "gguf_screen.h"
 
 }  // namespace
 
@@ -543,6 +546,39 @@ int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   if (fused) run_fused(w, p, rows, fused, a->argmax);
   else run(w, p, rows, a->argmax);
   return 0;
+}
+
+// 1 when this build has the int8 screen of a Q8_0 weight (AVX512-BF16, VNNI and VBMI)
+int kvserve_gguf_screen_available() { return KVSERVE_HAS_GGUF_SCREEN; }
+
+// A Q8_0 weight's screen bounds (gguf_screen.h): block_bound [tiles][k/32], tile_l1 [tiles].
+int kvserve_gguf_screen_bounds(const uint8_t* blocks, int64_t n, int k, float* block_bound, float* tile_l1) {
+#if KVSERVE_HAS_GGUF_SCREEN
+  if (n <= 0 || k <= 0 || k % 32) return 1;
+  screen8::bounds(blocks, n, k, block_bound, tile_l1);
+  return 0;
+#else
+  (void)blocks, (void)n, (void)k, (void)block_bound, (void)tile_l1;
+  return 2;
+#endif
+}
+
+// kvserve_gguf_matmul's argmax of bf16 rows on a Q8_0 weight (no output), bit for bit, through the
+// int8 screen with its bounds; rescored (nullable): the tiles recomputed exactly. Returns 2 where
+// the screen is not built and 3 for a non-finite row (the caller takes the full product).
+int kvserve_gguf_screened_argmax(const kvserve::GgufMatmulArgs* a, const float* block_bound, const float* tile_l1, int64_t* rescored) {
+#if KVSERVE_HAS_GGUF_SCREEN
+  if (!valid(a) || a->type != kQ8_0 || a->x_dtype != kBFloat16 || !a->argmax || a->out) return 1;
+  const uint16_t* x = static_cast<const uint16_t*>(a->x);
+  for (int r = 0; r < a->rows; ++r)
+    for (int j = 0; j < a->k; ++j)
+      if (!std::isfinite(Elem<kBFloat16>::load(x[r * a->ldx + j]))) return 3;
+  screen8::argmax(weight_of(*a), x, a->ldx, a->rows, block_bound, tile_l1, a->argmax, rescored);
+  return 0;
+#else
+  (void)a, (void)block_bound, (void)tile_l1, (void)rescored;
+  return 2;
+#endif
 }
 
 // Several weights times the same rows (a fused projection's parts), their outputs side by side:

@@ -24,6 +24,7 @@ from kvserve.model.layers import (
 
 LOGITS_CHUNK = 16384
 GREEDY_CHUNK = 4096
+GGUF_SCREEN_MIN_ROWS = 9  # greedy batches of 9 rows or more take a Q8_0 lm_head's int8 screen (up to 8 stream the blocks faster)
 
 
 class Attention(nn.Module):
@@ -141,6 +142,7 @@ class CausalLM(nn.Module):
         self.float_lm_head: kernels.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
         self.screened_lm_head: kernels.ScreenedWeight | None = None
         self.gguf_lm_head: kernels.GgufWeight | None = None  # the lm_head (or tied embedding) in its GGUF blocks
+        self.gguf_screen: kernels.GgufScreen | None = None  # a Q8_0 lm_head's int8 screen for greedy rows (its bounds only)
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
@@ -157,6 +159,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"lm_head is [{weight.n}, {weight.k}], expected [{self.config.vocab_size}, {self.config.hidden_size}]")
         self.gguf_lm_head = weight
         self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        if weight.type_name == "Q8_0" and kernels.gguf_screen_available():
+            self.gguf_screen = kernels.gguf_screen(weight)
 
     def enable_native_kernels(self) -> None:
         """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
@@ -301,7 +305,12 @@ class CausalLM(nn.Module):
         Final-logit softcapping is monotonic, so it cannot move the argmax and is skipped."""
         normed = self.norm(hidden)
         if self.gguf_lm_head is not None:
-            return kernels.gguf_matmul(self._gguf_rows(normed), self.gguf_lm_head, want_output=False, want_argmax=True)[1]
+            rows = self._gguf_rows(normed)
+            if self.gguf_screen is not None and rows.dtype == torch.bfloat16 and rows.shape[0] >= GGUF_SCREEN_MIN_ROWS:
+                screened = kernels.gguf_screened_argmax(rows, self.gguf_screen)[0]
+                if screened is not None:
+                    return screened
+            return kernels.gguf_matmul(rows, self.gguf_lm_head, want_output=False, want_argmax=True)[1]
         if self._use_bf16_lm_head(normed):
             if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
                 return kernels.screened_argmax(normed, self.screened_lm_head)[0]
