@@ -32,6 +32,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for packed in (model.packed_lm_head, model.amx_lm_head, model.float_lm_head, model.gguf_lm_head):
         if packed is not None:
             tensors.append(packed.data)
+    if model.gguf_screen is not None:  # a Q8_0 lm_head's screen bounds
+        tensors += [model.gguf_screen.block_bound, model.gguf_screen.tile_l1]
     screened = model.screened_lm_head
     if screened is not None:
         tensors += [screened.int8, screened.row_scale, screened.row_error, screened.row_abs_q, screened.tile_abs_q, screened.tile_error]
