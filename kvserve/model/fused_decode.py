@@ -44,16 +44,16 @@ class FusedDecode:
         gate_up, activated = buffer(2 * config.intermediate_size), buffer(config.intermediate_size)
         v = qkv[:, q_size + kv_size :]
         layers: list[DecoderLayer] = list(model.layers)
+        program = self.program
+        rotation = attention.pool.rotation.native if attention.pool.rotation is not None else None
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             kv = attention.layers[attn.layer]
-            program = self.program
             program.product(attn.qkv_proj.native_weight(dtype), self.normed, qkv)
             if attn.qkv_proj.bias is not None:  # Qwen2
                 program.bias_add(qkv, attn.qkv_proj.bias)
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             program.qk_norm_rope(qkv, q, k, attn.num_heads, attn.num_kv_heads, attn.head_dim, *norms, attn.eps, attn.rotary.cos, attn.rotary.sin)
-            rotation = attention.pool.rotation.native if attention.pool.rotation is not None else None
             if rotation is not None:
                 program.hadamard(rotation, (q, k, v), inverse=False)
             if kv.key_records is None:
@@ -66,19 +66,15 @@ class FusedDecode:
             if rotation is not None:
                 program.hadamard(rotation, (attended,), inverse=True)
             program.product(attn.o_proj.native_weight(dtype), attended, projected)
+            # DecoderLayer.forward's residual adds: Gemma's sandwich norms, or none around the sublayers
+            sandwich = layer.sandwich
+            self._add_norm(layer.post_attention_layernorm if sandwich else None,
+                           layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, projected)  # fmt: skip
+            program.product(mlp.gate_up_proj.native_weight(dtype), self.normed, gate_up)
+            program.gated_activation(gate_up, activated, mlp.activation)
+            program.product(mlp.down_proj.native_weight(dtype), activated, projected)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            if layer.sandwich:
-                self._add_norm(layer.post_attention_layernorm, layer.pre_feedforward_layernorm, projected)
-                program.product(mlp.gate_up_proj.native_weight(dtype), self.normed, gate_up)
-                program.gated_activation(gate_up, activated, mlp.activation)
-                program.product(mlp.down_proj.native_weight(dtype), activated, projected)
-                self._add_norm(layer.post_feedforward_layernorm, next_norm, projected)
-            else:
-                self._add_norm(None, layer.post_attention_layernorm, projected)
-                program.product(mlp.gate_up_proj.native_weight(dtype), self.normed, gate_up)
-                program.gated_activation(gate_up, activated, mlp.activation)
-                program.product(mlp.down_proj.native_weight(dtype), activated, projected)
-                self._add_norm(None, next_norm, projected)
+            self._add_norm(layer.post_feedforward_layernorm if sandwich else None, next_norm, projected)
 
     def _add_norm(self, addend_norm, norm, addend: torch.Tensor) -> None:
         """layers.residual_add_norm into the program's buffers. Without either norm (a Llama model's last
