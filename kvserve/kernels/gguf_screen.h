@@ -7,9 +7,10 @@
 //
 // No second copy of the weight: the screen reads the same bytes as the full product (vpdpbusd takes
 // unsigned x signed bytes, so each code goes in as q + 128 and 128 * sum_j r_bj comes off per block).
-// The bound uses, per tile of 16 rows and block, the largest |d| |q|_1 of its rows (kept beside the
-// weight, 4 bytes per 512 weights) and, per tile, the largest row L1 norm (for a cheap first test and
-// the float rounding of both z and the exact product). A tile stays a candidate while its upper
+// The bound is the smaller of two: per tile of 16 rows and block, the largest |d| |q|_1 of its rows
+// (kept beside the weight, 4 bytes per 512 weights) times that block's E_b, summed; and per tile the
+// largest row L1 norm times the largest E_b (also the cheap first test, and the scale of the float
+// rounding of both z and the exact product). A tile stays a candidate while its upper
 // bound reaches the best lower bound seen (by any thread); candidates are recomputed with the full
 // product's own one-row kernel (dot::fused_tile), so the result is its argmax bit for bit, ties to
 // the lowest index.
@@ -196,12 +197,15 @@ inline void argmax(const Weight& w, const uint16_t* x, int64_t ldx, int rows, co
           const float top = _mm512_mask_reduce_max_ps(valid, z[m]);
           const float slack = rounding * tile_l1[t] * (q.x_max[row] + q.error_max[row]);
           const float bar = bars[row].load(std::memory_order_relaxed);
-          if (top + 1.001f * (tile_l1[t] * q.error_max[row] + slack) < bar) continue;  // cheap: cannot win nor raise the bar
-          float bound = 0.0f;
-          for (int b = 0; b < blocks; ++b) bound += tile_blocks[b] * q.error[static_cast<size_t>(row) * blocks + b];
-          bound = 1.001f * (bound + slack);
+          // two bounds on every lane's |x . w_i - z_i|: its L1 norm times the largest E_b (cheap: a tile
+          // under the bar with it can neither win nor raise the bar), and the sum over blocks
+          const float cheap = tile_l1[t] * q.error_max[row];
+          if (top + 1.001f * (cheap + slack) < bar) continue;
+          float blockwise = 0.0f;
+          for (int b = 0; b < blocks; ++b) blockwise += tile_blocks[b] * q.error[static_cast<size_t>(row) * blocks + b];
+          const float bound = 1.001f * (std::min(cheap, blockwise) + slack);
           if (top - bound > bar) raise(bars[row], top - bound);
-          if (top + bound >= std::max(bar, top - bound)) mine.push_back({row, t, top + bound});
+          if (top + bound >= bar) mine.push_back({row, t, top + bound});  // (a bar just raised by this tile: it stays too)
         }
       }
     }
