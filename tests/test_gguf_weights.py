@@ -371,6 +371,16 @@ def test_the_screen_refuses_what_it_does_not_cover():
     bad = torch.randn(2, 64).to(torch.bfloat16)
     bad[1, 3] = float("nan")
     assert kernels.gguf_screened_argmax(bad, screen) == (None, 0)  # the caller takes the full product
+    # where float32 over- or underflows (vdpbf16ps flushes subnormals) the screen hands rows back too (found by QA)
+    g = torch.Generator().manual_seed(9)
+    for scale in (1e36, 1e30, 1e20, 1e-20, 1e-31, 1e-38, 1e-39):
+        x = (torch.randn(9, 64, generator=g) * scale).to(torch.bfloat16)
+        got = kernels.gguf_screened_argmax(x, screen)[0]
+        full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+        assert got is None if scale > 2.0**64 or scale < 2.0**-90 else torch.equal(got, full), scale
+    one_hot = torch.zeros(1, 64)
+    one_hot[0, 5] = 1e-40
+    assert kernels.gguf_screened_argmax(one_hot.to(torch.bfloat16), screen) == (None, 0)
     with pytest.raises(ValueError, match="bf16"):
         kernels.gguf_screened_argmax(torch.randn(2, 64), screen)
     with pytest.raises(ValueError, match="Q8_0"):

@@ -339,7 +339,8 @@ def gguf_screen(weight: GgufWeight) -> GgufScreen:
 def gguf_screened_argmax(x: torch.Tensor, screen: GgufScreen) -> tuple[torch.Tensor | None, int]:
     """gguf_matmul(x, screen.weight, want_argmax=True)'s argmax [R] of bf16 rows x [R, k], bit for
     bit, screened with int8 dot products on the Q8_0 codes; and how many tiles were recomputed
-    exactly. None (nothing computed) for a row that is not finite: take the full product."""
+    exactly. None (nothing computed) for a row outside the screen's range (not finite, |x| > 2^64,
+    or a nonzero |x| < 2^-100): take the full product."""
     weight = screen.weight
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0 or not x.is_cpu:
         raise ValueError(f"gguf_screened_argmax: x must be bf16 [rows > 0, {weight.k}] on the CPU with unit inner stride")

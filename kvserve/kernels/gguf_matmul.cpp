@@ -565,14 +565,20 @@ int kvserve_gguf_screen_bounds(const uint8_t* blocks, int64_t n, int k, float* b
 
 // kvserve_gguf_matmul's argmax of bf16 rows on a Q8_0 weight (no output), bit for bit, through the
 // int8 screen with its bounds; rescored (nullable): the tiles recomputed exactly. Returns 2 where
-// the screen is not built and 3 for a non-finite row (the caller takes the full product).
+// the screen is not built and 3 for a row outside its range (non-finite, |x| > 2^64 or a nonzero
+// |x| < 2^-100: the caller takes the full product).
 int kvserve_gguf_screened_argmax(const kvserve::GgufMatmulArgs* a, const float* block_bound, const float* tile_l1, int64_t* rescored) {
 #if KVSERVE_HAS_GGUF_SCREEN
   if (!valid(a) || a->type != kQ8_0 || a->x_dtype != kBFloat16 || !a->argmax || a->out) return 1;
+  // The screen's bounds hold where nothing over- or underflows: every nonzero |x| in [2^-100, 2^64]
+  // (then vdpbf16ps's flushing of subnormals never meets the full product's sums either). Rows
+  // outside, non-finite ones included, are handed back to the full product.
   const uint16_t* x = static_cast<const uint16_t*>(a->x);
   for (int r = 0; r < a->rows; ++r)
-    for (int j = 0; j < a->k; ++j)
-      if (!std::isfinite(Elem<kBFloat16>::load(x[r * a->ldx + j]))) return 3;
+    for (int j = 0; j < a->k; ++j) {
+      const float v = std::fabs(Elem<kBFloat16>::load(x[r * a->ldx + j]));
+      if (!(v <= 0x1p64f) || (v != 0.0f && v < 0x1p-100f)) return 3;
+    }
   screen8::argmax(weight_of(*a), x, a->ldx, a->rows, block_bound, tile_l1, a->argmax, rescored);
   return 0;
 #else

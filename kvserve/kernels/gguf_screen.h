@@ -161,6 +161,8 @@ inline void argmax(const Weight& w, const uint16_t* x, int64_t ldx, int rows, co
   // float rounding of z (20-odd block terms) and of the exact product (k products summed), as a
   // fraction of a row's L1 norm times |x|: generously (2x) above both
   const float rounding = static_cast<float>(2.0 * (k + k / 16 + 64) * std::ldexp(1.0, -24));
+  // and a block term (d as small as 2^-24) may land among the subnormals, absolute error 2^-150 an operation
+  const float underflow = static_cast<float>((3 * blocks + 8) * std::ldexp(1.0, -149));
   std::vector<std::atomic<float>> bars(rows);
   for (auto& bar : bars) bar.store(-std::numeric_limits<float>::infinity(), std::memory_order_relaxed);
   alignas(64) static const uint8_t transpose[64] = {
@@ -195,7 +197,7 @@ inline void argmax(const Weight& w, const uint16_t* x, int64_t ldx, int rows, co
         for (int m = 0; m < count; ++m) {
           const int row = row0 + m;
           const float top = _mm512_mask_reduce_max_ps(valid, z[m]);
-          const float slack = rounding * tile_l1[t] * (q.x_max[row] + q.error_max[row]);
+          const float slack = rounding * tile_l1[t] * (q.x_max[row] + q.error_max[row]) + underflow;
           const float bar = bars[row].load(std::memory_order_relaxed);
           // two bounds on every lane's |x . w_i - z_i|: its L1 norm times the largest E_b (cheap: a tile
           // under the bar with it can neither win nor raise the bar), and the sum over blocks
