@@ -8,7 +8,8 @@ rows, and the greedy lm_head (`greedy_tokens`: the bf16 weights' int8 screen, th
 product) on real final hidden states, captured from the GGUF engine's own decode steps over prose.
 Medians of --repeats calls in milliseconds, the two engines' calls alternating, and the ratio
 bf16 / gguf (below 1: the GGUF blocks are slower). It says where a batch's step loses time on the
-GGUF blocks: the layers (times the layer count) or the lm_head.
+GGUF blocks: the layers (times the layer count) or the lm_head. Where the GGUF lm_head is screened
+(Q8_0), it also prints how many of its tiles the screen recomputed exactly per row.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import make_prompts  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams, kernels  # noqa: E402
 
 WEIGHTS = ("gguf", "bfloat16")
 
@@ -89,6 +90,7 @@ def main() -> None:
     print(f"{args.model}: layer {middle} of {num_layers}, bf16 rows, medians of {args.repeats} (ms)\n")
     print("| rows | product (GGUF type) | gguf ms | bfloat16 ms | bf16 / gguf |")
     print("|---:|---|---:|---:|---:|")
+    screened_tiles: list[str] = []
     with torch.inference_mode():
         for rows in args.rows:
             calls = {w: products(models[w], rows) for w in WEIGHTS}
@@ -105,6 +107,13 @@ def main() -> None:
                 print(f"| {rows} | {name} ({types[name]}) | {median['gguf']:.3f} | {median['bfloat16']:.3f} | {median['bfloat16'] / median['gguf']:.2f}x |")
             print(f"| {rows} | a step's products ({num_layers} layers + lm_head) | {totals['gguf']:.2f} | {totals['bfloat16']:.2f} | "
                   f"{totals['bfloat16'] / totals['gguf']:.2f}x |")  # fmt: skip
+            screen = models["gguf"].gguf_screen
+            if screen is not None:
+                normed = models["gguf"].norm(hidden[:rows].contiguous())
+                _, rescored = kernels.gguf_screened_argmax(normed, screen)
+                screened_tiles.append(f"{rows} rows: {rescored / rows:.1f}")
+    if screened_tiles:
+        print(f"\nthe Q8_0 screen's tiles rescored per row (of {-(-models['gguf'].gguf_lm_head.n // 16)}): " + ", ".join(screened_tiles))
 
 
 if __name__ == "__main__":
