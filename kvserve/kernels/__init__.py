@@ -781,6 +781,7 @@ class Hadamard:
         self._library = _require()
         self.signs = signs.float().contiguous()
         self.dim = int(signs.shape[0])
+        self.scale = scale
         self._call = args.HadamardArgs()
         self._call.signs, self._call.scale, self._call.dim = self.signs.data_ptr(), scale, self.dim
 

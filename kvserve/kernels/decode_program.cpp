@@ -63,6 +63,14 @@ void add_bias(const BiasAddArgs& a) {
     for (int64_t j = 0; j < a.width; ++j) out[r * a.ld + j] = E::store(E::load(out[r * a.ld + j]) + E::load(bias[j]));
 }
 
+// the kernels whose step fields are their row count alone: write it, then call
+template <typename Args>
+int with_rows(const DecodeOp& op, int64_t rows, int (*kernel)(const Args*)) {
+  auto& a = *static_cast<Args*>(op.args);
+  a.rows = static_cast<decltype(a.rows)>(rows);
+  return kernel(&a);
+}
+
 int run_op(const DecodeOp& op, const DecodeStep& step) {
   const int64_t rows = step.rows;
   if (op.group < 0 || op.group >= kDecodeGroups) return 1;
@@ -73,21 +81,12 @@ int run_op(const DecodeOp& op, const DecodeStep& step) {
       a.rows = static_cast<int32_t>(rows);
       return kvserve_gguf_matmul_parts(&a, static_cast<const GgufPart*>(op.parts), op.count);
     }
-    case kAmxProduct: {
-      auto& a = *static_cast<AmxMatmulArgs*>(op.args);
-      a.rows = static_cast<int32_t>(rows);
-      return kvserve_amx_matmul(&a);
-    }
-    case kPackedProduct: {
-      auto& a = *static_cast<PackedMatmulArgs*>(op.args);
-      a.rows = static_cast<int32_t>(rows);
-      return kvserve_packed_matmul(&a);
-    }
-    case kFloatProduct: {
-      auto& a = *static_cast<FloatMatmulArgs*>(op.args);
-      a.rows = static_cast<int32_t>(rows);
-      return kvserve_float_matmul(&a);
-    }
+    case kAmxProduct:
+      return with_rows(op, rows, kvserve_amx_matmul);
+    case kPackedProduct:
+      return with_rows(op, rows, kvserve_packed_matmul);
+    case kFloatProduct:
+      return with_rows(op, rows, kvserve_float_matmul);
     case kQkNormRope: {
       auto& a = *static_cast<QkNormRopeArgs*>(op.args);
       a.tokens = rows;
@@ -114,16 +113,10 @@ int run_op(const DecodeOp& op, const DecodeStep& step) {
       a.max_blocks = step.max_blocks[g];
       return kvserve_paged_decode_attention(&a);
     }
-    case kAddRmsNorm: {
-      auto& a = *static_cast<AddRmsNormArgs*>(op.args);
-      a.rows = rows;
-      return kvserve_add_rms_norm(&a);
-    }
-    case kGatedActivation: {
-      auto& a = *static_cast<GatedActivationArgs*>(op.args);
-      a.rows = rows;
-      return kvserve_gated_activation(&a);
-    }
+    case kAddRmsNorm:
+      return with_rows(op, rows, kvserve_add_rms_norm);
+    case kGatedActivation:
+      return with_rows(op, rows, kvserve_gated_activation);
     case kHadamard: {
       auto& a = *static_cast<HadamardArgs*>(op.args);
       a.tokens = rows;

@@ -189,7 +189,7 @@ class DecodeProgram:
             raise ValueError("decode program: rotated buffers share one dtype")
         self._keep.extend([rotation.signs, *xs])
         call = args.HadamardArgs()
-        call.signs, call.scale, call.dim = rotation.signs.data_ptr(), rotation._call.scale, dim
+        call.signs, call.scale, call.dim = rotation.signs.data_ptr(), rotation.scale, dim
         for i, x in enumerate(xs):
             call.out[i] = call.x[i] = x.data_ptr()
             call.x_stride[i] = call.out_stride[i] = x.stride(0)
