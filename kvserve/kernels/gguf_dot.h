@@ -5,7 +5,7 @@
 // multiplies the row by the codes themselves, the products exact in float32:
 //
 //   y = sum over sub-blocks s of  scale_s * S_s  +  min_s * X_s,   S_s = sum x_l * code_l (vdpbf16ps),
-//                                                                  X_s = sum x_l (float32, in l order)
+//                                                                  X_s = sum x_l (float32, sub_block_sums)
 //
 // one float32 FMA chain over the sub-blocks. The weights are the file's exact values (never
 // rounded to bf16), the only roundings are the float32 sums. A decoded tile is 16 rows' codes as
@@ -332,17 +332,19 @@ inline FusedTile fused_tile_for(int type, int rows) {
 }
 
 // the rows' sums over each run of 32 values (sums[r * k / 32 + s]): every type with a min has
-// sub-blocks of 32 values
+// sub-blocks of 32 values. One fixed order per run: value 2i plus value 2i + 1, then the 16 pairs'
+// sums reduced as _mm512_reduce_add_ps does.
 inline std::vector<float> sub_block_sums(const uint16_t* x, int64_t ldx, int rows, int k) {
   constexpr int sub = 32;
   const int subs = k / sub;
   std::vector<float> sums(static_cast<size_t>(rows) * subs);
-#pragma omp parallel for schedule(static) if (rows >= 16)
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+#pragma omp parallel for schedule(static) if (rows >= 64)
   for (int r = 0; r < rows; ++r)
     for (int s = 0; s < subs; ++s) {
-      float total = 0.0f;
-      for (int l = 0; l < sub; ++l) total += Elem<kBFloat16>::load(x[r * ldx + s * sub + l]);
-      sums[static_cast<size_t>(r) * subs + s] = total;
+      const __m512i v = _mm512_loadu_si512(x + r * ldx + s * sub);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      sums[static_cast<size_t>(r) * subs + s] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
     }
   return sums;
 }
@@ -405,8 +407,9 @@ void run(const Weight& w, int type, const Problem& p, const uint16_t* x, int64_t
     const int me = omp_get_thread_num();
     const int64_t block_begin = blocks * me / threads;
     const int64_t block_end = blocks * (me + 1) / threads;
-    // rows per pass over the thread's tiles: their x stays in L2 while each tile is decoded once per pass
-    const int chunk_rows = std::max(kRows, static_cast<int>((256 << 10) / (static_cast<int64_t>(w.k) * 2)) / kRows * kRows);
+    // rows per pass over the thread's tiles, each tile decoded once per pass: their x (1 MB, and at
+    // least 256 rows, so that the decoding is spread over as many) stays in L2 or L3
+    const int chunk_rows = std::max(256, static_cast<int>((1 << 20) / (static_cast<int64_t>(w.k) * 2)) / kRows * kRows);
     const int64_t out_bytes = p.out_dtype == kFloat32 ? 4 : 2;
     for (int r0 = 0; r0 < rows; r0 += chunk_rows) {
       const int chunk = std::min(chunk_rows, rows - r0);
