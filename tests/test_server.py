@@ -233,6 +233,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),  # a text part without text
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": 5}, 400, "priority"),
     ("/v1/nothing", {}, 404, None),
     # text JSON can carry but Unicode cannot (an unpaired surrogate) is refused, in any field
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "cache_salt": "\\ud800"}', 400, "cache_salt"),
@@ -246,7 +248,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": list(range(3, 3 + 100_000)), "echo": True, "logprobs": 1}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
-    ("/tokenize", {"prompt": "hi", "tools": []}, 400, "tools"),
+    ("/tokenize", {"prompt": "hi", "nonsense": []}, 400, "nonsense"),
+    ("/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
@@ -278,6 +281,103 @@ def test_null_sampling_fields_mean_their_defaults(server):
     assert len(resp.json()["choices"]) == 1
     again = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1}, timeout=30)
     assert again.json()["choices"][0]["text"] == resp.json()["choices"][0]["text"]
+
+
+def test_null_flags_mean_their_defaults(server):
+    # found by QA: OpenAI's SDK sends logprobs=None and stream=None as null, which were 400s
+    nulls = {"stream": None, "ignore_eos": None, "include_stop_str_in_output": None, "stream_options": {"include_usage": None},
+             "min_tokens": None, "use_beam_search": None, "skip_special_tokens": None, "priority": None}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": None, "echo": None, "add_generation_prompt": None,
+            "continue_final_message": None}  # fmt: skip
+    for path, body in (("/v1/completions", {"prompt": "hi", "echo": None}), ("/v1/chat/completions", chat)):
+        plain = {k: v for k, v in body.items() if v is not None}
+        resp = httpx.post(server + path, json={**body, **nulls, "max_tokens": 3, "seed": 1}, timeout=30)
+        assert resp.status_code == 200, (path, resp.text)
+        again = httpx.post(server + path, json={**plain, "max_tokens": 3, "seed": 1}, timeout=30).json()
+        assert resp.json()["choices"] == again["choices"]
+    client(server).chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=2, logprobs=None, stream=None)
+
+
+def chat_body(messages, **fields) -> dict:
+    return {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **fields}
+
+
+def test_chat_prompts_end_as_asked(server):
+    """add_generation_prompt, continue_final_message and echo (vLLM's), each against /tokenize and a plain completion."""
+    ask = [{"role": "user", "content": "Tell me a story."}]
+    started = ask + [{"role": "assistant", "content": "Once upon a"}]
+    post = lambda path, body: httpx.post(server + path, json=body, timeout=30)  # noqa: E731
+    counts = {}
+    for name, messages, ending in (("open", ask, {}), ("closed", ask, {"add_generation_prompt": False}),
+                                   ("continued", started, {"add_generation_prompt": False, "continue_final_message": True})):  # fmt: skip
+        tokenized = post("/tokenize", {"messages": messages, **ending}).json()
+        resp = post("/v1/chat/completions", chat_body(messages, **ending))
+        assert resp.status_code == 200, resp.text
+        counts[name] = resp.json()["usage"]["prompt_tokens"]
+        assert counts[name] == tokenized["count"], name  # (QA: add_generation_prompt false was ignored by chat)
+        text = post("/detokenize", {"tokens": tokenized["tokens"]}).json()["prompt"]
+        plain = post("/v1/completions", {"prompt": tokenized["tokens"], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert resp.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"], name
+        if name == "continued":
+            assert text.endswith("assistant: Once upon a"), text
+            continued = resp.json()["choices"][0]["message"]["content"]
+    assert counts["closed"] < counts["open"]
+    # echo: the continued message's text first, streamed or not; an ended conversation has nothing to echo
+    echo = chat_body(started, add_generation_prompt=False, continue_final_message=True, echo=True)
+    assert post("/v1/chat/completions", echo).json()["choices"][0]["message"]["content"] == "Once upon a" + continued
+    chunks = list(client(server).chat.completions.create(model="tiny", stream=True, **{k: v for k, v in echo.items() if k in ("messages", "max_tokens", "temperature")},
+                                                         extra_body={k: v for k, v in echo.items() if k not in ("messages", "max_tokens", "temperature")}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Once upon a" + continued
+    user_last = post("/v1/chat/completions", chat_body(ask, echo=True)).json()["choices"][0]["message"]["content"]
+    assert user_last == post("/v1/chat/completions", chat_body(ask)).json()["choices"][0]["message"]["content"]
+    for body, message in ((chat_body(started, continue_final_message=True), "needs add_generation_prompt: false"),
+                          (chat_body(ask, add_generation_prompt=False, continue_final_message=True), "is a user message")):  # fmt: skip
+        resp = post("/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "continue_final_message", resp.text
+        assert message in resp.json()["error"]["message"]
+
+
+def test_choices_say_their_stop_reason(server):
+    """vLLM's stop_reason: the stop string that ended a choice, None when its length did; streamed or not, chat too."""
+    for path, body, text_of in (
+        ("/v1/completions", {"prompt": "hello there"}, lambda c: c["text"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, lambda c: c["message"]["content"]),
+    ):
+        body = {**body, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        full = httpx.post(server + path, json=body, timeout=30).json()["choices"][0]
+        assert full["finish_reason"] == "length" and full["stop_reason"] is None, full
+        stop = text_of(full)[4:7]
+        assert stop.strip(), full
+        cut = httpx.post(server + path, json={**body, "stop": [stop]}, timeout=30).json()["choices"][0]
+        assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop, cut
+        lines = httpx.post(server + path, json={**body, "stop": [stop], "stream": True}, timeout=30).text.splitlines()
+        last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]["choices"][0]
+        assert last["finish_reason"] == "stop" and last["stop_reason"] == stop, last
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": "hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    events = [line[6:] for line in httpx.post(server + "/v1/completions", json=body, timeout=30).text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    done = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert done == sorted(done) and done[-1] == 5 and len(done) > 1, chunks
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5  # the final usage chunk, as without it
+    plain = httpx.post(server + "/v1/completions", json={**body, "stream_options": {"include_usage": True}}, timeout=30).text
+    assert plain.count('"usage"') == 1
+
+
+def test_a_body_that_is_not_json_is_a_415_and_an_empty_one_says_so(server):
+    resp = httpx.post(server + "/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}, timeout=30)
+    assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"], resp.text
+    form = httpx.post(server + "/v1/completions", content=b'{"prompt": "hi"}',
+                      headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)  # curl -d without -H
+    assert form.status_code == 415
+    empty = httpx.post(server + "/v1/chat/completions", content=b"", headers={"content-type": "application/json"}, timeout=30)
+    assert empty.status_code == 400 and "body is empty" in empty.json()["error"]["message"], empty.text
 
 
 def test_include_stop_str_in_output(server):

@@ -143,6 +143,9 @@ def test_tools_reach_the_template_and_calls_in_the_history_render(tiny_server):
     assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in text and "tool: 5" in text
     out = httpx.post(tiny_server + "/v1/chat/completions", json={"messages": history, "tools": TOOLS, "max_tokens": 8}, timeout=60)
     assert out.status_code == 200, out.text
+    # /tokenize counts a tool-using prompt as the chat request renders it (found by QA: tools were a 400 there)
+    counted = httpx.post(tiny_server + "/tokenize", json={"messages": history, "tools": TOOLS}, timeout=30).json()["count"]
+    assert counted == out.json()["usage"]["prompt_tokens"] > len(ids)
 
 
 @pytest.mark.parametrize("body, param, message", [

@@ -2,8 +2,8 @@
 
 Every check happens before a response starts: the body, the prompts (tokenized and the chat
 template rendered off the event loop), every sample's parameters, and admission of all of them
-at once. A streamed 200 then ends with `data: [DONE]`, or, when the request is aborted after
-admission (deadline, shutdown, a failed engine step), with one error event.
+at once. A streamed 200 then ends with `data: [DONE]`, after one error event when the request is
+aborted after admission (deadline, shutdown, a failed engine step).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ from kvserve.server.tool_calls import (
 from kvserve.structured.spec import GrammarError, StructuredOutputs
 from kvserve.structured.worker import IsolatedGrammarCompiler
 from kvserve.server.migration import IMPORT_PATH, MIGRATE_PATH, MigrationFailed, Migrator, error_line, output_line
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MigrateRequest, TokenizeRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MigrateRequest, StreamOptions, TokenizeRequest,
+)
 from kvserve.server.templates import TemplateRenderer
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         named = not loc or msg.startswith((f"{field} ", f"{loc[-1]} ", f"{loc[0]} "))
         parts.append(msg if named else f"{field}: {msg}")
     return "; ".join(parts) or "invalid request", param
+
+
+def _stop_reason(out: RequestOutput) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the text; None for EOS, a length or a grammar's end."""
+    return None if out.stop_reason == "grammar" else out.stop_reason
 
 
 def _request_id(request: Request) -> str:
@@ -243,9 +250,16 @@ class OpenAIServer:
         return [list(ids) for ids in prompts]
 
     def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                  tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+                  tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:  # fmt: skip
         """Render and tokenize (blocking: run in a thread)."""
         text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt, tools)
+        if continue_final_message:  # as transformers does: the text ends where the last message's does, its end of turn cut
+            final = messages[-1]["content"].strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise APIError(400, "continue_final_message: the last message's text does not appear in the rendered conversation "
+                               "(it is empty, or the chat template rewrites it)", "continue_final_message")  # fmt: skip
+            text = text[: at + len(final)]
         self._check_text_length(len(text), "messages")
         # the template already carries BOS where the model wants it
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -268,7 +282,8 @@ class OpenAIServer:
         return template
 
     async def _render_messages(self, messages: list, requested_template: str | None, add_generation_prompt: bool = True,
-                               add_special_tokens: bool = False, tools: list[Tool] | None = None) -> list[int]:  # fmt: skip
+                               add_special_tokens: bool = False, tools: list[Tool] | None = None,
+                               continue_final_message: bool = False) -> list[int]:  # fmt: skip
         if self.tokenizer is None:
             raise APIError(400, _NO_TOKENIZER, "messages")
         template = self._chat_template_for(requested_template)
@@ -279,7 +294,8 @@ class OpenAIServer:
         self._check_text_length(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in rendered), "messages")
         definitions = [t.definition for t in tools] if tools else None
         try:
-            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens, definitions)
+            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens, definitions,
+                                           continue_final_message)  # fmt: skip
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "chat_template" if requested_template is not None else "messages") from None
 
@@ -300,11 +316,11 @@ class OpenAIServer:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
 
-    def _tools(self, body: ChatCompletionRequest) -> tuple[list[Tool], ToolChoice]:
+    def _tools(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[Tool], ToolChoice]:
         """The request's tools and tool_choice; tools need a chat template that renders them."""
         try:
             tools = parse_tools(body.tools or [])
-            choice = parse_tool_choice(body.tool_choice, tools)
+            choice = parse_tool_choice(getattr(body, "tool_choice", None), tools)
         except GrammarError as exc:
             raise APIError(400, str(exc), exc.param) from None
         if choice.mode != "none":
@@ -313,6 +329,8 @@ class OpenAIServer:
             if not template_takes_tools(self._chat_template_for(body.chat_template)):
                 raise APIError(400, f"model {self.model_name!r} does not take tools: its chat template does not render them "
                                "(Qwen2.5 instruct models do; or set --chat-template)", "tools")  # fmt: skip
+            if isinstance(body, TokenizeRequest):
+                return tools, choice
             if choice.mode == "required" and body.structured_field is not None:
                 raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output; {body.structured_field} cannot as well",
                                body.structured_field)  # fmt: skip
@@ -458,6 +476,8 @@ class OpenAIServer:
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
+            if out.finished:
+                c["stop_reason"] = _stop_reason(out)
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(prompt_ids, out.prompt_logprobs, body.prompt_logprobs)
             if self.tokenizer is None:
@@ -468,8 +488,7 @@ class OpenAIServer:
             return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "choices": choices}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope, include_usage,
+            return self._stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope, body.stream_options,
                                 generated=not score_only)
         outs = await self._collect(sub, request)
         choices = [choice(g * n + i, out, out.text, out.logprobs or []) for (g, i), out in sorted(outs.items())]
@@ -481,8 +500,13 @@ class OpenAIServer:
         self._check_choices(1, body.n)
         tools, tool_choice = self._tools(body)
         calling = tool_choice.mode != "none"
-        ids = await self._render_messages(body.messages, body.chat_template, tools=tools if calling else None)
+        ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt, tools=tools if calling else None,
+                                          continue_final_message=body.continue_final_message)  # fmt: skip
         self._validate_prompt(ids, "messages")
+        # vLLM's echo: the last message's text before the new text when it is the assistant's (the one continued)
+        echoed = body.messages[-1].text() if body.echo and body.messages[-1].role == "assistant" else ""
+        if echoed and calling:
+            raise APIError(400, "echo with tools is not supported by this server (the echoed text would be read as a call)", "echo")
         if body.max_completion_tokens is not None:
             max_tokens = self._max_tokens(body.max_completion_tokens, len(ids), "max_completion_tokens")
         else:
@@ -532,24 +556,26 @@ class OpenAIServer:
                     return None  # the text is held (it may be a call): nothing to send yet
                 if finish == "stop" and parser.num_calls:
                     finish = "tool_calls"
+            if first and echoed:
+                message["content"] = echoed + message["content"]
             c = envelope([{
                 "index": index,
                 "delta": {"role": "assistant", **message} if first else message,
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
                 "finish_reason": finish,
+                **({"stop_reason": _stop_reason(out)} if out.finished else {}),
             }])
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, body.prompt_logprobs)
             return c
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(sub, body.n, chunk, envelope, include_usage, splice=not calling)
+            return self._stream(sub, body.n, chunk, envelope, body.stream_options, splice=not calling)
         outs = await self._collect(sub, request)
 
         def message(out: RequestOutput) -> tuple[dict, str | None]:
             if not calling:
-                return {"role": "assistant", "content": out.text}, out.finish_reason
+                return {"role": "assistant", "content": echoed + out.text}, out.finish_reason
             content, calls = message_with_calls(out.text, (t.name for t in tools))
             if not calls:
                 return {"role": "assistant", "content": content or ""}, out.finish_reason
@@ -560,7 +586,7 @@ class OpenAIServer:
         for (_, i), out in sorted(outs.items()):
             msg, finish = message(out)
             choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                            "finish_reason": finish})  # fmt: skip
+                            "finish_reason": finish, "stop_reason": _stop_reason(out)})  # fmt: skip
         response = {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
         if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
             response["prompt_logprobs"] = self._prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
@@ -585,17 +611,23 @@ class OpenAIServer:
             watcher.cancel()
             sub.close()
 
-    def _stream(self, sub: Submission, n: int, make_chunk, envelope, include_usage: bool, generated: bool = True,
+    def _stream(self, sub: Submission, n: int, make_chunk, envelope, stream_options: StreamOptions | None, generated: bool = True,
                 splice: bool = True) -> StreamingResponse:  # fmt: skip
         """Server-sent events of the submission's outputs; `splice` lets a plain chunk be the first one's JSON with new text spliced in."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+        continuous = include_usage and stream_options.continuous_usage_stats  # vLLM's: every chunk carries its choice's usage so far
         templates: dict[int, tuple[str, str]] = {}
         sent: set[int] = set()
 
         def event(idx: int, out: RequestOutput) -> str:
             lps = out.logprobs or []
-            if not splice or out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
+            if continuous or not splice or out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
                 sent.add(idx)
                 chunk = make_chunk(idx, out, out.text, lps)
+                if chunk is not None and continuous:
+                    prompt = len(sub.groups[idx // n].token_ids)
+                    done = out.num_output_tokens if generated else 0
+                    chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
                 return "" if chunk is None else f"data: {json.dumps(chunk)}\n\n"
             # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
             if idx not in templates:
@@ -614,8 +646,9 @@ class OpenAIServer:
                         text = event(g * n + i, out)
                         if text:  # a chunk function may have nothing to send yet (tool calls being held)
                             yield text
-            except RequestAborted as exc:
+            except RequestAborted as exc:  # then [DONE], as vLLM ends every stream
                 yield f"data: {json.dumps(_aborted_body(exc))}\n\n"
+                yield "data: [DONE]\n\n"
                 return
             if include_usage:
                 yield f"data: {json.dumps({**envelope([]), 'usage': self._usage(sub.groups, finals, generated)})}\n\n"
@@ -642,8 +675,9 @@ class OpenAIServer:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add)
         else:
-            ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt,
-                                              bool(body.add_special_tokens))  # fmt: skip
+            tools, _ = self._tools(body) if body.tools else (None, None)
+            ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt, bool(body.add_special_tokens),
+                                              tools, body.continue_final_message)  # fmt: skip
         strs = await asyncio.to_thread(self.tokenizer.token_strings, ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -761,6 +795,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        whole_body = [err for err in exc.errors() if tuple(err.get("loc", ())) == ("body",)]
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if whole_body and media and media != "application/json" and not media.endswith("+json"):
+            return server.reject(_request_id(request), where(request), 415, f"the body must be JSON (Content-Type: application/json), "
+                                 f"got Content-Type: {reprlib.repr(media)}", "invalid_request_error", "unsupported_media_type")  # fmt: skip
+        if whole_body and whole_body[0].get("type") == "missing":
+            return server.reject(_request_id(request), where(request), 400, "the request body is empty: send a JSON object",
+                                 "invalid_request_error", "invalid_request")  # fmt: skip
         message, param = _validation_message(exc)
         return server.reject(_request_id(request), where(request), 400, message, "invalid_request_error", "invalid_request", param)
 

@@ -72,6 +72,8 @@ class ServerMetrics:
         self._tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of recomputed", tier, registry=r)
         self._tier_corrupt = Counter("kvserve:kv_tier_corrupt_records", "Unusable KV records found (damaged, truncated, foreign): "
                                      "recomputed", tier, registry=r)  # fmt: skip
+        self._tier_write_failures = Counter("kvserve:kv_tier_write_failures", "KV records a tier's medium refused to store (a full "
+                                            "or vanished disk, a server error): recomputed when needed", tier, registry=r)  # fmt: skip
         self._tier_queries = counter("kv_tier_query_tokens", "Prompt tokens past the pool's prefix hit looked up in the KV tiers")
         self._offload_dropped = counter("kv_offload_dropped_blocks", "Blocks that left the pool while the tiers' writer was "
                                         "256 MiB behind: not stored (recomputed when needed)")
@@ -141,6 +143,7 @@ class ServerMetrics:
                 self._advance(f"seconds:{tier}:{direction}", t[f"seconds_{field}"], self._offload_seconds.labels(name, tier, direction))
             self._advance(f"tier_hits:{tier}", t["hit_tokens"], self._tier_hits.labels(name, tier))
             self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
+            self._advance(f"tier_write_failures:{tier}", t["write_failures"], self._tier_write_failures.labels(name, tier))
             self._advance(f"tier_requests:{tier}", t["requests_served"], self._tier_requests.labels(name, tier))
             if tier == "remote":
                 self._remote_up.labels(name).set(1 if t["up"] else 0)

@@ -89,8 +89,21 @@ class UnicodeBody(BaseModel):
         return data
 
 
+def _null_is_false(value):
+    return False if value is None else value
+
+
+def _null_is_true(value):
+    return True if value is None else value
+
+
+Flag = Annotated[StrictBool, BeforeValidator(_null_is_false)]  # a boolean; null (OpenAI's SDKs' "not given") is false
+FlagOn = Annotated[StrictBool, BeforeValidator(_null_is_true)]  # likewise, for a boolean that is true by default
+
+
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: Flag = False
+    continuous_usage_stats: Flag = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # vLLM's request extensions this server does not implement, with the value that means "off": any other
@@ -98,8 +111,8 @@ class StreamOptions(BaseModel):
 VLLM_UNIMPLEMENTED = {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
                       "logits_processors": None, "truncate_prompt_tokens": None, "skip_special_tokens": True,
                       "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False, "prompt_embeds": None,
-                      "continue_final_message": False, "chat_template_kwargs": None, "documents": None, "mm_processor_kwargs": None,
-                      "vllm_xargs": None, "thinking_token_budget": None}  # fmt: skip
+                      "chat_template_kwargs": None, "documents": None, "mm_processor_kwargs": None,
+                      "vllm_xargs": None, "thinking_token_budget": None, "priority": 0}  # fmt: skip
 
 
 class _SamplingFields(UnicodeBody):
@@ -110,7 +123,8 @@ class _SamplingFields(UnicodeBody):
     def _refuse_vllm_extensions(cls, data):
         if isinstance(data, dict):
             for name, off in VLLM_UNIMPLEMENTED.items():
-                if name in data and data[name] != off and not (off is None and data[name] in ([], {})):
+                # null is "not given" (OpenAI's SDKs send it), so off as well
+                if name in data and data[name] is not None and data[name] != off and not (off is None and data[name] in ([], {})):
                     raise FieldError(name, f"{name} is not implemented by this server; refused rather than ignored")
         return data
 
@@ -127,14 +141,14 @@ class _SamplingFields(UnicodeBody):
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     repetition_penalty: Number = 1.0
-    ignore_eos: StrictBool = False
-    include_stop_str_in_output: StrictBool = False  # vLLM's extension: keep the stop string that ended the text
+    ignore_eos: Flag = False
+    include_stop_str_in_output: Flag = False  # vLLM's extension: keep the stop string that ended the text
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
     kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
     snapkv_query: StrictStr | None = None  # kvserve extension: window | generic | both, whose attention scores snapkv's positions
-    stream: StrictBool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: Count | None = None  # vLLM's extension: each prompt token's logprob and the top N
     # structured outputs (server/structured_fields.py): OpenAI's response_format, or vLLM's structured_outputs or guided_*
@@ -159,7 +173,7 @@ class _SamplingFields(UnicodeBody):
         return value
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", mode="before")  # fmt: skip
+                     "repetition_penalty", mode="before")  # fmt: skip
     @classmethod
     def _null_is_the_default(cls, value, info):
         # OpenAI's SDKs send null for "not given"
@@ -219,14 +233,9 @@ class _SamplingFields(UnicodeBody):
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: Count | None = None
-    echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
+    echo: Flag = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
     tools: list | None = None  # chat's: refused here rather than ignored
     tool_choice: StrictStr | dict | None = None
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, value):
-        return False if value is None else value
 
     @field_validator("tools", "tool_choice")
     @classmethod
@@ -249,6 +258,12 @@ class ContentPart(BaseModel):
         if value not in ("text", "refusal"):  # an image or audio part dropped silently would answer another question
             raise ValueError(f"content parts of type {reprlib.repr(value)} are not supported by this server (text only)")
         return value
+
+    @model_validator(mode="after")
+    def _carries_its_text(self) -> "ContentPart":
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a content part of type {self.type!r} needs its {self.type!r} field")
+        return self
 
 
 class FunctionCall(BaseModel):
@@ -316,12 +331,27 @@ class ChatMessage(BaseModel):
         return out
 
 
+def check_ending(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """How a rendered conversation may end: with the assistant header, or inside its last (assistant) message."""
+    if continue_final_message and add_generation_prompt:
+        raise FieldError("continue_final_message", "continue_final_message continues the last message, so it needs "
+                         "add_generation_prompt: false (both were true)")  # fmt: skip
+    if continue_final_message and messages[-1].role != "assistant":
+        raise FieldError("continue_final_message", f"continue_final_message continues an assistant message; the last message is a "
+                         f"{messages[-1].role} message")  # fmt: skip
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Count | None = None
-    logprobs: StrictBool = False
+    logprobs: Flag = False
     top_logprobs: Count | None = None
     chat_template: StrictStr | None = None
+    # vLLM's: end the prompt with the assistant header (the default), or leave the last (assistant) message open to be
+    # continued; echo: a continued message's text comes back before the new text
+    add_generation_prompt: FlagOn = True
+    continue_final_message: Flag = False
+    echo: Flag = False
     # OpenAI fields that would change the answer and that this server does not implement: a 400 naming the
     # field when set, never ignored (the client would believe it got what it asked for)
     tools: list | None = None  # server/tool_calls.py
@@ -335,6 +365,11 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: StrictStr | None = None
     web_search_options: dict | None = None
     moderation: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        check_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
 
     @field_validator("functions")
     @classmethod
@@ -382,14 +417,20 @@ class TokenizeRequest(UnicodeBody):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template adds them)
-    add_generation_prompt: StrictBool = True
-    return_token_strs: StrictBool = False
+    add_generation_prompt: FlagOn = True
+    continue_final_message: Flag = False
+    return_token_strs: Flag = False
     chat_template: StrictStr | None = None
+    tools: list | None = None  # rendered by templates that take them, as the chat request's
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise FieldError("prompt", "send exactly one of prompt and messages")
+        if self.messages is not None:
+            check_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
+        elif self.tools:
+            raise FieldError("tools", "tools are rendered with messages by the chat template, not with a prompt")
         return self
 
 

@@ -62,8 +62,10 @@ def schema_text(schema: object) -> str:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if schema is False:
+        raise GrammarError("the JSON schema is false, which no value satisfies: nothing could be generated")
+    if schema is True:
+        schema = {}
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema is an object (or true), got {type(schema).__name__}")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
