@@ -141,6 +141,18 @@ def test_gguf_model_matches_flags():
         (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", ""), "seq-lens"),
         (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "a,b"), "seq-lens"),
         (("--layers", "32", "--kv-heads", "8", "--seq-lens", "10"), "--head-dim"),
+        # found by QA: inf was a traceback, nan an unnamed error
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--memory-gib", "inf", "--weights-gib", "1"),
+         "memory-gib"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--memory-gib", "nan", "--weights-gib", "1"),
+         "memory-gib"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--memory-gib", "8", "--weights-gib", "inf"),
+         "weights-gib"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--memory-gib", "8", "--weights-gib", "1",
+          "--headroom-gib", "nan"),
+         "headroom-gib"),
+        (("--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-lens", "10", "--memory-gib", "1e30", "--weights-gib", "1"),
+         "memory-gib"),
     ],
 )
 def test_bad_input_exits_non_zero_naming_the_field(args, needle):
@@ -156,6 +168,41 @@ def test_bad_trace_line_is_named(tmp_path):
     assert proc.returncode != 0 and "line 2" in proc.stderr
     with pytest.raises(ValueError, match="line 2"):
         read_trace(trace)
+    # found by QA: 1e400 was a traceback; "100", 1.5 and true were taken as integers
+    for value in ("1e400", '"100"', "1.5", "true", "null", str(1 << 50)):
+        trace.write_text(f'{{"prompt_len": 10, "output_len": 5}}\n{{"prompt_len": {value}, "output_len": 5}}\n')
+        with pytest.raises(ValueError, match="line 2 needs an integer prompt_len"):
+            read_trace(trace)
+    trace.write_text('{"prompt_len": 10.0, "output_len": 5, "arrival_step": 2}\n')
+    assert read_trace(trace)[0].prompt_len == 10
+    with pytest.raises(ValueError, match="is a directory"):
+        read_trace(tmp_path)
+
+
+def test_the_plan_refuses_a_sequence_past_the_models_context(tiny_dir):
+    context = json.loads((tiny_dir("llama") / "config.json").read_text())["max_position_embeddings"]
+    proc = run_plan("--model", str(tiny_dir("llama")), "--seq-lens", str(context + 1), "--memory-gib", "100")
+    assert proc.returncode == 2 and "longer than the model's context" in proc.stderr, proc.stderr
+    assert run_plan("--model", str(tiny_dir("llama")), "--seq-lens", str(context)).returncode == 0
+
+
+def test_replay_skips_idle_steps_and_refuses_prompts_past_the_context(tiny_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    flags = ("--model", str(tiny_dir("llama")), "--kv-dtype", "float32", "--num-kv-blocks", "48", "--max-model-len", "256")
+    trace.write_text('{"prompt_len": 20, "output_len": 5}\n{"prompt_len": 20, "output_len": 5, "arrival_step": 1000000000000}\n')
+    late = plan_json(*flags, "--replay", str(trace))  # found by QA: it stepped a million million times
+    trace.write_text('{"prompt_len": 20, "output_len": 5}\n{"prompt_len": 20, "output_len": 5, "arrival_step": 100}\n')
+    assert late["replay"]["num_steps"] == plan_json(*flags, "--replay", str(trace))["replay"]["num_steps"]
+    assert late["replay"]["queue_delay_steps"]["max"] == 0
+    trace.write_text('{"prompt_len": 300, "output_len": 5}\n')
+    proc = run_plan(*flags, "--replay", str(trace))
+    assert proc.returncode == 2 and "does not fit --max-model-len 256" in proc.stderr, proc.stderr
+    trace.write_text('{"prompt_len": 1000000000, "output_len": 5}\n')  # no model context known: refused before it is built
+    proc = run_plan("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--num-kv-blocks", "48", "--replay", str(trace))
+    assert proc.returncode == 2 and "does not fit --max-model-len" in proc.stderr, proc.stderr
+    trace.write_text('{"prompt_len": 20, "output_len": 5}\n')
+    proc = run_plan(*flags, "--replay", str(trace), "--kv-cache-memory", "0")  # 0 was taken for "not given"
+    assert proc.returncode == 2 and "kv_cache_memory" in proc.stderr, proc.stderr
 
 
 def test_replay_peak_equals_the_engine_on_a_tiny_model(tiny_dir, tmp_path):
@@ -355,15 +402,18 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(tiny_root, weight_dtyp
     from kvserve.model.loader import gguf_index
     from tiny_models import tiny_gguf
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    from weight_memory import weight_bytes
+    from kvserve.model.weight_bytes import weight_bytes
 
     path = str(tiny_gguf(tiny_root, quantized=True))
     proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1", "--headroom-gib", "0", "--dtype", "float32",
                     "--weight-dtype", weight_dtype, "--json")  # fmt: skip
     planned = json.loads(proc.stdout)
     weights = GIB - planned["kv_budget_bytes"]
-    held = weight_bytes(LLM(path, dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.02, skip_tokenizer_init=True).engine.model)
+    llm = LLM(path, dtype="float32", weight_dtype=weight_dtype, kv_cache_memory=0.02, skip_tokenizer_init=True)
+    held = weight_bytes(llm.engine.model)
+    stats = llm.stats()  # what LLM.stats() says the weights take (found by QA: it did not)
+    held_as = "float32" if weight_dtype == "float32" else "gguf"  # auto: a GGUF file's blocks
+    assert (stats["dtype"], stats["weight_dtype"], stats["weight_bytes"]) == ("float32", held_as, held) and held > 0
     if weight_dtype == "float32":
         assert planned["weights_held_as"] == "float32"
         assert abs(weights - held) <= 0.01 * held  # the formula counts Gemma's four norms per layer

@@ -41,6 +41,7 @@ class KVShape:
 
 
 NO_LIMIT = 1 << 30  # tokens: no model context known
+MAX_GIB = 1 << 20  # a memory budget past a pebibyte is a typo
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class Workload:
             raise ValueError(f"max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len != NO_LIMIT and max(self.seq_lens) > self.max_model_len:
+            raise ValueError(f"seq-lens: the longest sequence ({max(self.seq_lens):,} tokens) is longer than the model's context "
+                             f"({self.max_model_len:,} tokens); the engine refuses it")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class Budget:
     headroom_gib: float
 
     def __post_init__(self) -> None:
+        for name, value in (("memory-gib", self.memory_gib), ("weights-gib", self.weights_gib), ("headroom-gib", self.headroom_gib)):
+            if not math.isfinite(value) or value > MAX_GIB:
+                raise ValueError(f"{name} must be a finite number of GiB up to {MAX_GIB:,}, got {value}")
         if self.memory_gib <= 0:
             raise ValueError(f"memory-gib must be positive, got {self.memory_gib}")
         if self.weights_gib < 0 or self.headroom_gib < 0:

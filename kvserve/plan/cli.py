@@ -345,7 +345,7 @@ def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | Non
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6,
             max_position_embeddings=1 << 30, rope=RopeConfig(10000.0), layer_types=(FULL_ATTENTION,) * shape.num_layers,
         )
-    memory = args.kv_cache_memory or (budget.kv_bytes / GIB if budget else 2.0)
+    memory = args.kv_cache_memory if args.kv_cache_memory is not None else budget.kv_bytes / GIB if budget else 2.0
     pool_dtype = kv_dtype if kv_dtype in ("float32", "bfloat16", "float16") else "float16"
     config = EngineConfig(
         model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=block_size_for(kv_dtype, args.block_size),

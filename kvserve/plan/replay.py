@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,24 @@ class TraceRequest:
     arrival_step: int = 0
 
 
+MAX_TRACE_COUNT = 1 << 40  # tokens or steps: past this a value is a typo, not a workload
+
+
+def _count(row: dict, names: tuple[str, ...], path: Path, number: int, default: int | None = None) -> int:
+    """A trace field as an integer: a JSON integer (3.0 too), never a string, a boolean, 3.5 or 1e400."""
+    name = next((n for n in names if n in row), names[0])
+    value = row.get(name, default)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not -MAX_TRACE_COUNT <= value <= MAX_TRACE_COUNT:
+        raise ValueError(f"{path}: line {number} needs an integer {name} (up to {MAX_TRACE_COUNT:,}), got {value!r}")
+    return value
+
+
 def read_trace(path: str | Path) -> list[TraceRequest]:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"trace file {str(path)!r} is a directory")
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
     requests = []
@@ -36,12 +53,9 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             raise ValueError(f"{path}: line {number} is not JSON ({exc.msg})") from exc
         if not isinstance(row, dict):
             raise ValueError(f"{path}: line {number} is not a JSON object")
-        try:
-            prompt = int(row.get("prompt_len", row.get("prompt_tokens")))
-            output = int(row.get("output_len", row.get("output_tokens")))
-            arrival = int(row.get("arrival_step", 0))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: line {number} needs integer prompt_len and output_len") from exc
+        prompt = _count(row, ("prompt_len", "prompt_tokens"), path, number)
+        output = _count(row, ("output_len", "output_tokens"), path, number)
+        arrival = _count(row, ("arrival_step",), path, number, default=0)
         if prompt <= 0 or output <= 0 or arrival < 0:
             raise ValueError(f"{path}: line {number}: prompt_len and output_len must be positive, arrival_step >= 0")
         requests.append(TraceRequest(prompt, output, arrival))
@@ -69,7 +83,12 @@ def replay(config: EngineConfig, model_config: ModelConfig, trace: list[TraceReq
     cursor = 0
     bar = tqdm(total=len(trace), desc="replay", unit="req", disable=not progress or len(trace) < 50)
     finished = 0
+    for index, req in pending:  # before any prompt is built: a length past the context is refused at once
+        if req.prompt_len >= engine.max_model_len:
+            raise ValueError(f"trace request {index}: prompt_len {req.prompt_len:,} does not fit --max-model-len {engine.max_model_len:,}")
     while cursor < len(pending) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():  # idle until the next arrival: no steps to simulate
+            step = max(step, pending[cursor][1].arrival_step)
         while cursor < len(pending) and pending[cursor][1].arrival_step <= step:
             index, req = pending[cursor]
             seq = engine.add_request(trace_prompt(index, req.prompt_len, model_config.vocab_size), trace_params(req))
