@@ -179,8 +179,14 @@ class EngineConfig:
             object.__setattr__(self, "kv_offload_disk_gib", DEFAULT_KV_OFFLOAD_DISK_GIB)
         if self.kv_offload_policy not in ("write_back", "write_through"):
             raise ValueError(f"--kv-offload-policy (kv_offload_policy) must be write_back or write_through, got {self.kv_offload_policy!r}")
+        for flag, gib in (("--kv-offload-host-gib (kv_offload_host_gib)", host), ("--kv-offload-disk-gib (kv_offload_disk_gib)", disk)):
+            if gib and int(gib * 2**30) < 1 << 10:  # less than a KiB holds no record of any model
+                raise ValueError(f"{flag} must be at least 1 KiB ({2**-20:g} GiB), got {gib!r}")
         self._validate_remote()
         if not self.offloads_kv:
+            if self.kv_offload_policy != "write_back":
+                raise ValueError("--kv-offload-policy (kv_offload_policy) says when blocks go down to a tier: give one "
+                                 "(--kv-offload-host-gib, --kv-offload-disk-dir or --kv-remote-url)")  # fmt: skip
             return
         if not self.enable_prefix_caching:
             raise ValueError("--kv-offload-host-gib / --kv-offload-disk-dir / --kv-remote-url keep blocks by their prefix hashes: they need prefix caching "

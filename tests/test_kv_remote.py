@@ -14,7 +14,7 @@ import pytest
 from conftest import random_prompts
 from redis_server import RedisServer, free_port
 from kvserve import LLM, SamplingParams
-from kvserve.kv.tiers.remote import KEY_PREFIX, RemoteStore
+from kvserve.kv.tiers.remote import KEY_PREFIX, RemoteStore, masked_url
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=11, logprobs=2)
@@ -185,6 +185,7 @@ def test_a_bad_url_or_password_is_one_error_naming_the_flag(redis_server):
         assert "not-the-password" not in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ValueError, match="--kv-remote-url"):
         RemoteStore("http://127.0.0.1:1/")
+    assert masked_url("redis://") == "redis://" and masked_url("redis:///0") == "redis:///0"  # (QA: printed as "redis::")
     with pytest.raises(ValueError, match="--kv-remote-ca-file /nonexistent.pem: No such file"):
         RemoteStore("rediss://127.0.0.1:1/0", ca_file="/nonexistent.pem")
 

@@ -36,6 +36,7 @@ class DiskStore(BlockStore):
         self._used = 0
         self._names = itertools.count()
         self.write_failures = 0
+        self._failing = False  # since the last failure, no write has succeeded: further failures are counted, not logged
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"--kv-offload-disk-dir {self.directory}: not a directory")
         try:
@@ -81,24 +82,54 @@ class DiskStore(BlockStore):
         try:
             data = path.read_bytes()
             os.utime(path)
-        except OSError:  # deleted behind our back: a miss
+        except OSError:  # deleted (or replaced by something unreadable) behind our back: a miss
             self.delete(key)
             return None
         return data
 
-    def put(self, key: str, record: bytes) -> bool:
-        if len(record) > self.capacity_bytes:
-            return False
+    def _write(self, key: str, record: bytes) -> None:
         temporary = self.directory / f"{key}{_TEMPORARY}{os.getpid()}-{next(self._names)}"
         try:
             with open(temporary, "wb") as out:
                 out.write(record)
             os.replace(temporary, self._path(key))
-        except OSError as error:
+        except OSError:
             temporary.unlink(missing_ok=True)
-            self.write_failures += 1
-            logger.warning("the disk tier could not write %s (%s); the block stays recomputable", key, error.strerror)
+            raise
+
+    def _recreate(self) -> bool:
+        """After the directory vanished: make it again and forget the records that went with it."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
             return False
+        with self._lock:
+            lost = len(self._sizes)
+            self._sizes.clear()
+            self._used = 0
+        logger.warning("the disk tier's directory %s was removed; made it again (its %d records are gone)", self.directory, lost)
+        return True
+
+    def put(self, key: str, record: bytes) -> bool:
+        if len(record) > self.capacity_bytes:
+            return False
+        try:
+            try:
+                self._write(key, record)
+            except FileNotFoundError:
+                if self.directory.is_dir() or not self._recreate():
+                    raise
+                self._write(key, record)
+        except OSError as error:
+            self.write_failures += 1
+            if not self._failing:
+                logger.warning("the disk tier could not write %s (%s); the block stays recomputable (further failures are counted in "
+                               "kv_tier_write_failures, not logged, until a write succeeds)", key, error.strerror)  # fmt: skip
+            self._failing = True
+            return False
+        if self._failing:
+            logger.info("the disk tier writes again (%d writes failed so far)", self.write_failures)
+            self._failing = False
         with self._lock:
             self._used -= self._sizes.pop(key, 0)
             self._sizes[key] = len(record)
@@ -115,7 +146,10 @@ class DiskStore(BlockStore):
             size = self._sizes.pop(key, None)
             if size is not None:
                 self._used -= size
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError:  # not a file any more (a directory put there): forgotten all the same
+            pass
 
     def usage(self) -> TierUsage:
         with self._lock:

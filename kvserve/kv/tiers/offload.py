@@ -341,6 +341,7 @@ class KVOffloader:
                 "usage_bytes": usage.used_bytes, "capacity_bytes": usage.capacity_bytes, "entries": usage.entries,
                 "bytes_written": c.bytes_written, "seconds_written": c.seconds_written, "bytes_read": c.bytes_read,
                 "seconds_read": c.seconds_read, "hit_tokens": c.hit_tokens, "requests_served": c.requests, "corrupt_records": c.corrupt_records,
+                "write_failures": store.write_failures,
                 "read_latency_seconds": c.latency, "read_bandwidth_bytes_per_second": c.bandwidth,
             }  # fmt: skip
         remote = self.remote

@@ -39,7 +39,10 @@ def masked_url(url: str) -> str:
         user = user.split(":", 1)[0] + ":***"
     query = "&".join(f"{k}=***" if k.lower() == "password" else f"{k}={v}" if sep else k
                      for k, sep, v in (item.partition("=") for item in parts.query.split("&") if item))  # fmt: skip
-    return parts._replace(netloc=f"{user}{at}{host}", query=query).geturl()
+    masked = parts._replace(netloc=f"{user}{at}{host}", query=query).geturl()
+    if not parts.netloc and url.startswith(f"{parts.scheme}://"):  # geturl() drops the // of an empty host ("redis://")
+        masked = f"{parts.scheme}://" + masked[len(parts.scheme) + 1 :]
+    return masked
 
 
 class RemoteStore(BlockStore):
@@ -133,7 +136,10 @@ class RemoteStore(BlockStore):
         return self._call(call, [None] * len(keys))
 
     def put(self, key: str, record: bytes) -> bool:
-        return bool(self._call(lambda: self._client.set(self._key(key), record, ex=self.ttl_s), False))
+        stored = bool(self._call(lambda: self._client.set(self._key(key), record, ex=self.ttl_s), False))
+        if not stored:
+            self.write_failures += 1
+        return stored
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]

@@ -20,6 +20,7 @@ class BlockStore(abc.ABC):
 
     name = ""
     shared = False  # other engines read it too (the remote tier): a block goes there as soon as it is computed
+    write_failures = 0  # puts the medium refused (a full or vanished disk, a server error): counted, each block recomputable
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
