@@ -17,6 +17,8 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template formats --chat prompts; without --chat the prompts go to the model as they are")
     chat_template = read_chat_template(args.chat_template)
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(config)

@@ -40,6 +40,11 @@ def test_generate_chat_without_template_exits_2_naming_the_flag(tiny_dir):
     proc = kvserve("generate", *flags, "--chat-template", TEMPLATE)
     assert proc.returncode == 0, proc.stderr
     assert "[3 tokens" in proc.stdout
+    # found by QA: a mistyped template file became the prompt's whole text, and without --chat the flag did nothing
+    proc = kvserve("generate", *flags, "--chat-template", "/no/such/template.jinja")
+    assert proc.returncode == 2 and "no such file" in proc.stderr, proc.stderr
+    proc = kvserve("generate", *flags[:-1], "--chat-template", TEMPLATE)
+    assert proc.returncode == 2 and "--chat" in proc.stderr, proc.stderr
 
 
 def _subparsers():

@@ -132,7 +132,9 @@ def read_chat_template(value: str | None) -> str | None:
     if "{" in value or "\n" in value:  # Jinja: inline text (it may be longer than a file name can be)
         return value
     path = Path(value)
-    return path.read_text() if path.is_file() else value
+    if not path.is_file():  # no Jinja in it: a file name (a typo would otherwise become the prompt's whole text)
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    return path.read_text()
 
 
 def _blame_config(directory: Path) -> None:
