@@ -6,9 +6,7 @@ weights are those blocks' values; one copy of each weight; the planner counts wh
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -139,8 +137,7 @@ def test_the_planner_counts_int8_weights_as_the_engine_holds_them(tiny_dir, fami
     from kvserve.kv.spec import GIB
     from test_plan import run_plan
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    from weight_memory import weight_bytes
+    from kvserve.model.weight_bytes import weight_bytes
 
     directory = tiny_dir(family)
     proc = run_plan("--model", str(directory), "--seq-lens", "100", "--memory-gib", "1", "--headroom-gib", "0", "--dtype", "float32",

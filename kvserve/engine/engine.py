@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from concurrent.futures import Future
 import itertools
 import json
@@ -40,6 +41,7 @@ from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, KVCacheSpec, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint, resolve_weight_format
+from kvserve.model.weight_bytes import weight_bytes
 from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.outputs import RequestOutput
@@ -820,9 +822,23 @@ class LLMEngine:
         """Forget every cached prefix (running requests keep their blocks); returns the blocks forgotten."""
         return self.kv.reset_prefix_cache()
 
+    @property
+    def weight_dtype(self) -> str:
+        """How the weights are held: "gguf" (the file's blocks), "int8" (Q8_0 blocks) or the --dtype of their copies."""
+        held = getattr(self, "weight_format", "float")
+        return self.config.dtype if held == "float" else held
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """The bytes the model's weights take as held (0 for a simulated engine): read once, they never change."""
+        return weight_bytes(self.model) if self.model is not None else 0
+
     def stats(self) -> dict:
         return {
             "model": self.config.model,
+            "dtype": self.config.dtype,
+            "weight_dtype": self.weight_dtype,
+            "weight_bytes": self.weight_bytes,
             "num_blocks": self.kv.num_blocks,
             "num_free_blocks": self.kv.num_free_blocks,
             "kv_cache_groups": [
