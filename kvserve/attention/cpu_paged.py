@@ -11,7 +11,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, register
-from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
+from kvserve.attention.metadata import AttentionMetadata
 
 
 @register

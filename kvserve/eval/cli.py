@@ -6,7 +6,6 @@ import argparse
 import copy
 import json
 import shlex
-import sys
 from pathlib import Path
 
 from kvserve.engine_args import add_engine_args, engine_config_from_args
