@@ -266,6 +266,9 @@ def test_cluster_refuses_bad_flags_before_starting_anything(tmp_path, capsys):
         out = _cluster_cli("--port", str(taken.getsockname()[1]))
         assert out.returncode == 2 and "cannot listen on --host 127.0.0.1" in out.stderr, out.stderr
         assert "[replica" not in out.stdout  # refused before a model was loaded
+        port = str(taken.getsockname()[1])
+        out = _cluster_cli("--router-prometheus-port", port)  # found by QA: it named --host/--port
+        assert out.returncode == 2 and f"cannot listen on --router-prometheus-port {port}" in out.stderr, out.stderr
 
 
 def test_find_smg_names_the_extra_when_smg_is_missing(monkeypatch, tmp_path):

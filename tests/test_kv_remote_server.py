@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -120,7 +121,7 @@ def test_pd_proxy_answers_as_one_instance_with_the_prompt_handed_over(pd, refere
     seeded = chat | {"temperature": 0.9, "seed": 5, "messages": [{"role": "user", "content": "another question " * 30}]}
     assert streamed(proxy_url, "/v1/chat/completions", seeded)[0] == streamed(reference, "/v1/chat/completions", seeded)[0]
     stats = httpx.get(proxy_url + "/pd/stats").json()
-    assert stats == {"prefilled": 4, "prefill_failed": 0}
+    assert stats == {"prefilled": 4, "prefill_failed": 0, "prefill_skipped": 0}
     producer_metrics = httpx.get(producer_url + "/metrics").text
     assert "kvserve:kv_handovers_published_total" in producer_metrics
 
@@ -151,3 +152,47 @@ def test_pd_proxy_refuses_bad_input_and_survives_a_dead_producer(pd, model_dir, 
         assert "Traceback" not in server_log(proxy)
     finally:
         stop_server(proxy)
+
+
+def metric(url: str, prefix: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def running(url: str) -> float:
+    return metric(url, "kvserve:num_requests_running{")
+
+
+def test_pd_proxy_skips_a_hung_producer_and_aborts_what_its_clients_leave(pd, reference):
+    """Found by QA: a producer that accepted and never answered held every request for --timeout (600 s), and a
+    non-streamed request whose client left decoded to its end."""
+    proxy_url, _, consumer_url = pd
+    with socket.socket() as hung:  # accepts connections, answers nothing
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        proxy, url = launch_server(["--prefill", f"http://127.0.0.1:{hung.getsockname()[1]}", "--decode", consumer_url, "--port", "0",
+                                    "--prefill-timeout", "1"], subcommand="pd-proxy", health=False)  # fmt: skip
+        try:
+            prompts = random_prompts(3, 60, 80, seed=24)
+            for prompt in prompts:
+                assert complete(url, prompt)["choices"][0]["text"] == complete(reference, prompt)["choices"][0]["text"]
+            stats = httpx.get(url + "/pd/stats").json()
+            assert stats["prefill_failed"] == 1 and stats["prefill_skipped"] == 2, stats  # the first waited 1 s, the rest none
+        finally:
+            stop_server(proxy)
+    aborted = 'kvserve:request_aborted_total{model_name="m",reason="client_disconnected"}'
+    before = metric(consumer_url, aborted)
+    body = json.dumps({"model": "m", "prompt": random_prompts(1, 60, 60, seed=25)[0], "max_tokens": 450, "n": 16, "ignore_eos": True})
+    host, port = proxy_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:  # not streamed; the client leaves once decoding runs
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not running(consumer_url) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert running(consumer_url), "the consumer decodes the request"
+    deadline = time.monotonic() + 20
+    while running(consumer_url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running(consumer_url) == 0 and metric(consumer_url, aborted) == before + 1  # aborted, not decoded to its end
+    assert httpx.get(proxy_url + "/pd/stats").json()["prefill_failed"] == 0

@@ -121,13 +121,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--router-args: {exc}") from None
 
 
-def _reserved_port(host: str, port: int) -> socket.socket:
+def _reserved_port(host: str, port: int, flags: str | None = None) -> socket.socket:
     """A listening socket on `port` of `host` (a free port for 0; smg itself takes no port 0), held
     until the router is started on it: meanwhile no replica binding port 0 can be given the same
     port (a released one could be, and then the router failed to bind)."""
     from kvserve.server.shutdown import bound_socket
 
-    sock = bound_socket(host, port)
+    sock = bound_socket(host, port, flags)
     sock.listen()
     return sock
 
@@ -218,7 +218,8 @@ class Cluster:
         # the router's ports first: a port in use is an error before minutes of model loading
         reserved = [_reserved_port(args.host, args.port)]
         try:
-            reserved.append(_reserved_port("127.0.0.1", args.router_prometheus_port))
+            reserved.append(_reserved_port("127.0.0.1", args.router_prometheus_port,
+                                           f"--router-prometheus-port {args.router_prometheus_port}"))  # fmt: skip
             port, metrics_port = (sock.getsockname()[1] for sock in reserved)
             self._start_replicas(deadline)
         finally:
@@ -291,8 +292,10 @@ class Cluster:
             for i, r in enumerate(self.replicas):
                 if r.proc.poll() is not None and i not in self._reported:
                     self._reported.add(i)
-                    print(f"kvserve cluster: replica {i} ({self.urls[i]}) exited (code {r.proc.returncode}); the router "
-                          "sends its requests to the others", file=sys.stderr, flush=True)  # fmt: skip
+                    left = len(self.replicas) - len(self._reported)
+                    then = f"the router sends its requests to the {left} left" if left else "none is left"
+                    print(f"kvserve cluster: replica {i} ({self.urls[i]}) exited (code {r.proc.returncode}); {then}",
+                          file=sys.stderr, flush=True)  # fmt: skip
             if len(self._reported) == len(self.replicas):
                 print("kvserve cluster: every replica has exited", file=sys.stderr, flush=True)
                 return 1

@@ -4,14 +4,18 @@ A completion or chat request goes first to the producer (`--kv-role producer`) w
 not streamed: it prefills the prompt and answers once the prompt's blocks are in the shared remote
 tier. The original request then goes to the consumer (`--kv-role consumer`), which finds the prompt
 there (its `cached_tokens` show the hand-over) and decodes; its answer, streamed or not, is relayed
-as it comes. A producer that fails or is unreachable costs the hand-over, not the request: the
-consumer computes the prompt itself. A producer's 4xx (the request is invalid) is the answer.
-Everything else (models, tokenization, health) is the consumer's.
+as it comes. A producer that fails, is unreachable or takes longer than --prefill-timeout costs the
+hand-over, not the request: the consumer computes the prompt itself, and while the producer is
+down (its /health probed every second) requests go straight to the consumer. A producer's 4xx (the
+request is invalid) is the answer. A client that leaves aborts the request upstream (the closed
+connection does). Everything else (models, tokenization, health) is the consumer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -49,13 +53,25 @@ def prefill_body(body: dict) -> dict:
     return prefill
 
 
+PROBE_INTERVAL_S = 1.0  # while the producer is down, its /health is asked this often
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body already read: nothing else arrives before that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class PDProxy:
-    def __init__(self, prefill_url: str, decode_url: str, timeout_s: float, max_request_bytes: int) -> None:
+    def __init__(self, prefill_url: str, decode_url: str, timeout_s: float, max_request_bytes: int, prefill_timeout_s: float = 30.0) -> None:
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.max_request_bytes = max_request_bytes
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(max_connections=256))
-        self.counts = {"prefilled": 0, "prefill_failed": 0}  # the producer answered (its blocks stored, unless Redis was down) / not
+        self.prefill_timeout = httpx.Timeout(prefill_timeout_s, connect=5.0)
+        # the producer answered (its blocks stored, unless Redis was down) / failed / was skipped while down
+        self.counts = {"prefilled": 0, "prefill_failed": 0, "prefill_skipped": 0}
         self._producer_down = False
+        self._probe: asyncio.Task | None = None
 
     @staticmethod
     def _headers(request: Request) -> dict[str, str]:
@@ -86,19 +102,45 @@ class PDProxy:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
         headers = self._headers(request)
-        refused = await self._prefill(request.url.path, body, headers)
-        if refused is not None:
-            return refused
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            return await self._generate(request, raw, body, headers, gone)
+        finally:
+            gone.cancel()
+
+    async def _until_gone(self, work, gone: asyncio.Future):
+        """work's result, or None when the client left first (work cancelled: its upstream connection closes, which aborts it)."""
+        task = asyncio.ensure_future(work)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+
+    async def _generate(self, request: Request, raw: bytes, body: dict, headers: dict[str, str], gone: asyncio.Future) -> Response:
+        prefilled = await self._until_gone(self._prefill(request.url.path, body, headers), gone)
+        if gone.done():
+            return _error(499, "the client disconnected", "client_disconnected")
+        if prefilled is not None:
+            return prefilled
         upstream = self.client.build_request("POST", self.decode_url + request.url.path, content=raw,
                                              headers={**headers, "content-type": "application/json"})  # fmt: skip
-        try:
-            response = await self.client.send(upstream, stream=True)
+        try:  # a request not streamed has its headers only with the whole answer: the client may leave before them
+            response = await self._until_gone(self.client.send(upstream, stream=True), gone)
         except httpx.HTTPError as error:
             return _error(502, f"the decode instance {self.decode_url} did not answer ({type(error).__name__})", "decode_unreachable")
+        if response is None:
+            return _error(499, "the client disconnected", "client_disconnected")
         passed = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "x-request-id", "retry-after")}
         if not body.get("stream"):
-            content = await response.aread()
-            await response.aclose()
+            try:
+                content = await self._until_gone(response.aread(), gone)
+            finally:
+                await response.aclose()  # a client gone mid-answer: the consumer sees the connection close and aborts
+            if content is None:
+                return _error(499, "the client disconnected", "client_disconnected")
             return Response(content, status_code=response.status_code, headers=passed)
 
         async def relay():
@@ -118,9 +160,13 @@ class PDProxy:
     async def _prefill(self, path: str, body: dict, headers: dict[str, str]) -> Response | None:
         """Run the prompt on the producer; its 4xx is returned (the request is invalid), any other
         failure only logged (once per outage): the consumer then computes the prompt itself."""
+        if self._producer_down:
+            self.counts["prefill_skipped"] += 1
+            return None
         try:
             response = await self.client.post(self.prefill_url + path, content=json.dumps(prefill_body(body)),
-                                              headers={**headers, "content-type": "application/json"})  # fmt: skip
+                                              headers={**headers, "content-type": "application/json"},
+                                              timeout=self.prefill_timeout)  # fmt: skip
         except httpx.HTTPError as error:
             self._producer_failed(f"{type(error).__name__}: {error}")
             return None
@@ -129,9 +175,6 @@ class PDProxy:
         if response.status_code != 200:
             self._producer_failed(f"status {response.status_code}")
             return None
-        if self._producer_down:
-            log.warning("the prefill instance %s answers again", self.prefill_url)
-            self._producer_down = False
         self.counts["prefilled"] += 1
         return None
 
@@ -140,6 +183,19 @@ class PDProxy:
         if not self._producer_down:
             log.warning("the prefill instance %s failed (%s); the decode instance computes prompts until it answers", self.prefill_url, reason)
             self._producer_down = True
+            self._probe = asyncio.ensure_future(self._probe_producer())
+
+    async def _probe_producer(self) -> None:
+        """While the producer is down, ask its /health every second; requests skip it until it answers."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            try:
+                if (await self.client.get(self.prefill_url + "/health", timeout=2.0)).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                continue
+        log.warning("the prefill instance %s answers again", self.prefill_url)
+        self._producer_down = False
 
     async def forward(self, request: Request) -> Response:
         raw = await self._body(request)
@@ -181,7 +237,10 @@ def add_pd_proxy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", required=True, metavar="URL", help="base URL of a `kvserve serve --kv-role consumer` instance")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for either instance's answer")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the decode instance's answer")
+    parser.add_argument("--prefill-timeout", type=float, default=30.0,
+                        help="seconds to wait for the prefill instance; past them the decode instance computes the prompt itself, "
+                             "and requests skip the prefill instance until its /health answers")  # fmt: skip
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body; larger ones get 413")
 
 
@@ -189,11 +248,12 @@ def run_pd_proxy(args: argparse.Namespace) -> int:
     for flag, url in (("--prefill", args.prefill), ("--decode", args.decode)):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{flag} must be an http:// or https:// base URL, got {masked_url(url)!r}")
-    if not 0 < args.timeout <= 86400:
-        raise ValueError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
+    for flag, value in (("--timeout", args.timeout), ("--prefill-timeout", args.prefill_timeout)):
+        if not 0 < value <= 86400:
+            raise ValueError(f"{flag} must be in (0, 86400] seconds, got {value}")
     if args.max_request_bytes <= 0:
         raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
-    proxy = PDProxy(args.prefill, args.decode, args.timeout, args.max_request_bytes)
+    proxy = PDProxy(args.prefill, args.decode, args.timeout, args.max_request_bytes, args.prefill_timeout)
     sock = bound_socket(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"kvserve: serving pd-proxy on http://{args.host}:{port} (prefill {masked_url(proxy.prefill_url)}, "

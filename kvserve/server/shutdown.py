@@ -68,16 +68,18 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A listening socket's address taken, or ValueError naming --host/--port and why not."""
+def bound_socket(host: str, port: int, flags: str | None = None) -> socket.socket:
+    """A listening socket's address taken, or ValueError naming the flags that chose it (--host/--port
+    by default) and why not."""
+    flags = flags or f"--host {host} --port {port}"
     if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
+        raise ValueError(f"{flags}: the port must be in [0, 65535]")
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as error:
-        raise ValueError(f"cannot listen on --host {host} --port {port}: {error.strerror or error}") from None
+        raise ValueError(f"cannot listen on {flags}: {error.strerror or error}") from None
     return sock
 
 
