@@ -351,8 +351,20 @@ def test_choices_say_their_stop_reason(server):
         cut = httpx.post(server + path, json={**body, "stop": [stop]}, timeout=30).json()["choices"][0]
         assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop, cut
         lines = httpx.post(server + path, json={**body, "stop": [stop], "stream": True}, timeout=30).text.splitlines()
-        last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]["choices"][0]
-        assert last["finish_reason"] == "stop" and last["stop_reason"] == stop, last
+        chunks = [json.loads(line[6:])["choices"][0] for line in lines if line.startswith("data: {")]
+        assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop, chunks[-1]
+        assert all(c["stop_reason"] is None for c in chunks[:-1])  # null until the end, as vLLM sends it
+
+
+def test_a_stop_string_spelled_grammar_is_its_stop_reason():
+    # found by QA: the engine's "grammar" (a grammar that allowed no token) hid a stop string "grammar"
+    from kvserve.outputs import RequestOutput
+    from kvserve.server.api import _stop_reason
+
+    out = RequestOutput("r", None, [1], [2], "x", True, "stop", "grammar")
+    assert _stop_reason(out, ["grammar"]) == _stop_reason(out, "grammar") == "grammar"
+    assert _stop_reason(out, None) is None and _stop_reason(out, ["other"]) is None
+    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", False, None, None), None) is None
 
 
 def test_continuous_usage_stats(server):
@@ -378,6 +390,11 @@ def test_a_body_that_is_not_json_is_a_415_and_an_empty_one_says_so(server):
     assert form.status_code == 415
     empty = httpx.post(server + "/v1/chat/completions", content=b"", headers={"content-type": "application/json"}, timeout=30)
     assert empty.status_code == 400 and "body is empty" in empty.json()["error"]["message"], empty.text
+    bare = httpx.post(server + "/v1/completions", content=b'{"prompt": "hi"}', timeout=30)  # no Content-Type at all
+    assert bare.status_code == 415 and "no Content-Type" in bare.json()["error"]["message"], bare.text
+    typed = httpx.post(server + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                       headers={"content-type": "application/json; charset=utf-8"}, timeout=30)  # fmt: skip
+    assert typed.status_code == 200
 
 
 def test_include_stop_str_in_output(server):

@@ -296,6 +296,7 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"guided_json": "{"}, "guided_json", "not valid JSON"),
     ({"guided_json": 5}, "guided_json", "is an object (or true)"),
     ({"guided_json": False}, "guided_json", "schema is false"),  # no value satisfies it (QA: it generated anything)
+    ({"guided_json": {"not": {}}}, "guided_json", "schema is false"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "response_format", "schema is false"),
     ({"guided_json": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}}, "guided_json", "required names 'b'"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),

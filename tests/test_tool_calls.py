@@ -148,6 +148,21 @@ def test_tools_reach_the_template_and_calls_in_the_history_render(tiny_server):
     assert counted == out.json()["usage"]["prompt_tokens"] > len(ids)
 
 
+def test_continue_final_message_ends_the_prompt_right_after_the_message(tiny_server):
+    # found by QA: the text was found by its last occurrence, which may lie in what the template writes after it
+    history = ASK + [{"role": "assistant", "content": "tool", "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "add", "arguments": "{}"}}]}]  # fmt: skip
+    body = {"messages": history, "add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(tiny_server + "/tokenize", json=body, timeout=30).json()["tokens"]
+    text = httpx.post(tiny_server + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text.endswith("<s>assistant: tool"), text
+    # /tokenize takes tool_choice as chat does: "none" renders no tools
+    counts = [httpx.post(tiny_server + "/tokenize", json={"messages": ASK, "tools": TOOLS, **extra}, timeout=30).json()["count"]
+              for extra in ({}, {"tool_choice": "none"})]  # fmt: skip
+    plain = httpx.post(tiny_server + "/tokenize", json={"messages": ASK}, timeout=30).json()["count"]
+    assert counts[0] > counts[1] == plain
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "letters, digits"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "type"),

@@ -132,9 +132,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def _stop_reason(out: RequestOutput) -> str | int | None:
-    """vLLM's stop_reason: the stop string or stop token id that ended the text; None for EOS, a length or a grammar's end."""
-    return None if out.stop_reason == "grammar" else out.stop_reason
+_CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
+
+
+def _stop_reason(out: RequestOutput, stop: str | list[str] | None) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the text; None for EOS, a length, or
+    a grammar that allowed no token (the engine's "grammar", unless that is one of the request's stop strings)."""
+    if not out.finished or (out.stop_reason == "grammar" and "grammar" not in ([stop] if isinstance(stop, str) else stop or [])):
+        return None
+    return out.stop_reason
 
 
 def _request_id(request: Request) -> str:
@@ -252,14 +258,17 @@ class OpenAIServer:
     def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
                   tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:  # fmt: skip
         """Render and tokenize (blocking: run in a thread)."""
+        if continue_final_message:  # the text ends where the last message's does (a mark placed after it), its end of turn cut
+            if not messages[-1]["content"].strip():
+                raise APIError(400, "continue_final_message continues the last message's text: it is empty", "continue_final_message")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
         text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt, tools)
-        if continue_final_message:  # as transformers does: the text ends where the last message's does, its end of turn cut
-            final = messages[-1]["content"].strip()
-            at = text.rfind(final) if final else -1
-            if at < 0:
-                raise APIError(400, "continue_final_message: the last message's text does not appear in the rendered conversation "
-                               "(it is empty, or the chat template rewrites it)", "continue_final_message")  # fmt: skip
-            text = text[: at + len(final)]
+        if continue_final_message:
+            if text.count(_CONTINUE_MARK) != 1:
+                raise APIError(400, "continue_final_message: the last message's text must appear once in the rendered conversation "
+                               f"(this chat template {'drops' if _CONTINUE_MARK not in text else 'repeats'} it, or it holds U+10FFFD)",
+                               "continue_final_message")  # fmt: skip
+            text = text[: text.index(_CONTINUE_MARK)]
         self._check_text_length(len(text), "messages")
         # the template already carries BOS where the model wants it
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -476,8 +485,7 @@ class OpenAIServer:
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
-            if out.finished:
-                c["stop_reason"] = _stop_reason(out)
+            c["stop_reason"] = _stop_reason(out, body.stop)  # null until the choice ends, as vLLM sends it
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(prompt_ids, out.prompt_logprobs, body.prompt_logprobs)
             if self.tokenizer is None:
@@ -563,7 +571,7 @@ class OpenAIServer:
                 "delta": {"role": "assistant", **message} if first else message,
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
                 "finish_reason": finish,
-                **({"stop_reason": _stop_reason(out)} if out.finished else {}),
+                "stop_reason": _stop_reason(out, body.stop),
             }])
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, body.prompt_logprobs)
@@ -586,7 +594,7 @@ class OpenAIServer:
         for (_, i), out in sorted(outs.items()):
             msg, finish = message(out)
             choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                            "finish_reason": finish, "stop_reason": _stop_reason(out)})  # fmt: skip
+                            "finish_reason": finish, "stop_reason": _stop_reason(out, body.stop)})  # fmt: skip
         response = {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
         if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
             response["prompt_logprobs"] = self._prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
@@ -675,7 +683,8 @@ class OpenAIServer:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add)
         else:
-            tools, _ = self._tools(body) if body.tools else (None, None)
+            tools, choice = self._tools(body) if body.tools else (None, None)
+            tools = tools if choice is not None and choice.mode != "none" else None  # as chat renders them
             ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt, bool(body.add_special_tokens),
                                               tools, body.continue_final_message)  # fmt: skip
         strs = await asyncio.to_thread(self.tokenizer.token_strings, ids) if body.return_token_strs else None
@@ -797,12 +806,13 @@ def create_app(server: OpenAIServer) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         whole_body = [err for err in exc.errors() if tuple(err.get("loc", ())) == ("body",)]
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if whole_body and media and media != "application/json" and not media.endswith("+json"):
-            return server.reject(_request_id(request), where(request), 415, f"the body must be JSON (Content-Type: application/json), "
-                                 f"got Content-Type: {reprlib.repr(media)}", "invalid_request_error", "unsupported_media_type")  # fmt: skip
         if whole_body and whole_body[0].get("type") == "missing":
             return server.reject(_request_id(request), where(request), 400, "the request body is empty: send a JSON object",
                                  "invalid_request_error", "invalid_request")  # fmt: skip
+        if whole_body and media != "application/json" and not media.endswith("+json"):
+            given = f"Content-Type: {reprlib.repr(media)}" if media else "no Content-Type"
+            return server.reject(_request_id(request), where(request), 415, f"the body must be JSON (Content-Type: application/json), "
+                                 f"got {given}", "invalid_request_error", "unsupported_media_type")  # fmt: skip
         message, param = _validation_message(exc)
         return server.reject(_request_id(request), where(request), 400, message, "invalid_request_error", "invalid_request", param)
 

@@ -288,11 +288,25 @@ class ToolCallMessage(BaseModel):
         return {**call, "id": self.id} if self.id is not None else call
 
 
+def _one_content_error(value, handler):
+    """A message's content: one error, the one for what was sent (a list's part), not one per accepted form."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if isinstance(value, list):
+            for err in exc.errors():
+                if err["loc"] and str(err["loc"][0]).startswith("list"):
+                    where = ".".join(str(p) for p in err["loc"][1:])
+                    raise PydanticCustomError("content_part", "part {where}: {msg}",
+                                              {"where": where, "msg": err["msg"].removeprefix("Value error, ")}) from None  # fmt: skip
+        raise PydanticCustomError("content_type", "Input should be a string or a list of content parts") from None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[ContentPart] | None = None
+    content: Annotated[StrictStr | list[ContentPart] | None, WrapValidator(_one_content_error)] = None
     name: StrictStr | None = None  # handed to the chat template, which may use it
     tool_call_id: StrictStr | None = None  # likewise (a tool message's)
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls (templates that take tools render them)
@@ -422,6 +436,7 @@ class TokenizeRequest(UnicodeBody):
     return_token_strs: Flag = False
     chat_template: StrictStr | None = None
     tools: list | None = None  # rendered by templates that take them, as the chat request's
+    tool_choice: StrictStr | dict | None = None  # "none": the tools are not rendered, as in chat
 
     @model_validator(mode="after")
     def _one_input(self):

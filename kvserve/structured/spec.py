@@ -62,7 +62,7 @@ def schema_text(schema: object) -> str:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
-    if schema is False:
+    if schema is False or (isinstance(schema, dict) and schema.keys() == {"not"} and schema["not"] in ({}, True)):
         raise GrammarError("the JSON schema is false, which no value satisfies: nothing could be generated")
     if schema is True:
         schema = {}
