@@ -151,8 +151,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if not self.kv_cache_memory > 0:
-            raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}")
+        if not 0 < self.kv_cache_memory < float("inf"):
+            raise ValueError(f"kv_cache_memory must be a positive, finite number of GiB, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()

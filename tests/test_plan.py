@@ -194,15 +194,23 @@ def test_replay_skips_idle_steps_and_refuses_prompts_past_the_context(tiny_dir, 
     trace.write_text('{"prompt_len": 20, "output_len": 5}\n{"prompt_len": 20, "output_len": 5, "arrival_step": 100}\n')
     assert late["replay"]["num_steps"] == plan_json(*flags, "--replay", str(trace))["replay"]["num_steps"]
     assert late["replay"]["queue_delay_steps"]["max"] == 0
-    trace.write_text('{"prompt_len": 300, "output_len": 5}\n')
-    proc = run_plan(*flags, "--replay", str(trace))
-    assert proc.returncode == 2 and "does not fit --max-model-len 256" in proc.stderr, proc.stderr
-    trace.write_text('{"prompt_len": 1000000000, "output_len": 5}\n')  # no model context known: refused before it is built
-    proc = run_plan("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--num-kv-blocks", "48", "--replay", str(trace))
-    assert proc.returncode == 2 and "does not fit --max-model-len" in proc.stderr, proc.stderr
+    for row in ('{"prompt_len": 300, "output_len": 5}', '{"prompt_len": 100, "output_len": 200}'):
+        trace.write_text(row + "\n")
+        proc = run_plan(*flags, "--replay", str(trace))
+        assert proc.returncode == 2 and "does not fit --max-model-len 256" in proc.stderr, proc.stderr
+    for row in ('{"prompt_len": 1000000000, "output_len": 5}', '{"prompt_len": 100, "output_len": 1099511627776}'):
+        trace.write_text(row + "\n")  # no model context known: refused before a prompt is built, or a step run (QA: both ran on)
+        proc = run_plan("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--num-kv-blocks", "48", "--replay", str(trace))
+        assert proc.returncode == 2 and "does not fit --max-model-len" in proc.stderr, proc.stderr
     trace.write_text('{"prompt_len": 20, "output_len": 5}\n')
-    proc = run_plan(*flags, "--replay", str(trace), "--kv-cache-memory", "0")  # 0 was taken for "not given"
-    assert proc.returncode == 2 and "kv_cache_memory" in proc.stderr, proc.stderr
+    for memory in ("0", "inf"):  # 0 was taken for "not given"; inf was an unnamed error
+        proc = run_plan(*flags, "--replay", str(trace), "--kv-cache-memory", memory)
+        assert proc.returncode == 2 and "kv_cache_memory" in proc.stderr, proc.stderr
+    proc = run_plan("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--seq-lens", "10", "--kv-offload-host-gib", "1e30")
+    assert proc.returncode == 2 and "--kv-offload-host-gib" in proc.stderr, proc.stderr
+    huge = run_plan("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--seq-lens", "10", "--memory-gib", "1048576",
+                    "--weights-gib", "1")  # fmt: skip
+    assert "--kv-cache-memory 1048574.5 " in huge.stdout, huge.stdout  # a flag value, never 1.04857e+06
 
 
 def test_replay_peak_equals_the_engine_on_a_tiny_model(tiny_dir, tmp_path):

@@ -133,8 +133,12 @@ def read_chat_template(value: str | None) -> str | None:
         return value
     path = Path(value)
     if not path.is_file():  # no Jinja in it: a file name (a typo would otherwise become the prompt's whole text)
-        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
-    return path.read_text()
+        what = "a directory" if path.is_dir() else "no such file"
+        raise ValueError(f"--chat-template {value!r}: {what}, and not a Jinja template (no {{{{ or {{%)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {value!r}: cannot read it as UTF-8 text ({exc})") from None
 
 
 def _blame_config(directory: Path) -> None:

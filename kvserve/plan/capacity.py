@@ -72,8 +72,8 @@ class Workload:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_model_len != NO_LIMIT and max(self.seq_lens) > self.max_model_len:
-            raise ValueError(f"seq-lens: the longest sequence ({max(self.seq_lens):,} tokens) is longer than the model's context "
-                             f"({self.max_model_len:,} tokens); the engine refuses it")  # fmt: skip
+            raise ValueError(f"the workload's longest sequence ({max(self.seq_lens):,} tokens, of --seq-lens or --trace) is longer "
+                             f"than the model's context ({self.max_model_len:,} tokens); the engine refuses it")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from rich.text import Text
 from kvserve.config import WEIGHT_DTYPES
 from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, block_size_for, normalize_kv_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.plan.capacity import NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan, tier_tokens
+from kvserve.plan.capacity import MAX_GIB, NO_LIMIT, Budget, KVShape, Workload, model_weight_bytes, plan, tier_tokens
 from kvserve.plan.replay import read_trace, replay
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -187,6 +187,11 @@ def _dtype_table(result: dict, console: Console) -> Table | Text:
     return Text("\n".join(lines))
 
 
+def _gib(value: float) -> str:
+    """A GiB figure as a flag takes it: three decimals at most, never an exponent."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
 MAX_LEN_NOTE = "max len: the longest sequence the budget admits, the engine's default maximum model length"
 SUGGESTED_LEN_NOTE = "; the suggested --max-model-len below is the workload's longest sequence."
 
@@ -233,7 +238,7 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
             dtype += f" --kv-quant-residual {s['kv_quant_residual']}" if s["kv_quant_residual"] != DEFAULT_QUANT_RESIDUAL else ""
             dtype += "" if s["kv_quant_sink_block"] else " --no-kv-quant-sink-block"
         lines.append(
-            f"Engine flags:{dtype} --kv-cache-memory {r['kv_cache_memory']:g} --max-num-seqs {r['max_num_seqs']} \\\n"
+            f"Engine flags:{dtype} --kv-cache-memory {_gib(r['kv_cache_memory'])} --max-num-seqs {r['max_num_seqs']} \\\n"
             f"  --max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
         )
     return lines
@@ -318,8 +323,8 @@ def run_plan(args: argparse.Namespace) -> int:
     tiers = {}
     for tier, gib in (("host", args.kv_offload_host_gib), ("disk", args.kv_offload_disk_gib)):
         if gib is not None:
-            if not 0 < gib < float("inf"):
-                raise ValueError(f"--kv-offload-{tier}-gib must be a positive number of GiB, got {gib}")
+            if not 0 < gib <= MAX_GIB:
+                raise ValueError(f"--kv-offload-{tier}-gib must be a positive number of GiB up to {MAX_GIB:,}, got {gib}")
             tokens = tier_tokens(shape.spec(kv_dtype, args.block_size), gib * GIB, host=tier == "host")
             tiers[tier] = {"gib": gib, "tokens": tokens, "sequences": tokens // max(1, round(statistics.fmean(workload.seq_lens)))}
     if tiers:

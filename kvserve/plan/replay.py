@@ -84,8 +84,9 @@ def replay(config: EngineConfig, model_config: ModelConfig, trace: list[TraceReq
     bar = tqdm(total=len(trace), desc="replay", unit="req", disable=not progress or len(trace) < 50)
     finished = 0
     for index, req in pending:  # before any prompt is built: a length past the context is refused at once
-        if req.prompt_len >= engine.max_model_len:
-            raise ValueError(f"trace request {index}: prompt_len {req.prompt_len:,} does not fit --max-model-len {engine.max_model_len:,}")
+        if req.prompt_len + req.output_len > engine.max_model_len:
+            raise ValueError(f"trace request {index}: prompt_len + output_len ({req.prompt_len + req.output_len:,}) does not fit "
+                             f"--max-model-len {engine.max_model_len:,}")  # fmt: skip
     while cursor < len(pending) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():  # idle until the next arrival: no steps to simulate
             step = max(step, pending[cursor][1].arrival_step)

@@ -67,11 +67,17 @@ class DiskStore(BlockStore):
             self._used += size
         self._shrink_to(self.capacity_bytes)
 
+    def _unlink(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError:  # not a file any more (a directory put there): forgotten all the same
+            pass
+
     def _shrink_to(self, limit: int) -> None:
         while self._used > limit and self._sizes:
             key, size = self._sizes.popitem(last=False)
             self._used -= size
-            self._path(key).unlink(missing_ok=True)
+            self._unlink(key)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -146,10 +152,7 @@ class DiskStore(BlockStore):
             size = self._sizes.pop(key, None)
             if size is not None:
                 self._used -= size
-        try:
-            self._path(key).unlink(missing_ok=True)
-        except OSError:  # not a file any more (a directory put there): forgotten all the same
-            pass
+        self._unlink(key)
 
     def usage(self) -> TierUsage:
         with self._lock:
