@@ -329,7 +329,7 @@ class OpenAIServer:
         """The request's tools and tool_choice; tools need a chat template that renders them."""
         try:
             tools = parse_tools(body.tools or [])
-            choice = parse_tool_choice(getattr(body, "tool_choice", None), tools)
+            choice = parse_tool_choice(body.tool_choice, tools)
         except GrammarError as exc:
             raise APIError(400, str(exc), exc.param) from None
         if choice.mode != "none":
@@ -683,8 +683,8 @@ class OpenAIServer:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add)
         else:
-            tools, choice = self._tools(body) if body.tools else (None, None)
-            tools = tools if choice is not None and choice.mode != "none" else None  # as chat renders them
+            tools, choice = self._tools(body)
+            tools = tools if choice.mode != "none" else None  # as chat renders them
             ids = await self._render_messages(body.messages, body.chat_template, body.add_generation_prompt, bool(body.add_special_tokens),
                                               tools, body.continue_final_message)  # fmt: skip
         strs = await asyncio.to_thread(self.tokenizer.token_strings, ids) if body.return_token_strs else None
