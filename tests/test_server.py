@@ -223,6 +223,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("/v1/completions", {"prompt": [5] * 300}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    # found by QA: accepted and ignored, where OpenAI and vLLM say no
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "5"}]}, 400, "tool_call_id"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
@@ -356,15 +359,14 @@ def test_choices_say_their_stop_reason(server):
         assert all(c["stop_reason"] is None for c in chunks[:-1])  # null until the end, as vLLM sends it
 
 
-def test_a_stop_string_spelled_grammar_is_its_stop_reason():
-    # found by QA: the engine's "grammar" (a grammar that allowed no token) hid a stop string "grammar"
+def test_a_grammar_that_ends_a_choice_is_its_stop_reason():
+    # found by QA: an output cut short by a constraint that allowed no token said stop_reason null, as a complete one
     from kvserve.outputs import RequestOutput
     from kvserve.server.api import _stop_reason
 
-    out = RequestOutput("r", None, [1], [2], "x", True, "stop", "grammar")
-    assert _stop_reason(out, ["grammar"]) == _stop_reason(out, "grammar") == "grammar"
-    assert _stop_reason(out, None) is None and _stop_reason(out, ["other"]) is None
-    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", False, None, None), None) is None
+    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", "grammar")) == "grammar"
+    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", None)) is None
+    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", False, None, None)) is None
 
 
 def test_continuous_usage_stats(server):

@@ -186,6 +186,85 @@ def test_constraints_are_bounded_and_their_errors_say_what_is_wrong(tiny):
     assert tiny.engine.num_running == 0 and tiny.engine.num_waiting == 0
 
 
+# (schema, an instance it must refuse, one it must take), separators as the compact grammar writes them
+ENFORCED_KEYWORDS = {
+    "minimum": ({"type": "integer", "minimum": 3}, "2", "3"),
+    "exclusiveMaximum": ({"type": "integer", "exclusiveMaximum": 3}, "3", "2"),
+    "multipleOf (integer)": ({"type": "integer", "multipleOf": 3}, "4", "6"),
+    "minLength": ({"type": "string", "minLength": 3}, '"ab"', '"abc"'),
+    "pattern": ({"type": "string", "pattern": "^a+$"}, '"b"', '"aa"'),
+    "format date": ({"type": "string", "format": "date"}, '"x"', '"2024-01-01"'),
+    "format uuid": ({"type": "string", "format": "uuid"}, '"x"', '"123e4567-e89b-12d3-a456-426614174000"'),
+    "enum": ({"enum": ["a", "b"]}, '"c"', '"a"'),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, "[1]", "[1, 2]"),
+    "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, "[1, 2]", "[1]"),
+    "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "{}", '{"a": 1}'),
+    "patternProperties": ({"type": "object", "patternProperties": {"^x$": {"type": "integer"}}, "additionalProperties": False},
+                          '{"y": 1}', '{"x": 1}'),
+    "maxProperties": ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1}, '{"a": 1, "b": 2}', '{"a": 1}'),
+    "propertyNames": ({"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^a"}}, '{"b": 1}',
+                      '{"a": 1}'),
+    "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "boolean"}]}, '"s"', "1"),
+    "allOf of one": ({"allOf": [{"type": "integer"}]}, '"s"', "1"),
+    "$ref with a description": ({"$defs": {"a": {"type": "integer"}}, "type": "object", "required": ["x"],
+                                 "properties": {"x": {"$ref": "#/$defs/a", "description": "d"}}}, '{"x": "s"}', '{"x": 1}'),
+    "a character class spanning the surrogates": ({"type": "string", "pattern": "^[a-c]+$"}, '"d"', '"abc"'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ENFORCED_KEYWORDS)
+def test_keywords_the_docs_call_enforced_are_enforced(name):
+    """docs/structured-outputs.md lists what the grammar enforces; each refuses an instance that breaks it."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvserve.structured.compiler import grammar_text
+
+    schema, bad, good = ENFORCED_KEYWORDS[name]
+    grammar = xgr.Grammar.from_ebnf(grammar_text(StructuredOutputs(json=schema)))
+    assert _is_grammar_accept_string(grammar, good) and not _is_grammar_accept_string(grammar, bad)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "at /: 'uniqueItems'"),
+    ({"type": "object", "properties": {"t": {"type": "array", "contains": {"const": 5}}}}, "at /properties/t: 'contains'"),
+    ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, "'allOf' with more than one"),
+    ({"type": "integer", "not": {"const": 3}}, "'not'"),
+    ({"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}}, "'if'"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "maximum": 6}, "'maximum' beside $ref"),
+    ({"$defs": {"a": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, "not a JSON pointer"),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 1}]}, "'type' beside anyOf"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf' is enforced only for type integer"),
+    ({"anyOf": []}, "'anyOf' is an empty list"),
+    ({"type": []}, "'type' is an empty list"),
+    ({"type": "integer", "minimum": 2**63}, "outside 64-bit integers"),
+    ({"type": "string", "pattern": "^[\\ud800-\\udfff]+$"}, "surrogates"),
+    ({"type": "object", "required": ["a"]}, "required names 'a'"),
+])  # fmt: skip
+def test_schemas_the_grammar_would_not_follow_are_refused_with_where(schema, message):
+    """Found by QA: these keywords compiled to nothing, and outputs broke them with finish_reason stop."""
+    with pytest.raises(GrammarError, match=re.escape(message)):
+        StructuredOutputs(json=schema)
+
+
+def test_data_inside_a_schema_is_not_read_as_a_schema():
+    """Found by QA: "required" inside const, default or examples (data) was checked as if it were a schema."""
+    for schema in ({"const": {"required": ["x"]}}, {"type": "integer", "examples": [{"required": ["z"]}]},
+                   {"type": "object", "properties": {"q": {"type": "integer"}}, "default": {"required": ["q"]}}):  # fmt: skip
+        StructuredOutputs(json=schema)
+
+
+def test_choices_regexes_and_grammars_that_are_not_text_are_refused():
+    """Found by QA: NUL in a choice and surrogates in a regex or grammar came out as cut or invalid UTF-8 text."""
+    from kvserve.structured.compiler import grammar_text
+
+    for fields in (dict(choice=["a\x00b"]), dict(regex=r"\ud800"), dict(regex=r"[\ud800-\udfff]"), dict(grammar="root ::= [\\uD800-\\uDFFF]+")):
+        with pytest.raises(GrammarError, match="surrogate|NUL"):
+            grammar_text(StructuredOutputs(**fields))
+    spanning = grammar_text(StructuredOutputs(regex=r"[\u0000-\uffff]+"))
+    assert "\\U0000d7ff\\U0000e000" in spanning  # the class keeps everything but the surrogates
+
+
 def test_compiled_grammars_are_cached_by_constraint(tiny):
     grammars = tiny.engine.grammars
     spec = StructuredOutputs(regex=r"[0-9]{4}-cache-test")
@@ -284,6 +363,9 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     assert anything.status_code == 200, anything.text
     tools = post(server, "/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"  # chat's field, refused rather than ignored
+    # found by QA: a constraint no text completes ended as if complete (stop_reason null)
+    dead = post(server, "/v1/completions", {"prompt": "x", "guided_regex": r"a[^\s\S]", "max_tokens": 8}).json()["choices"][0]
+    assert (dead["text"], dead["finish_reason"], dead["stop_reason"]) == ("a", "stop", "grammar"), dead
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -299,6 +381,11 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"guided_json": {"not": {}}}, "guided_json", "schema is false"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "response_format", "schema is false"),
     ({"guided_json": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}}, "guided_json", "required names 'b'"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems' is not enforced"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}}, "response_format", "letters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}}, "response_format",
+     "strict must be a boolean"),
+    ({"guided_choice": ["a\u0000b"]}, "guided_choice", "NUL"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
     ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
     ({"guided_json": json.loads('{"items":' * 200 + "{}" + "}" * 200)}, "guided_json", "deeper than"),

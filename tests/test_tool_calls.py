@@ -168,7 +168,10 @@ def test_continue_final_message_ends_the_prompt_right_after_the_message(tiny_ser
     ({"tools": [{"type": "retrieval"}]}, "tools", "type"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools", "two tools are named"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
-     "tools", "Unsupported type"),
+     "tools", "got type 'nonsense'"),
+    # found by QA: arguments that are no object passed the grammar, then failed the parser (no tool_calls under "required")
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "tool_choice": "required"},
+     "tools", "of type object"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "at most 128"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}]}, "tools",
      "cannot compile"),  # auto compiles the calls' grammar too

@@ -135,12 +135,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 _CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
 
 
-def _stop_reason(out: RequestOutput, stop: str | list[str] | None) -> str | int | None:
-    """vLLM's stop_reason: the stop string or stop token id that ended the text; None for EOS, a length, or
-    a grammar that allowed no token (the engine's "grammar", unless that is one of the request's stop strings)."""
-    if not out.finished or (out.stop_reason == "grammar" and "grammar" not in ([stop] if isinstance(stop, str) else stop or [])):
-        return None
-    return out.stop_reason
+def _stop_reason(out: RequestOutput) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the text, "grammar" where the
+    request's constraint allowed no token (the output is cut short); None for EOS or a length."""
+    return out.stop_reason if out.finished else None
 
 
 def _request_id(request: Request) -> str:
@@ -485,7 +483,7 @@ class OpenAIServer:
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
-            c["stop_reason"] = _stop_reason(out, body.stop)  # null until the choice ends, as vLLM sends it
+            c["stop_reason"] = _stop_reason(out)  # null until the choice ends, as vLLM sends it
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(prompt_ids, out.prompt_logprobs, body.prompt_logprobs)
             if self.tokenizer is None:
@@ -571,7 +569,7 @@ class OpenAIServer:
                 "delta": {"role": "assistant", **message} if first else message,
                 "logprobs": self._chat_logprobs(lps) if body.logprobs else None,
                 "finish_reason": finish,
-                "stop_reason": _stop_reason(out, body.stop),
+                "stop_reason": _stop_reason(out),
             }])
             if body.prompt_logprobs is not None and first:
                 c["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, body.prompt_logprobs)
@@ -594,7 +592,7 @@ class OpenAIServer:
         for (_, i), out in sorted(outs.items()):
             msg, finish = message(out)
             choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                            "finish_reason": finish, "stop_reason": _stop_reason(out, body.stop)})  # fmt: skip
+                            "finish_reason": finish, "stop_reason": _stop_reason(out)})  # fmt: skip
         response = {**envelope(choices, "chat.completion"), "usage": self._usage(groups, outs)}
         if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
             response["prompt_logprobs"] = self._prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)

@@ -198,6 +198,13 @@ class _SamplingFields(UnicodeBody):
         self._structured = structured_outputs_of(self)
         return self
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        options = self.stream_options
+        if not self.stream and options is not None and (options.include_usage or options.continuous_usage_stats):
+            raise FieldError("stream_options", "stream_options applies to streamed responses: it needs stream: true")
+        return self
+
     @property
     def structured_field(self) -> str | None:
         """The field that carries the request's output constraint (None: unconstrained)."""
@@ -327,6 +334,8 @@ class ChatMessage(BaseModel):
         # as OpenAI: only an assistant turn may leave its content out (a tool call's)
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs its content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
     def text(self) -> str:

@@ -4,6 +4,7 @@ error names the field at fault."""
 
 from __future__ import annotations
 
+import re
 import reprlib
 
 from kvserve.structured.spec import GrammarError, StructuredOutputs
@@ -14,6 +15,7 @@ _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _FIXED_OPTIONS = {"disable_any_whitespace": True, "disable_additional_properties": True}  # what every compile does
 _INERT_OPTIONS = ("disable_fallback",)  # there is one backend, no fallback
 BACKENDS = ("auto", "xgrammar")
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def _error(field: str, message: str) -> GrammarError:
@@ -32,6 +34,11 @@ def from_response_format(value: dict) -> StructuredOutputs | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise GrammarError("type json_schema needs json_schema: {name, schema, strict}")
+        name, strict = spec.get("name"), spec.get("strict")
+        if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
+            raise GrammarError(f"json_schema.name must be 1-64 letters, digits, _ or -, got {reprlib.repr(name)}")
+        if strict is not None and not isinstance(strict, bool):
+            raise GrammarError(f"json_schema.strict must be a boolean, got {reprlib.repr(strict)}")
         if spec.get("schema") is None:
             return StructuredOutputs(json_object=True)
         return StructuredOutputs(json=spec["schema"])

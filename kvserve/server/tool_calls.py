@@ -56,6 +56,11 @@ def parse_tools(tools: list) -> list[Tool]:
             parameters = json.loads(schema_text(parameters))
         except GrammarError as exc:
             raise GrammarError(f"tools[{i}].function.parameters: {exc}", "tools") from None
+        if parameters == {}:
+            parameters = {"type": "object", "properties": {}}
+        if parameters.get("type") != "object":
+            raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema of type object (a call's arguments are an object), "
+                               f"got type {reprlib.repr(parameters.get('type'))}", "tools")  # fmt: skip
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise GrammarError(f"tools[{i}].function.description must be a string", "tools")

@@ -72,18 +72,78 @@ def rename_rule(ebnf: str, old: str, new: str) -> str:
     return "".join(pattern.sub(new, text) if kind == "code" else text for kind, text in ebnf_segments(ebnf))
 
 
+_CLASS_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "0": 0x00}
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+SURROGATES = range(0xD800, 0xE000)
+
+
+def class_ranges(body: str) -> list[tuple[int, int]]:
+    """A positive character class's body (as xgrammar prints it) as inclusive code point ranges."""
+    points, i = [], 0
+    while i < len(body):
+        if body[i] == "\\":
+            kind = body[i + 1]
+            if kind in _HEX_DIGITS:
+                width = _HEX_DIGITS[kind]
+                points.append(int(body[i + 2 : i + 2 + width], 16))
+                i += 2 + width
+                continue
+            points.append(_CLASS_ESCAPES.get(kind, ord(kind)))
+            i += 2
+        elif body[i] == "-" and points and i + 1 < len(body):
+            points.append(None)  # a range's dash
+            i += 1
+        else:
+            points.append(ord(body[i]))
+            i += 1
+    ranges, j = [], 0
+    while j < len(points):
+        if j + 2 < len(points) and points[j + 1] is None:
+            ranges.append((points[j], points[j + 2]))
+            j += 3
+        else:
+            ranges.append((points[j], points[j]) if points[j] is not None else (ord("-"), ord("-")))
+            j += 1
+    return ranges
+
+
+def _without_surrogates(body: str) -> str:
+    """A positive class's body without U+D800-U+DFFF (unchanged where it holds none of them)."""
+    ranges = class_ranges(body)
+    if not any(lo <= SURROGATES[-1] and hi >= SURROGATES[0] for lo, hi in ranges):
+        return body
+    kept = []
+    for lo, hi in ranges:
+        kept += [(a, b) for a, b in ((lo, min(hi, SURROGATES[0] - 1)), (max(lo, SURROGATES[-1] + 1), hi)) if a <= b]
+    if not kept:
+        raise GrammarError("a character class holds only UTF-16 surrogates (U+D800-U+DFFF), which are not text: nothing could be generated")
+    return "".join(f"\\U{a:08x}" + (f"-\\U{b:08x}" if b > a else "") for a, b in kept)
+
+
 def _valid_text_class(body: str, json_strings: bool) -> str:
     """A character class (without its brackets) kept to valid Unicode text, and for JSON to valid string characters."""
     if json_strings and body == _BOUNDED_STRING_CHARS:
         body = _JSON_STRING_CHARS
     if body == _ANY_CHARACTER:
         body = "^"
-    return "^" + _NO_SURROGATE + body[1:] if body.startswith("^") and not body.startswith("^" + _NO_SURROGATE) else body
+    if not body.startswith("^"):
+        return _without_surrogates(body)
+    return "^" + _NO_SURROGATE + body[1:] if not body.startswith("^" + _NO_SURROGATE) else body
+
+
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\(u|U0000)[dD][89abAB][0-9a-fA-F]{2}")  # an unescaped backslash's \uD800-\uDFFF
 
 
 def _valid_text_classes(ebnf: str, json_strings: bool) -> str:
-    return "".join("[" + _valid_text_class(text[1:-1], json_strings) + "]" if kind == "class" else text
-                   for kind, text in ebnf_segments(ebnf))  # fmt: skip
+    """The grammar with its classes kept to text (above); a literal holding a surrogate is refused."""
+    out = []
+    for kind, text in ebnf_segments(ebnf):
+        if kind == "class":
+            text = "[" + _valid_text_class(text[1:-1], json_strings) + "]"
+        elif kind == "literal" and _SURROGATE_ESCAPE.search(text):
+            raise GrammarError(f"{text[:40]} holds a UTF-16 surrogate (U+D800-U+DFFF), which is not text and cannot be generated")
+        out.append(text)
+    return "".join(out)
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
@@ -101,7 +161,10 @@ def grammar_text(spec: StructuredOutputs) -> str:
             text = str(grammar.from_ebnf(choice_grammar(spec.choice) if spec.choice is not None else spec.grammar))
     except Exception as exc:  # noqa: BLE001 - xgrammar reports every malformed input as a RuntimeError
         raise GrammarError(f"cannot compile the {spec.description}: {error_message(exc)}") from None
-    return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object)
+    try:
+        return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object)
+    except GrammarError as exc:
+        raise GrammarError(f"cannot compile the {spec.description}: {exc}") from None
 
 
 def compile_spec(compiler: "xgrammar.GrammarCompiler", spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":

@@ -5,6 +5,7 @@ cached by it)."""
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 from dataclasses import dataclass
 
@@ -34,23 +35,103 @@ def _depth(value: object) -> int:
     return deepest
 
 
-def _unsatisfiable_required(schema: dict) -> str | None:
-    """A `required` name that `properties` does not define, in an object that admits no other property:
-    the compile generates only the properties a schema names, so no output could satisfy it."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            required, properties = node.get("required"), node.get("properties", {})
-            closed = node.get("additionalProperties", False) in (False, None) and "patternProperties" not in node
-            if isinstance(required, list) and isinstance(properties, dict) and closed:
-                missing = [name for name in required if isinstance(name, str) and name not in properties]
-                if missing:
-                    return missing[0]
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+# where a schema keyword holds subschemas: one schema, a list of them, or a name -> schema map
+_SCHEMA_KEYWORDS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames", "additionalItems")
+_SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+# assertions xgrammar 0.2.9 compiles to nothing: output would not follow them, so a schema holding one is refused
+_NOT_ENFORCED = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then",
+                 "else", "$dynamicRef", "$recursiveRef")  # fmt: skip
+# what may stand beside a $ref, anyOf, oneOf or allOf: xgrammar compiles those alone and ignores their siblings
+_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly", "$defs",
+                          "definitions", "$id", "$schema", "$anchor", "discriminator"))  # fmt: skip
+_INT64 = 2**63
+# a regex escape of a UTF-16 surrogate (U+D800-U+DFFF: not text), or a \u range that spans them
+_SURROGATE_ESCAPE = re.compile(r"\\(?:u|U0000|x\{)[dD][89abAB][0-9a-fA-F]{2}")
+_U_RANGE = re.compile(r"\\u([0-9a-fA-F]{4})-\\u([0-9a-fA-F]{4})")
+
+
+def _admits_surrogates(pattern: str) -> bool:
+    spans = (int(lo, 16) <= 0xDFFF and int(hi, 16) >= 0xD800 for lo, hi in _U_RANGE.findall(pattern))
+    return bool(_SURROGATE_ESCAPE.search(pattern)) or any(spans)
+
+
+def _not_text(value: str) -> bool:
+    """NUL or a lone UTF-16 surrogate: characters no tokenizer's text can carry back."""
+    return any(ch == "\x00" or 0xD800 <= ord(ch) <= 0xDFFF for ch in value)
+
+
+def _subschemas(node: dict, pointer: str):
+    """(subschema, its JSON pointer) for each schema position directly under node; never into
+    const, enum, default or examples, which hold data."""
+    for key in _SCHEMA_KEYWORDS:
+        if isinstance(node.get(key), (dict, list)):
+            value = node[key]
+            for i, child in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                yield child, f"{pointer}/{key}" + ("" if i is None else f"/{i}")
+    for key in _SCHEMA_LIST_KEYWORDS:
+        if isinstance(node.get(key), list):
+            yield from ((child, f"{pointer}/{key}/{i}") for i, child in enumerate(node[key]))
+    for key in _SCHEMA_MAP_KEYWORDS:
+        if isinstance(node.get(key), dict):
+            yield from ((child, f"{pointer}/{key}/{name}") for name, child in node[key].items())
+
+
+def _refusal(node: dict) -> str | None:
+    """Why this schema object cannot be enforced as written, or None."""
+    for key in _NOT_ENFORCED:
+        if key in node:
+            return f"{key!r} is not enforced by the grammar compiler, so the output would not follow it"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems' is not enforced by the grammar compiler, so the output could repeat items"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' with more than one schema is not enforced (only the first would be); merge them into one schema"
+    if "multipleOf" in node and node.get("type") != "integer":
+        return "'multipleOf' is enforced only for type integer"
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        if node.get(key) == []:
+            return f"{key!r} is an empty list, which no value satisfies: nothing could be generated"
+    ref = node.get("$ref")
+    if "$ref" in node and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
+        return f"$ref {reprlib.repr(ref)} is not a JSON pointer into this schema ('#' or '#/...'); other documents and anchors are not resolved"
+    for key in ("$ref", "anyOf", "oneOf", "allOf"):
+        beside = sorted(set(node) - _ANNOTATIONS - {key})
+        if key in node and beside:
+            where = "into the schema it names" if key == "$ref" else "into each of its schemas"
+            return f"{beside[0]!r} beside {key} is not enforced (the compiler takes {key} alone); move it {where}"
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+    if any(_admits_surrogates(p) for p in patterns):
+        return "a pattern admits UTF-16 surrogates (U+D800-U+DFFF), which are not text and cannot be generated"
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            bound = node.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not -_INT64 <= bound < _INT64:
+                return f"{key} {bound} is outside 64-bit integers, the range integer bounds are compiled in"
+    required, properties = node.get("required"), node.get("properties", {})
+    names_properties = "properties" in node or node.get("type") == "object"
+    closed = node.get("additionalProperties", False) in (False, None) and "patternProperties" not in node
+    if isinstance(required, list) and isinstance(properties, dict) and names_properties and closed:
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        if missing:
+            return (f"required names {missing[0]!r}, which properties does not define; only the properties a schema names are "
+                    "generated (set additionalProperties to allow others)")  # fmt: skip
     return None
+
+
+def _check_schema(schema: dict) -> None:
+    """Refuses (GrammarError, with the JSON pointer) a schema whose output the compiled grammar would
+    not make follow it: an assertion xgrammar does not compile, an empty choice, an unresolvable
+    $ref, a required property no output could have."""
+    stack = [(schema, "")]
+    while stack:
+        node, pointer = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        reason = _refusal(node)
+        if reason is not None:
+            raise GrammarError(f"the JSON schema at {pointer or '/'}: {reason}")
+        stack.extend(_subschemas(node, pointer))
 
 
 def schema_text(schema: object) -> str:
@@ -70,10 +151,7 @@ def schema_text(schema: object) -> str:
         raise GrammarError(f"a JSON schema is an object (or true), got {type(schema).__name__}")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    missing = _unsatisfiable_required(schema)
-    if missing is not None:
-        raise GrammarError(f"required names {missing!r}, which properties does not define; only the properties a schema names are "
-                           "generated (set additionalProperties to allow others)")  # fmt: skip
+    _check_schema(schema)
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # key order kept: properties generate in it
     except ValueError as exc:
@@ -106,6 +184,8 @@ class StructuredOutputs:
                 raise GrammarError(f"choice takes 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
             if any(not isinstance(c, str) or not c for c in self.choice):
                 raise GrammarError("choice strings must be non-empty strings")
+            if any(_not_text(c) for c in self.choice):
+                raise GrammarError("a choice holds NUL or a UTF-16 surrogate, which cannot be generated as text")
             if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the choices hold more than {MAX_GRAMMAR_CHARS} characters")
         for name in ("regex", "grammar"):
