@@ -189,6 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of the parser and its subcommands."""
+    found = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _flags(sub)
+    return found
+
+
+def _named_by_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A config error that opens with a field's name ("kv_keep_ratio must ...") names its flag too."""
+    field = message.split(" ", 1)[0]
+    flag = "--" + field.replace("_", "-")
+    if field.isidentifier() and "_" in field and flag in _flags(parser):
+        return f"{flag} ({field}){message[len(field):]}"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"kvserve: error: {exc}", file=sys.stderr)
+        print(f"kvserve: error: {_named_by_flag(str(exc), parser)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,7 +11,7 @@ import torch
 from kvserve.kernels import cpu_flags
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.rotation import is_power_of_two
-from kvserve.kv.spec import KV_FORMATS, block_size_for, normalize_kv_dtype
+from kvserve.kv.spec import KV_FORMATS, MAX_KV_QUANT_RESIDUAL, block_size_for, normalize_kv_dtype
 from kvserve.model.registry import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
@@ -50,7 +50,6 @@ def _faster_in_a_timed_matmul() -> str:
 MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
-MAX_KV_QUANT_RESIDUAL = 65536
 WEIGHT_DTYPES = ("auto", "gguf", "int8", "bfloat16", "float32")
 
 
@@ -151,8 +150,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if not 0 < self.kv_cache_memory < float("inf"):
-            raise ValueError(f"kv_cache_memory must be a positive, finite number of GiB, got {self.kv_cache_memory}")
+        memory = self.kv_cache_memory
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory < float("inf"):
+            raise ValueError(f"kv_cache_memory must be a positive, finite number of GiB, got {memory!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()

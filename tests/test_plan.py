@@ -285,6 +285,25 @@ def test_sliding_windows_still_need_blocks_for_the_whole_length():
 
 
 @pytest.mark.parametrize("columns", [80, 50])
+def test_the_suggested_engine_flags_paste_into_a_shell(columns):
+    """Found by QA: the flags wrapped at the terminal's width without a backslash, two commands when pasted."""
+    proc = run_plan("--model", "smollm2-135m-instruct", "--kv-dtype", "int4", "--seq-lens", "800", "--memory-gib", "1",
+                    "--kv-quant-residual", "256", "--no-kv-quant-sink-block", columns=columns)  # fmt: skip
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Engine flags:"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith(" \\"))
+    assert end > start and all(len(line) <= columns for line in lines[start : end + 1])
+    words = " ".join(line.removesuffix(" \\") for line in lines[start : end + 1]).split()
+    assert words[words.index("--kv-quant-residual") + 1] == "256" and "--max-model-len" in words
+
+
+def test_a_residual_the_engine_refuses_is_refused():
+    proc = run_plan(*LLAMA3_8B, "--kv-dtype", "int4", "--kv-quant-residual", "10000000", "--seq-lens", "4096", "--memory-gib", "40",
+                    "--weights-gib", "16")  # fmt: skip
+    assert proc.returncode == 2 and "65536" in proc.stderr
+
+
+@pytest.mark.parametrize("columns", [80, 50])
 def test_text_output_fits_the_terminal(columns):
     args = (*LLAMA3_8B, *EIGHT_8K, "--shared-prefix-len", "1000", "--shared-prefix-seqs", "8")
     proc = run_plan(*args, columns=columns)

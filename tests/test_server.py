@@ -226,6 +226,8 @@ BAD_REQUESTS = [
     # found by QA: accepted and ignored, where OpenAI and vLLM say no
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "5"}]}, 400, "tool_call_id"),
+    ("/v1/completions", {"prompt": "hi", "kv_budget": 10}, 400, "kv_budget"),  # a server flag, per request silently ignored before
+    ("/v1/completions", {"prompt": "hi", "kv_keep_ration": 0.5}, 400, "kv_keep_ration"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),

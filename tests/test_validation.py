@@ -44,11 +44,31 @@ def test_unknown_model_path():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("block_size", 0), ("max_num_seqs", -1), ("kv_cache_memory", 0), ("dtype", "int3"), ("max_model_len", 0)]
+    "field,value", [("block_size", 0), ("max_num_seqs", -1), ("kv_cache_memory", 0), ("dtype", "int3"), ("max_model_len", 0),
+                    ("kv_cache_memory", "1"), ("kv_quant_residual", 70000), ("sink_tokens", 100)],
 )
 def test_bad_engine_config(field, value):
+    extra = {"kv_compression": "streaming", "kv_budget": 8} if field == "sink_tokens" else {}  # more sinks than the budget keeps
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**{field: value})
+        EngineConfig(**{field: value}, **extra).eviction
+
+
+def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_dir):
+    """Found by QA: --kv-cache-memory 1e9 grew the process to 16 GB on its way to a MemoryError."""
+    import torch
+
+    from kvserve.device_memory import device_memory_bytes
+
+    more = device_memory_bytes(torch.device("cpu")) / 2**30 * 2
+    with pytest.raises(ValueError, match="more than this cpu device has"):
+        LLM(str(tiny_dir("qwen2")), dtype="float32", kv_cache_memory=more)
+
+
+def test_the_cli_names_the_flag_of_a_bad_value(capsys):
+    from kvserve.cli import main
+
+    assert main(["generate", "--prompt", "x", "--kv-keep-ratio", "1.5"]) == 2
+    assert "--kv-keep-ratio (kv_keep_ratio) must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_max_model_len_beyond_capacity(tiny_dir):

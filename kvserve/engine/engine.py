@@ -20,6 +20,7 @@ from kvserve import kernels
 from kvserve.attention.backend import create_backend
 from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
+from kvserve.device_memory import device_memory_bytes
 from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
@@ -238,6 +239,11 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
         if num_blocks <= 0:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes")
+        available = device_memory_bytes(self.device)
+        if available is not None and num_blocks * self.kv_spec.bytes_per_block > available:
+            asked = f"num_kv_blocks={num_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
+            raise ValueError(f"{asked} is more than this {self.device.type} device has in all ({available / GIB:.1f} GiB); "
+                             "`kvserve plan` says what fits beside the weights")  # fmt: skip
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
         if config.max_model_len is None:

@@ -41,6 +41,7 @@ def score_window(model, hidden: torch.Tensor, token_ids: list[int], ref_model=No
         scores.nll -= logp.gather(1, targets[start:end, None]).sum().item()
         if ref_model is not None:
             ref_logp = _log_probs(ref_model, ref_hidden[start:end].to(hidden.device))
-            scores.kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            # each position's KL is >= 0; its float sum can come out a hair below when the two agree
+            scores.kl += (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).sum().item()
             scores.top1_agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
     return scores

@@ -63,6 +63,9 @@ class EvictionPolicy:
             raise ValueError(f"snapkv_kernel must be odd (the pooled scores keep their positions), got {self.kernel}")
         if self.method != "none" and self.keep_ratio is None and self.budget is None:
             raise ValueError(f"kv_compression {self.method} needs a budget: kv_keep_ratio or kv_budget")
+        if self.method == "streaming" and self.budget is not None and self.sinks >= self.budget:
+            raise ValueError(f"sink_tokens must be fewer than kv_budget ({self.budget}), got {self.sinks}: streaming keeps the sinks "
+                             "and the most recent tokens within the budget")  # fmt: skip
 
     @property
     def active(self) -> bool:

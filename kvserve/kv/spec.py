@@ -67,6 +67,7 @@ KV_FORMATS: dict[str, KVFormat] = {
 KV_DTYPES = tuple(KV_FORMATS)
 DEFAULT_QUANT_GROUP_SIZE = 32
 DEFAULT_QUANT_RESIDUAL = 128
+MAX_KV_QUANT_RESIDUAL = 65536  # tokens a sequence keeps in full precision at most (--kv-quant-residual)
 
 
 def normalize_kv_dtype(name: str) -> str:
@@ -164,8 +165,8 @@ class KVCacheSpec:
                                  f"--kv-quant-group-size ({self.group_size})")  # fmt: skip
             if self.head_dim % self.value_group:
                 raise ValueError(f"{self.kv_dtype} needs head_dim ({self.head_dim}) to be a multiple of the group size ({self.group_size})")
-        if self.residual < 0:
-            raise ValueError(f"kv_quant_residual must be >= 0, got {self.residual}")
+        if not 0 <= self.residual <= MAX_KV_QUANT_RESIDUAL:
+            raise ValueError(f"kv_quant_residual must be 0 to {MAX_KV_QUANT_RESIDUAL} tokens, got {self.residual}")
         if KV_FORMATS[self.residual_dtype].kind != "float":
             raise ValueError("the residual blocks hold a float format")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:

@@ -238,10 +238,33 @@ def _advice(result: dict, budget: Budget, longest: int) -> list[str]:
             dtype += f" --kv-quant-residual {s['kv_quant_residual']}" if s["kv_quant_residual"] != DEFAULT_QUANT_RESIDUAL else ""
             dtype += "" if s["kv_quant_sink_block"] else " --no-kv-quant-sink-block"
         lines.append(
-            f"Engine flags:{dtype} --kv-cache-memory {_gib(r['kv_cache_memory'])} --max-num-seqs {r['max_num_seqs']} \\\n"
+            f"{FLAGS_LABEL}{dtype} --kv-cache-memory {_gib(r['kv_cache_memory'])} --max-num-seqs {r['max_num_seqs']} \\\n"
             f"  --max-num-batched-tokens {r['max_num_batched_tokens']} --max-model-len {r['max_model_len']}"
         )
     return lines
+
+
+FLAGS_LABEL = "Engine flags:"
+
+
+def _shell_lines(command: str, width: int) -> list[str]:
+    """A command's words (a flag with its value kept together) in lines of at most width characters,
+    each but the last ending in a backslash, the later ones indented."""
+    words, parts = [], command.split()
+    for part in parts:
+        if words and not part.startswith("--") and words[-1].startswith("--") and " " not in words[-1]:
+            words[-1] += " " + part
+        else:
+            words.append(part)
+    lines, line = [], ""
+    for word in words:
+        candidate = f"{line} {word}" if line else word
+        if line and len(candidate) + 2 > width:
+            lines.append(line + " \\")
+            line = "  " + word
+        else:
+            line = candidate
+    return lines + [line]
 
 
 def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
@@ -272,6 +295,8 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         suggests = result.get("recommended") is not None
         console.print(MAX_LEN_NOTE + (SUGGESTED_LEN_NOTE if suggests else "."), highlight=False, markup=False)
         for line in _advice(result, budget, longest):
+            if line.startswith(FLAGS_LABEL):  # pasted into a shell: every break a backslash
+                line = "\n".join(_shell_lines(line.replace("\\\n", ""), console.width))
             console.print(line, highlight=False, markup=False)
     if "replay" in result:
         rp = result["replay"]

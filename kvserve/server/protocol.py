@@ -126,6 +126,12 @@ class _SamplingFields(UnicodeBody):
                 # null is "not given" (OpenAI's SDKs send it), so off as well
                 if name in data and data[name] is not None and data[name] != off and not (off is None and data[name] in ([], {})):
                     raise FieldError(name, f"{name} is not implemented by this server; refused rather than ignored")
+            # kvserve's own extensions: a field with their prefix that is none of them is a typo or a server flag, not ignored
+            for name in data:
+                if name.startswith(("kv_", "snapkv_")) and name not in cls.model_fields:
+                    known = ", ".join(sorted(f for f in cls.model_fields if f.startswith(("kv_", "snapkv_"))))
+                    raise FieldError(name, f"{name} is not a request field (a request takes {known}; other KV settings are server "
+                                           "flags)")  # fmt: skip
         return data
 
     model: StrictStr | None = None
