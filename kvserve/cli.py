@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     top = sub.add_parser("top", help="live terminal view of a running server's KV metrics", formatter_class=HelpFormatter)
-    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", type=_base_url,
+                     help="server base URL (host:port alone means http://host:port)")  # fmt: skip
+    top.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (a positive number, at most 3600)")
     top.add_argument("--once", action="store_true", help="print one snapshot (two samples --interval apart, for the rates) and exit")
     _add_log_level(top)
     top.set_defaults(func=_top)
@@ -187,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(cluster)
     cluster.set_defaults(func=_cluster)
     return parser
+
+
+def _base_url(value: str) -> str:
+    """A server's base URL; host:port without a scheme is taken as http://host:port."""
+    return (value if "://" in value else "http://" + value).rstrip("/")
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not 0 < seconds <= 3600:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds up to 3600, got {value!r}")
+    return seconds
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:

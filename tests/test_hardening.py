@@ -341,6 +341,9 @@ def test_rejections_and_aborts_are_logged_once_and_counted(guarded):
     assert delta(after, before, "kvserve:request_rejected_total{reason=invalid_request}") == 3
     assert delta(after, before, "kvserve:request_rejected_total{reason=invalid_api_key}") == 1
     assert delta(after, before, "kvserve:request_aborted_total{reason=client_disconnected}") == 3
+    # found by QA: aborted requests were left out of the latency histograms (the two streams had a first token)
+    assert delta(after, before, "kvserve:time_to_first_token_seconds_count") >= 2
+    assert delta(after, before, "kvserve:e2e_request_latency_seconds_count") == 3
     log = server_log(proc)
     for rid in ids + [unauth.headers["x-request-id"]]:
         lines = [line for line in log.splitlines() if rid in line]

@@ -172,6 +172,20 @@ def test_radix_reuses_the_partial_block(tiny_dir, mode, reused):
     assert_all_free(on)
 
 
+def test_a_request_hit_reuses_at_least_a_block(tiny_dir):
+    """Found by QA: radix matched the shared first (BOS) token of unrelated prompts and counted every
+    request a hit. One token is reused, and said; a request hit is a block's worth or more."""
+    on, _ = engines(tiny_dir, "llama", "radix")
+    first, second = random_prompts(2, 40, 40, seed=31)
+    on.generate([[2] + first], GREEDY, use_tqdm=False)
+    assert on.generate([[2] + second], GREEDY, use_tqdm=False)[0].num_cached_tokens == 1
+    stats = on.stats()
+    assert stats["prefix_cache_requests_total"] == 2 and stats["prefix_cache_requests_hit_total"] == 0
+    block = on.engine.kv.block_size
+    assert on.generate([[2] + first[:block] + second], GREEDY, use_tqdm=False)[0].num_cached_tokens == block + 1
+    assert on.stats()["prefix_cache_requests_hit_total"] == 1
+
+
 def test_radix_keeps_a_finished_requests_partial_block(tiny_dir):
     on, off = engines(tiny_dir, "gemma3-w8", "radix")
     prompt = random_prompts(1, 40, 40, seed=12)[0]

@@ -175,7 +175,7 @@ def test_metrics_count_exact_tokens(server, reference):
     assert after["kvserve:time_to_first_token_seconds_count"] >= 2
     assert 0 <= after["kvserve:kv_cache_usage_perc"] <= 1
     for name in ("num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_cache_bytes_per_token",
-                 "num_requests_waiting", "request_queue_time_seconds_count", "time_per_output_token_seconds_count"):
+                 "num_requests_waiting", "request_queue_time_seconds_count", "request_time_per_output_token_seconds_count"):
         assert f"kvserve:{name}" in after, name
     body = httpx.get(server + "/metrics").text
     assert "Everyone" not in body and 'model_name="tiny"' in body

@@ -27,6 +27,11 @@ def test_prompt_over_max_model_len(llm):
 def test_token_ids_outside_the_vocabulary(llm):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[5, 100000]], use_tqdm=False)
+    with pytest.raises(ValueError, match="got bool True"):  # found by QA: the server refused them, the API took them as 1
+        llm.generate([[5, True]], use_tqdm=False)
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="tolist"):
+        llm.generate([list(numpy.array([5, 6]))], use_tqdm=False)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +67,17 @@ def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_d
     more = device_memory_bytes(torch.device("cpu")) / 2**30 * 2
     with pytest.raises(ValueError, match="more than this cpu device has"):
         LLM(str(tiny_dir("qwen2")), dtype="float32", kv_cache_memory=more)
+
+
+def test_top_takes_host_and_port_and_refuses_bad_intervals(capsys):
+    from kvserve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["top", "127.0.0.1:9"]).url == "http://127.0.0.1:9"
+    for interval in ("-1", "nan", "0"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["top", "--interval", interval])
+        assert "positive number of seconds" in capsys.readouterr().err
 
 
 def test_the_cli_names_the_flag_of_a_bad_value(capsys):

@@ -513,8 +513,11 @@ class LLMEngine:
         if len(token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            got = f"{type(bad).__name__} {bad!r}" if not isinstance(bad, int) or isinstance(bad, bool) else repr(bad)
+            raise ValueError(f"prompt token ids must be Python ints in [0, {vocab}), got {got}"
+                             + (" (numpy ids: pass .tolist())" if type(bad).__module__ == "numpy" else ""))  # fmt: skip
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "

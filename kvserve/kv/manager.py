@@ -60,7 +60,7 @@ class KVCacheManager:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
                 self.residual_pool.on_evict = self._evicting
-        self.prefix_stats = PrefixCacheStats()
+        self.prefix_stats = PrefixCacheStats(min_hit_tokens=self.block_size)
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
         self._salts: dict[str, str | None] = {}

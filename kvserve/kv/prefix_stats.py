@@ -43,7 +43,8 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens served from the cache
     eligible: int = 0  # prompt tokens a cache could serve at most (all but the last)
     requests: int = 0
-    requests_hit: int = 0
+    requests_hit: int = 0  # requests that reused at least min_hit_tokens
+    min_hit_tokens: int = 1  # the manager's block size: a radix match of a shared BOS token alone is no hit
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     salts: dict[str, SaltReuse] = field(default_factory=dict)  # salt_label -> its requests' reuse
     salt_roots: dict[int, str] = field(default_factory=dict)  # a salt's first-block parent hash -> salt_label
@@ -53,7 +54,7 @@ class PrefixCacheStats:
         self.hits += hit.num_tokens
         self.eligible += prompt_len - 1
         self.requests += 1
-        self.requests_hit += hit.num_tokens > 0
+        self.requests_hit += hit.num_tokens >= self.min_hit_tokens
         if hit.miss_reason is not None:
             self.misses[hit.miss_reason] += 1
         for blocks in hit.blocks:

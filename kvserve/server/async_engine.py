@@ -359,7 +359,10 @@ class AsyncEngine:
                 dropped = False
                 for rid in cmd.request_ids:
                     self._sinks.pop(rid, None)
-                    dropped |= self.engine.abort_request(rid) is not None
+                    out = self.engine.abort_request(rid)
+                    if out is not None:  # its latencies count too (vLLM's do): a client that gives up is the slow case
+                        self.metrics.observe_finished(out)
+                        dropped = True
                 if dropped and cmd.report is not None:
                     self.report_abort(cmd.submission.request_id, cmd.report)
 

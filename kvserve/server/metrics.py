@@ -43,7 +43,7 @@ class ServerMetrics:
             "prefix_cache_eligible_tokens", "Prompt tokens a prefix cache could serve at most (all but each prompt's last)"
         )
         self.prefix_cache_requests = counter("prefix_cache_requests", "Requests looked up in the prefix cache")
-        self.prefix_cache_requests_hit = counter("prefix_cache_requests_hit", "Requests that reused at least one cached token")
+        self.prefix_cache_requests_hit = counter("prefix_cache_requests_hit", "Requests that reused at least a block's worth of cached tokens")
         self.prefix_cache_evictions = counter("prefix_cache_evictions", "Cached blocks evicted to make room")
         self.kv_evicted_tokens = counter("kv_evicted_tokens", "Cached tokens dropped by --kv-compression (their slots freed)")
         self.kv_compactions = counter("kv_compactions", "Sequences' caches compacted by --kv-compression")
@@ -57,7 +57,7 @@ class ServerMetrics:
         self._aborted = Counter("kvserve:request_aborted", "HTTP requests aborted after admission, by reason",
                                 ["model_name", "reason"], registry=r)  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Mean time between output tokens", _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
         self._last_totals: dict[str, float] = {}
