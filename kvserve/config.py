@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import reprlib
 import time
 from dataclasses import dataclass, fields
 
@@ -151,8 +152,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         memory = self.kv_cache_memory
-        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory < float("inf"):
-            raise ValueError(f"kv_cache_memory must be a positive, finite number of GiB, got {memory!r}")
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory < 2**50:
+            raise ValueError(f"kv_cache_memory must be a positive, finite number of GiB, got {reprlib.repr(memory)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()

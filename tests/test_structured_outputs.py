@@ -240,11 +240,37 @@ def test_keywords_the_docs_call_enforced_are_enforced(name):
     ({"type": "integer", "minimum": 2**63}, "outside 64-bit integers"),
     ({"type": "string", "pattern": "^[\\ud800-\\udfff]+$"}, "surrogates"),
     ({"type": "object", "required": ["a"]}, "required names 'a'"),
+    # the second QA pass
+    ({"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{4}$"}, "lookahead"),
+    ({"type": "string", "pattern": "^a$b"}, "inside the pattern"),
+    ({"type": "string", "enum": [1, 2]}, "not of type 'string'"),
+    ({"type": "string", "enum": ["abc", "x"], "maxLength": 1}, "'maxLength' beside enum"),
+    ({"type": "string", "pattern": "^ab\\u0000cd$"}, "NUL"),
+    ({"type": "string", "pattern": 5}, "a pattern is a string"),
+    ({"type": "array", "uniqueItems": "yes"}, "uniqueItems is a boolean"),
 ])  # fmt: skip
 def test_schemas_the_grammar_would_not_follow_are_refused_with_where(schema, message):
     """Found by QA: these keywords compiled to nothing, and outputs broke them with finish_reason stop."""
     with pytest.raises(GrammarError, match=re.escape(message)):
         StructuredOutputs(json=schema)
+
+
+def test_patterns_keep_off_the_surrogates_and_the_rewrite_is_stable():
+    """Found by QA (second pass): ., negated classes and \\S in a schema's pattern admitted the bytes of a
+    UTF-16 surrogate, which decode to U+FFFD; common anchored alternatives stay accepted."""
+    from xgrammar.testing import _get_matcher_from_grammar
+
+    from kvserve.structured.compiler import grammar_text
+    from kvserve.structured.spec import schema_text
+
+    for pattern in ("^.+$", "^[^a]+$", r"^\S+$", "^a$|^b$"):
+        schema = {"type": "string", "pattern": pattern}
+        grammar = xgr.Grammar.from_ebnf(grammar_text(StructuredOutputs(json=schema)))
+        for data, taken in ((b'"\xed\xb2\x80"', False), (b'"b"', True)):
+            matcher = _get_matcher_from_grammar(grammar)
+            assert (matcher.accept_string(data) and matcher.is_terminated()) == taken, (pattern, data)
+        once = schema_text(schema)
+        assert schema_text(once) == once  # a tool's parameters pass twice
 
 
 def test_data_inside_a_schema_is_not_read_as_a_schema():
@@ -258,7 +284,8 @@ def test_choices_regexes_and_grammars_that_are_not_text_are_refused():
     """Found by QA: NUL in a choice and surrogates in a regex or grammar came out as cut or invalid UTF-8 text."""
     from kvserve.structured.compiler import grammar_text
 
-    for fields in (dict(choice=["a\x00b"]), dict(regex=r"\ud800"), dict(regex=r"[\ud800-\udfff]"), dict(grammar="root ::= [\\uD800-\\uDFFF]+")):
+    for fields in (dict(choice=["a\x00b"]), dict(regex=r"\ud800"), dict(regex=r"[\ud800-\udfff]"), dict(grammar="root ::= [\\uD800-\\uDFFF]+"),
+                   dict(regex="ab\\u0000cd"), dict(grammar='root ::= "ab" "\\x00" "cd"')):  # fmt: skip
         with pytest.raises(GrammarError, match="surrogate|NUL"):
             grammar_text(StructuredOutputs(**fields))
     spanning = grammar_text(StructuredOutputs(regex=r"[\u0000-\uffff]+"))

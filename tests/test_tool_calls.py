@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import xgrammar as xgr
 
 from kvserve.server.tool_calls import ToolCallParser, message_with_calls
 from server_process import launch_server, stop_server
@@ -161,6 +162,29 @@ def test_continue_final_message_ends_the_prompt_right_after_the_message(tiny_ser
               for extra in ({}, {"tool_choice": "none"})]  # fmt: skip
     plain = httpx.post(tiny_server + "/tokenize", json={"messages": ASK}, timeout=30).json()["count"]
     assert counts[0] > counts[1] == plain
+
+
+def test_a_tools_refs_resolve_within_its_own_parameters():
+    """Found by QA: $refs in parameters (pydantic's $defs for nested models and enums, "#" for recursion)
+    resolved against the calls' wrapper schema: a 400, or another schema silently enforced."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvserve.server.tool_calls import ToolChoice, call_grammar, parse_tools
+    from kvserve.structured.compiler import grammar_text
+
+    defs = {"$defs": {"A": {"type": "string", "enum": ["x", "y"]}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+            "required": ["a"]}  # fmt: skip
+    tree = {"type": "object", "properties": {"value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["value", "children"]}  # fmt: skip
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": defs}},
+                         {"type": "function", "function": {"name": "g", "parameters": tree}}])  # fmt: skip
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    for choice in (ToolChoice("required"), ToolChoice("required", "g")):
+        grammar = xgr.Grammar.from_ebnf(grammar_text(call_grammar(tools, choice, False)))
+        assert _is_grammar_accept_string(grammar, call("f", '{"a": "x"}')) == (choice.name is None)
+        assert not _is_grammar_accept_string(grammar, call("f", '{"a": "z"}'))
+        assert _is_grammar_accept_string(grammar, call("g", '{"value": 1, "children": [{"value": 2, "children": []}]}'))
+        assert not _is_grammar_accept_string(grammar, call("g", '{"value": 1, "children": [{"name": "g", "arguments": {}}]}'))
 
 
 @pytest.mark.parametrize("body, param, message", [

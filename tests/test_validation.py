@@ -65,7 +65,7 @@ def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_d
     from kvserve.device_memory import device_memory_bytes
 
     more = device_memory_bytes(torch.device("cpu")) / 2**30 * 2
-    with pytest.raises(ValueError, match="more than this cpu device has"):
+    with pytest.raises(ValueError, match="more than this cpu device gives"):
         LLM(str(tiny_dir("qwen2")), dtype="float32", kv_cache_memory=more)
 
 

@@ -242,7 +242,7 @@ class LLMEngine:
         available = device_memory_bytes(self.device)
         if available is not None and num_blocks * self.kv_spec.bytes_per_block > available:
             asked = f"num_kv_blocks={num_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
-            raise ValueError(f"{asked} is more than this {self.device.type} device has in all ({available / GIB:.1f} GiB); "
+            raise ValueError(f"{asked} is more than this {self.device.type} device gives this process in all ({available / GIB:.1f} GiB); "
                              "`kvserve plan` says what fits beside the weights")  # fmt: skip
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)

@@ -295,9 +295,10 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         suggests = result.get("recommended") is not None
         console.print(MAX_LEN_NOTE + (SUGGESTED_LEN_NOTE if suggests else "."), highlight=False, markup=False)
         for line in _advice(result, budget, longest):
-            if line.startswith(FLAGS_LABEL):  # pasted into a shell: every break a backslash
+            shell = line.startswith(FLAGS_LABEL)  # pasted into a shell: every break a backslash, none of rich's
+            if shell:
                 line = "\n".join(_shell_lines(line.replace("\\\n", ""), console.width))
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=shell)
     if "replay" in result:
         rp = result["replay"]
         qd = rp["queue_delay_steps"]

@@ -128,7 +128,7 @@ class _SamplingFields(UnicodeBody):
                     raise FieldError(name, f"{name} is not implemented by this server; refused rather than ignored")
             # kvserve's own extensions: a field with their prefix that is none of them is a typo or a server flag, not ignored
             for name in data:
-                if name.startswith(("kv_", "snapkv_")) and name not in cls.model_fields:
+                if name.startswith(("kv_", "snapkv_")) and name not in cls.model_fields and data[name] is not None:
                     known = ", ".join(sorted(f for f in cls.model_fields if f.startswith(("kv_", "snapkv_"))))
                     raise FieldError(name, f"{name} is not a request field (a request takes {known}; other KV settings are server "
                                            "flags)")  # fmt: skip

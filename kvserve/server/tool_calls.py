@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.structured.compiler import grammar_text, rename_rule
-from kvserve.structured.spec import GrammarError, StructuredOutputs, schema_text
+from kvserve.structured.spec import GrammarError, StructuredOutputs, rebase_refs, schema_text
 
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -51,7 +51,8 @@ def parse_tools(tools: list) -> list[Tool]:
         if name in names:
             raise GrammarError(f"tools[{i}]: two tools are named {name!r}", "tools")
         names.add(name)
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        parameters = function.get("parameters")
+        parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         try:
             parameters = json.loads(schema_text(parameters))
         except GrammarError as exc:
@@ -92,8 +93,10 @@ def call_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Struc
     """Output that is one tool call (or, with parallel calls, several), each a `<tool_call>` block whose JSON
     names one of the tools (or the named one) and carries arguments that follow its parameters."""
     allowed = [t for t in tools if choice.name is None or t.name == choice.name]
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters}, "required": ["name", "arguments"],
-              "additionalProperties": False} for t in allowed]  # fmt: skip
+    # each tool's parameters sit at `where` in the calls' schema: their own $refs are rebased to it
+    where = ["#/properties/arguments"] if len(allowed) == 1 else [f"#/anyOf/{i}/properties/arguments" for i in range(len(allowed))]
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": rebase_refs(t.parameters, at)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t, at in zip(allowed, where)]  # fmt: skip
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     body = rename_rule(grammar_text(StructuredOutputs(json=schema)), "root", "tool_call_json")
     repeat = ' ("\\n" call)*' if parallel and choice.name is None else ""

@@ -4,6 +4,7 @@ cached by it)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import reprlib
@@ -52,8 +53,131 @@ _U_RANGE = re.compile(r"\\u([0-9a-fA-F]{4})-\\u([0-9a-fA-F]{4})")
 
 
 def _admits_surrogates(pattern: str) -> bool:
+    # text_only_pattern's exclusions ([^\ud800-\udfff...]) keep them out: not an admission
+    pattern = re.sub(r"\[\^((?:\\[swd])?)" + re.escape(_NO_SURROGATES), r"[^\1", pattern)
     spans = (int(lo, 16) <= 0xDFFF and int(hi, 16) >= 0xD800 for lo, hi in _U_RANGE.findall(pattern))
     return bool(_SURROGATE_ESCAPE.search(pattern)) or any(spans)
+
+
+# an escape of NUL, which no tokenizer's text carries (xgrammar drops it silently from literals)
+_NUL_AT = re.compile(r"x0+(?![0-9a-fA-F])|x\{0+\}|u0000|U00000000|0(?![0-9])")
+
+
+def _holds_nul(text: str) -> bool:
+    """NUL outside a character class (where it would be generated, not merely allowed), raw or escaped."""
+    in_class, i = False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            if not in_class and _NUL_AT.match(text, i + 1):
+                return True
+            i += 2
+            continue
+        if c == "\x00" and not in_class:
+            return True
+        in_class = c != "]" if in_class else c == "["
+        i += 1
+    return False
+
+
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),), "array": (list,),
+               "object": (dict,)}  # fmt: skip
+
+
+def _is_of(value, name: str) -> bool:
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(name, object)) and not (isinstance(value, bool) and name in ("integer", "number"))
+
+
+def _inner_anchor(pattern: str) -> bool:
+    """A ^ or $ (outside a class, unescaped) that does not open or close the pattern or one of its
+    alternatives or groups: xgrammar drops it, so "a$b" would match "ab"."""
+    in_class, i = False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, i = True, i + (2 if pattern[i + 1 : i + 2] == "^" else 1)
+            continue
+        elif c == "^" and i > 0 and pattern[i - 1] not in "(|:":
+            return True
+        elif c == "$" and i + 1 < len(pattern) and pattern[i + 1] not in ")|":
+            return True
+        i += 1
+    return False
+
+
+def _pattern_refusal(pattern) -> str | None:
+    if not isinstance(pattern, str):
+        return f"a pattern is a string, got {reprlib.repr(pattern)}"
+    if _admits_surrogates(pattern):
+        return "a pattern admits UTF-16 surrogates (U+D800-U+DFFF), which are not text and cannot be generated"
+    if _holds_nul(pattern):
+        return "a pattern holds NUL, which cannot be generated as text"
+    if _LOOKAROUND.search(pattern):
+        return f"a lookahead or lookbehind in the pattern {reprlib.repr(pattern)} is not enforced by the grammar compiler"
+    if _inner_anchor(pattern):
+        return f"a ^ or $ inside the pattern {reprlib.repr(pattern)} is not enforced (only at its ends)"
+    return None
+
+
+_NO_SURROGATES = "\\ud800-\\udfff"
+_NEGATED_ESCAPES = {"S": "\\s", "W": "\\w", "D": "\\d"}
+
+
+def _kept_off(pattern: str, start: int) -> bool:
+    """The negated class opening at start already leaves out the surrogates (text_only_pattern's own)."""
+    end = pattern.find("]", start)
+    return _NO_SURROGATES in pattern[start : end if end >= 0 else len(pattern)]
+
+
+def text_only_pattern(pattern: str) -> str:
+    """The pattern with every "any character" form (., a negated class, \\S, \\W, \\D) kept off the UTF-16
+    surrogates, which xgrammar's regexes admit and no text holds (their UTF-8 bytes decode to U+FFFD)."""
+    out, in_class, i = [], False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            escape = pattern[i + 1]
+            out.append(f"[^{_NEGATED_ESCAPES[escape]}{_NO_SURROGATES}]" if escape in _NEGATED_ESCAPES and not in_class else c + escape)
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+            out.append(c)
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^" and not _kept_off(pattern, i):
+                out.append("[^" + _NO_SURROGATES)
+                i += 2
+                continue
+            out.append(c)
+        elif c == ".":
+            out.append(f"[^{_NO_SURROGATES}]")
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _text_only_patterns(schema: dict) -> None:
+    """text_only_pattern on every pattern of the schema (pattern, patternProperties' keys), in place."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = text_only_pattern(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {text_only_pattern(k): v for k, v in node["patternProperties"].items()}
+        stack.extend(child for child, _ in _subschemas(node, ""))
 
 
 def _not_text(value: str) -> bool:
@@ -77,6 +201,22 @@ def _subschemas(node: dict, pointer: str):
             yield from ((child, f"{pointer}/{key}/{name}") for name, child in node[key].items())
 
 
+def rebase_refs(schema: dict, base: str) -> dict:
+    """A copy of schema whose local $refs ("#", "#/...") point into it where it is embedded at the
+    JSON pointer `base` of a larger schema (a tool's parameters inside the calls' schema)."""
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+        stack.extend(child for child, _ in _subschemas(node, ""))
+    return schema
+
+
 def _refusal(node: dict) -> str | None:
     """Why this schema object cannot be enforced as written, or None."""
     for key in _NOT_ENFORCED:
@@ -88,6 +228,8 @@ def _refusal(node: dict) -> str | None:
         return "'allOf' with more than one schema is not enforced (only the first would be); merge them into one schema"
     if "multipleOf" in node and node.get("type") != "integer":
         return "'multipleOf' is enforced only for type integer"
+    if node.get("allOf") == []:
+        return "'allOf' is an empty list; JSON Schema asks for at least one schema"
     for key in ("anyOf", "oneOf", "enum", "type"):
         if node.get(key) == []:
             return f"{key!r} is an empty list, which no value satisfies: nothing could be generated"
@@ -99,10 +241,26 @@ def _refusal(node: dict) -> str | None:
         if key in node and beside:
             where = "into the schema it names" if key == "$ref" else "into each of its schemas"
             return f"{beside[0]!r} beside {key} is not enforced (the compiler takes {key} alone); move it {where}"
-    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    patterns = [node["pattern"]] if "pattern" in node else []
     patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
-    if any(_admits_surrogates(p) for p in patterns):
-        return "a pattern admits UTF-16 surrogates (U+D800-U+DFFF), which are not text and cannot be generated"
+    for pattern in patterns:
+        reason = _pattern_refusal(pattern)
+        if reason is not None:
+            return reason
+    if "format" in node and not isinstance(node["format"], str):
+        return f"format is a string, got {reprlib.repr(node['format'])}"
+    if "uniqueItems" in node and not isinstance(node["uniqueItems"], bool):
+        return f"uniqueItems is a boolean, got {reprlib.repr(node['uniqueItems'])}"
+    values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+    if values is not None:
+        key = "enum" if "enum" in node else "const"
+        beside = sorted(set(node) - _ANNOTATIONS - {"enum", "const", "type"})
+        if beside:
+            return f"{beside[0]!r} beside {key} is not enforced (the compiler generates the listed values as given); list only values that satisfy it"
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types is not None and any(not any(_is_of(v, t) for t in types) for v in values):
+            return f"{key} lists a value that is not of type {node['type']!r}, which the compiler would generate as given"
     if node.get("type") == "integer":
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             bound = node.get(key)
@@ -152,6 +310,8 @@ def schema_text(schema: object) -> str:
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     _check_schema(schema)
+    schema = copy.deepcopy(schema)
+    _text_only_patterns(schema)
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # key order kept: properties generate in it
     except ValueError as exc:
@@ -192,6 +352,8 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise GrammarError(f"{name} must be a non-empty string, got {reprlib.repr(value)}")
+            if value is not None and _holds_nul(value):
+                raise GrammarError(f"the {name} holds NUL, which cannot be generated as text")
             if value is not None and len(value) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the {name} is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
         if not isinstance(self.json_object, bool):
