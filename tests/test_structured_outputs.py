@@ -248,6 +248,15 @@ def test_keywords_the_docs_call_enforced_are_enforced(name):
     ({"type": "string", "pattern": "^ab\\u0000cd$"}, "NUL"),
     ({"type": "string", "pattern": 5}, "a pattern is a string"),
     ({"type": "array", "uniqueItems": "yes"}, "uniqueItems is a boolean"),
+    # the third QA pass
+    ({"type": "string", "pattern": "^C:\\\\[a-z]+$"}, "unescaped"),
+    ({"type": "string", "pattern": '^a"b$'}, "unescaped"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 6}, "'minLength' beside pattern"),
+    ({"type": "string", "pattern": "(a$)b"}, "inside the pattern"),
+    ({"type": "string", "pattern": "^x(?:^|,)y$"}, "inside the pattern"),
+    ({"type": "string", "pattern": "\\Aabc\\Z"}, "\\A, \\Z"),
+    ({"type": "string", "pattern": "^\\x41BC$"}, "more than two"),
+    ({"enum": ["a", "b"], "const": "c"}, "'const' beside enum"),
 ])  # fmt: skip
 def test_schemas_the_grammar_would_not_follow_are_refused_with_where(schema, message):
     """Found by QA: these keywords compiled to nothing, and outputs broke them with finish_reason stop."""
@@ -273,6 +282,16 @@ def test_patterns_keep_off_the_surrogates_and_the_rewrite_is_stable():
         assert schema_text(once) == once  # a tool's parameters pass twice
 
 
+def test_common_patterns_and_annotations_stay_accepted():
+    """What the refusals above must not catch: anchored alternatives, escaped anchors, classes holding
+    quotes or controls, and vendor keywords beside $ref or enum (annotations, as JSON Schema has them)."""
+    for pattern in ("^a$|^b$", r"^\$\d+$", "^[a-z^$]+$", r"^[\w.+-]+@[\w-]+\.[\w.]+$", r"^\+?[0-9 ()-]{7,20}$", '^[^"]+$', r"^[\t ]+$",
+                    r"^(\([0-9]{3}\))?[0-9]{3}-[0-9]{4}$"):  # fmt: skip
+        StructuredOutputs(json={"type": "string", "pattern": pattern})
+    StructuredOutputs(json={"$ref": "#/$defs/X", "x-order": 1, "nullable": True, "$defs": {"X": {"type": "integer"}}})
+    StructuredOutputs(json={"type": "string", "enum": ["a"], "example": "a", "x-enum-varnames": ["A"]})
+
+
 def test_data_inside_a_schema_is_not_read_as_a_schema():
     """Found by QA: "required" inside const, default or examples (data) was checked as if it were a schema."""
     for schema in ({"const": {"required": ["x"]}}, {"type": "integer", "examples": [{"required": ["z"]}]},
@@ -285,7 +304,7 @@ def test_choices_regexes_and_grammars_that_are_not_text_are_refused():
     from kvserve.structured.compiler import grammar_text
 
     for fields in (dict(choice=["a\x00b"]), dict(regex=r"\ud800"), dict(regex=r"[\ud800-\udfff]"), dict(grammar="root ::= [\\uD800-\\uDFFF]+"),
-                   dict(regex="ab\\u0000cd"), dict(grammar='root ::= "ab" "\\x00" "cd"')):  # fmt: skip
+                   dict(regex="ab\\u0000cd"), dict(grammar='root ::= "ab" "\\x00" "cd"'), dict(grammar='root ::= "[" "\\x00" "]"')):  # fmt: skip
         with pytest.raises(GrammarError, match="surrogate|NUL"):
             grammar_text(StructuredOutputs(**fields))
     spanning = grammar_text(StructuredOutputs(regex=r"[\u0000-\uffff]+"))

@@ -179,6 +179,12 @@ def test_a_tools_refs_resolve_within_its_own_parameters():
     tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": defs}},
                          {"type": "function", "function": {"name": "g", "parameters": tree}}])  # fmt: skip
     call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    node = {"$defs": {"Node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+                               "required": ["v", "kids"]}}, "$ref": "#/$defs/Node"}  # pydantic's recursive model: a $ref at the top
+    tools += parse_tools([{"type": "function", "function": {"name": "mk", "parameters": node}}])
+    grammar = xgr.Grammar.from_ebnf(grammar_text(call_grammar(tools, ToolChoice("required", "mk"), False)))
+    assert _is_grammar_accept_string(grammar, call("mk", '{"v": 1, "kids": [{"v": 2, "kids": []}]}'))
+    assert not _is_grammar_accept_string(grammar, call("mk", '{"v": 1, "kids": [{"w": 2}]}'))
     for choice in (ToolChoice("required"), ToolChoice("required", "g")):
         grammar = xgr.Grammar.from_ebnf(grammar_text(call_grammar(tools, choice, False)))
         assert _is_grammar_accept_string(grammar, call("f", '{"a": "x"}')) == (choice.name is None)

@@ -4,6 +4,7 @@ and others are trained on) parsed into message.tool_calls, and streamed as delta
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import reprlib
@@ -37,6 +38,19 @@ class ToolChoice:
     name: str | None = None  # a named function: required, that one
 
 
+def _inline_root_ref(schema: dict) -> dict:
+    """A schema that is only a $ref into its own $defs (pydantic's form for a recursive model) as the
+    schema it names, its $defs kept, so that it states its type at the top."""
+    ref = schema.get("$ref")
+    for key in ("$defs", "definitions"):
+        prefix = f"#/{key}/"
+        if isinstance(ref, str) and ref.startswith(prefix) and isinstance(schema.get(key), dict):
+            target = schema[key].get(ref[len(prefix) :])
+            if isinstance(target, dict) and "$ref" not in target:
+                return {**{k: v for k, v in schema.items() if k != "$ref"}, **copy.deepcopy(target)}
+    return schema
+
+
 def parse_tools(tools: list) -> list[Tool]:
     if len(tools) > MAX_TOOLS:
         raise GrammarError(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
@@ -59,6 +73,7 @@ def parse_tools(tools: list) -> list[Tool]:
             raise GrammarError(f"tools[{i}].function.parameters: {exc}", "tools") from None
         if parameters == {}:
             parameters = {"type": "object", "properties": {}}
+        parameters = _inline_root_ref(parameters)
         if parameters.get("type") != "object":
             raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema of type object (a call's arguments are an object), "
                                f"got type {reprlib.repr(parameters.get('type'))}", "tools")  # fmt: skip

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from kvserve.structured.spec import GrammarError, StructuredOutputs
+from kvserve.structured.spec import GrammarError, StructuredOutputs, holds_nul
 
 if TYPE_CHECKING:
     import xgrammar
@@ -150,6 +150,13 @@ def grammar_text(spec: StructuredOutputs) -> str:
     """The constraint as EBNF. JSON comes out compact (no free whitespace: small models otherwise pad
     with spaces until max_tokens), properties the schema does not name are not generated."""
     grammar = xgrammar_module().Grammar
+    if spec.grammar is not None:
+        try:
+            literals = [text for kind, text in ebnf_segments(spec.grammar) if kind == "literal"]
+        except IndexError:  # an unclosed literal or class: xgrammar says where
+            literals = []
+        if any(holds_nul(text[1:-1]) for text in literals):
+            raise GrammarError("cannot compile the grammar: a literal holds NUL, which cannot be generated as text")
     try:
         if spec.json is not None:
             text = str(grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True))

@@ -43,9 +43,15 @@ _SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions
 # assertions xgrammar 0.2.9 compiles to nothing: output would not follow them, so a schema holding one is refused
 _NOT_ENFORCED = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then",
                  "else", "$dynamicRef", "$recursiveRef")  # fmt: skip
-# what may stand beside a $ref, anyOf, oneOf or allOf: xgrammar compiles those alone and ignores their siblings
-_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly", "$defs",
-                          "definitions", "$id", "$schema", "$anchor", "discriminator"))  # fmt: skip
+# JSON Schema's assertion and applicator keywords: beside a $ref, anyOf, oneOf or allOf (which xgrammar
+# compiles alone) or an enum/const (generated as listed) one of these would be ignored. Any other
+# keyword (title, description, x-..., OpenAPI's nullable, which only widens) is an annotation.
+_ASSERTIONS = frozenset(("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength",
+                         "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+                         "maxProperties", "minProperties", "required", "dependentRequired", "properties", "patternProperties",
+                         "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems", "contains",
+                         "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                         "dependentSchemas", "dependencies", "$ref"))  # fmt: skip
 _INT64 = 2**63
 # a regex escape of a UTF-16 surrogate (U+D800-U+DFFF: not text), or a \u range that spans them
 _SURROGATE_ESCAPE = re.compile(r"\\(?:u|U0000|x\{)[dD][89abAB][0-9a-fA-F]{2}")
@@ -60,10 +66,10 @@ def _admits_surrogates(pattern: str) -> bool:
 
 
 # an escape of NUL, which no tokenizer's text carries (xgrammar drops it silently from literals)
-_NUL_AT = re.compile(r"x0+(?![0-9a-fA-F])|x\{0+\}|u0000|U00000000|0(?![0-9])")
+_NUL_AT = re.compile(r"x0+(?![0-9a-fA-F])|x\{0+\}|u\{0+\}|u0000|U00000000|0(?![0-9])")
 
 
-def _holds_nul(text: str) -> bool:
+def holds_nul(text: str) -> bool:
     """NUL outside a character class (where it would be generated, not merely allowed), raw or escaped."""
     in_class, i = False, 0
     while i < len(text):
@@ -92,9 +98,9 @@ def _is_of(value, name: str) -> bool:
 
 
 def _inner_anchor(pattern: str) -> bool:
-    """A ^ or $ (outside a class, unescaped) that does not open or close the pattern or one of its
-    alternatives or groups: xgrammar drops it, so "a$b" would match "ab"."""
-    in_class, i = False, 0
+    """A ^ or $ (outside a class, unescaped) that does not open or close the whole pattern or one of its
+    top-level alternatives: xgrammar drops it, so "a$b" would match "ab"."""
+    in_class, depth, i = False, 0, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
@@ -105,9 +111,57 @@ def _inner_anchor(pattern: str) -> bool:
         elif c == "[":
             in_class, i = True, i + (2 if pattern[i + 1 : i + 2] == "^" else 1)
             continue
-        elif c == "^" and i > 0 and pattern[i - 1] not in "(|:":
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "^" and (depth or (i > 0 and pattern[i - 1] != "|")):
             return True
-        elif c == "$" and i + 1 < len(pattern) and pattern[i + 1] not in ")|":
+        elif c == "$" and (depth or (i + 1 < len(pattern) and pattern[i + 1] != "|")):
+            return True
+        i += 1
+    return False
+
+
+# regex escapes xgrammar reads otherwise than JSON Schema's regexes do: anchors and word boundaries it
+# takes as letters, and \x with more than two hex digits (it reads them all: "\x41BC" is U+41BC)
+_UNSUPPORTED_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\(?:[AZzbBGpP]|x[0-9a-fA-F]{3})")
+_INLINE_FLAGS = re.compile(r"\(\?[a-zA-Z]+[:)]")
+
+
+def _escaped_code(pattern: str, i: int) -> int | None:
+    """The code point the escape at pattern[i] (a backslash) stands for, when it stands for one."""
+    e = pattern[i + 1 : i + 2]
+    simple = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "0": 0}
+    if e in simple:
+        return simple[e]
+    width = {"x": 2, "u": 4}.get(e)
+    digits = pattern[i + 2 : i + 2 + width] if width else ""
+    if width and len(digits) == width and all(d in "0123456789abcdefABCDEF" for d in digits):
+        return int(digits, 16)
+    return ord(e) if e and not e.isalnum() else None
+
+
+def _needs_json_escape(pattern: str) -> bool:
+    """A literal character of the pattern (outside a class: xgrammar keeps classes to what a JSON
+    string may hold raw) that a JSON string must escape, a quote, a backslash or a control
+    character: xgrammar writes such literals raw, which no JSON reader takes."""
+    in_class, i = False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            code = None if in_class else _escaped_code(pattern, i)
+            if code is not None and (code < 0x20 or code in (0x22, 0x5C)):
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 2 if pattern[i + 1 : i + 2] in ("^", "]") else 1
+            continue
+        elif c == '"' or ord(c) < 0x20:
             return True
         i += 1
     return False
@@ -118,12 +172,18 @@ def _pattern_refusal(pattern) -> str | None:
         return f"a pattern is a string, got {reprlib.repr(pattern)}"
     if _admits_surrogates(pattern):
         return "a pattern admits UTF-16 surrogates (U+D800-U+DFFF), which are not text and cannot be generated"
-    if _holds_nul(pattern):
+    if holds_nul(pattern):
         return "a pattern holds NUL, which cannot be generated as text"
     if _LOOKAROUND.search(pattern):
         return f"a lookahead or lookbehind in the pattern {reprlib.repr(pattern)} is not enforced by the grammar compiler"
+    if _UNSUPPORTED_ESCAPE.search(pattern) or _INLINE_FLAGS.search(pattern):
+        return (f"the pattern {reprlib.repr(pattern)} uses \\A, \\Z, \\b, \\p{{...}}, an inline flag or a \\x escape of more than two "
+                "hex digits, which the grammar compiler does not read as JSON Schema's regexes do")  # fmt: skip
     if _inner_anchor(pattern):
-        return f"a ^ or $ inside the pattern {reprlib.repr(pattern)} is not enforced (only at its ends)"
+        return f"a ^ or $ inside the pattern {reprlib.repr(pattern)} is not enforced (only at its ends and its alternatives')"
+    if _needs_json_escape(pattern):
+        return (f"the pattern {reprlib.repr(pattern)} generates a quote, a backslash or a control character, which the grammar "
+                "compiler would write into the JSON string unescaped")  # fmt: skip
     return None
 
 
@@ -205,11 +265,12 @@ def rebase_refs(schema: dict, base: str) -> dict:
     """A copy of schema whose local $refs ("#", "#/...") point into it where it is embedded at the
     JSON pointer `base` of a larger schema (a tool's parameters inside the calls' schema)."""
     schema = copy.deepcopy(schema)
-    stack = [schema]
+    stack, seen = [schema], set()
     while stack:
         node = stack.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:  # a subschema shared by two places is rebased once
             continue
+        seen.add(id(node))
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
@@ -237,7 +298,7 @@ def _refusal(node: dict) -> str | None:
     if "$ref" in node and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
         return f"$ref {reprlib.repr(ref)} is not a JSON pointer into this schema ('#' or '#/...'); other documents and anchors are not resolved"
     for key in ("$ref", "anyOf", "oneOf", "allOf"):
-        beside = sorted(set(node) - _ANNOTATIONS - {key})
+        beside = sorted((set(node) & _ASSERTIONS) - {key})
         if key in node and beside:
             where = "into the schema it names" if key == "$ref" else "into each of its schemas"
             return f"{beside[0]!r} beside {key} is not enforced (the compiler takes {key} alone); move it {where}"
@@ -247,6 +308,10 @@ def _refusal(node: dict) -> str | None:
         reason = _pattern_refusal(pattern)
         if reason is not None:
             return reason
+    lengths = sorted({"minLength", "maxLength"} & set(node))
+    if lengths and "pattern" in node:  # beside a format it is not enforced either, as documented (pydantic's HttpUrl has one)
+        return (f"{lengths[0]!r} beside pattern is not enforced by the grammar compiler (it drops the length); fold the length "
+                "into the pattern, or leave one of them out")  # fmt: skip
     if "format" in node and not isinstance(node["format"], str):
         return f"format is a string, got {reprlib.repr(node['format'])}"
     if "uniqueItems" in node and not isinstance(node["uniqueItems"], bool):
@@ -254,7 +319,7 @@ def _refusal(node: dict) -> str | None:
     values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
     if values is not None:
         key = "enum" if "enum" in node else "const"
-        beside = sorted(set(node) - _ANNOTATIONS - {"enum", "const", "type"})
+        beside = sorted((set(node) & _ASSERTIONS) - {key, "type"})
         if beside:
             return f"{beside[0]!r} beside {key} is not enforced (the compiler generates the listed values as given); list only values that satisfy it"
         types = node.get("type")
@@ -352,8 +417,8 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise GrammarError(f"{name} must be a non-empty string, got {reprlib.repr(value)}")
-            if value is not None and _holds_nul(value):
-                raise GrammarError(f"the {name} holds NUL, which cannot be generated as text")
+            if name == "regex" and value is not None and holds_nul(value):  # a grammar's literals: compiler.grammar_text
+                raise GrammarError("the regex holds NUL, which cannot be generated as text")
             if value is not None and len(value) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the {name} is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
         if not isinstance(self.json_object, bool):
