@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.structured.compiler import grammar_text, rename_rule
-from kvserve.structured.spec import GrammarError, StructuredOutputs, rebase_refs, schema_text
+from kvserve.structured.schema_rules import rebase_refs
+from kvserve.structured.spec import GrammarError, StructuredOutputs, schema_text
 
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

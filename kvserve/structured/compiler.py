@@ -13,7 +13,8 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from kvserve.structured.spec import GrammarError, StructuredOutputs, holds_nul
+from kvserve.structured.patterns import holds_nul
+from kvserve.structured.spec import GrammarError, StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar

@@ -1,0 +1,162 @@
+"""What a JSON schema may hold for its compiled grammar to follow it: the keywords xgrammar 0.2.9
+compiles to nothing, where subschemas sit, local $refs rebased when a schema is embedded in another."""
+
+from __future__ import annotations
+
+import copy
+import reprlib
+
+from kvserve.structured.patterns import pattern_refusal, text_only_pattern
+
+# where a schema keyword holds subschemas: one schema, a list of them, or a name -> schema map
+_SCHEMA_KEYWORDS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames", "additionalItems")
+_SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+# assertions xgrammar 0.2.9 compiles to nothing: output would not follow them, so a schema holding one is refused
+_NOT_ENFORCED = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then",
+                 "else", "$dynamicRef", "$recursiveRef")  # fmt: skip
+# JSON Schema's assertion and applicator keywords: beside a $ref, anyOf, oneOf or allOf (which xgrammar
+# compiles alone) or an enum/const (generated as listed) one of these would be ignored. Any other
+# keyword (title, description, x-..., OpenAPI's nullable, which only widens) is an annotation.
+_ASSERTIONS = frozenset(("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength",
+                         "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+                         "maxProperties", "minProperties", "required", "dependentRequired", "properties", "patternProperties",
+                         "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems", "contains",
+                         "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                         "dependentSchemas", "dependencies", "$ref"))  # fmt: skip
+_INT64 = 2**63
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),), "array": (list,),
+               "object": (dict,)}  # fmt: skip
+
+
+def _is_of(value, name: str) -> bool:
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(name, object)) and not (isinstance(value, bool) and name in ("integer", "number"))
+
+
+def subschemas(node: dict, pointer: str):
+    """(subschema, its JSON pointer) for each schema position directly under node; never into
+    const, enum, default or examples, which hold data."""
+    for key in _SCHEMA_KEYWORDS:
+        if isinstance(node.get(key), (dict, list)):
+            value = node[key]
+            for i, child in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                yield child, f"{pointer}/{key}" + ("" if i is None else f"/{i}")
+    for key in _SCHEMA_LIST_KEYWORDS:
+        if isinstance(node.get(key), list):
+            yield from ((child, f"{pointer}/{key}/{i}") for i, child in enumerate(node[key]))
+    for key in _SCHEMA_MAP_KEYWORDS:
+        if isinstance(node.get(key), dict):
+            yield from ((child, f"{pointer}/{key}/{name}") for name, child in node[key].items())
+
+
+def rebase_refs(schema: dict, base: str) -> dict:
+    """A copy of schema whose local $refs ("#", "#/...") point into it where it is embedded at the
+    JSON pointer `base` of a larger schema (a tool's parameters inside the calls' schema)."""
+    schema = copy.deepcopy(schema)
+    stack, seen = [schema], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:  # a subschema shared by two places is rebased once
+            continue
+        seen.add(id(node))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+        stack.extend(child for child, _ in subschemas(node, ""))
+    return schema
+
+
+def _refusal(node: dict) -> str | None:
+    """Why this schema object cannot be enforced as written, or None."""
+    for key in _NOT_ENFORCED:
+        if key in node:
+            return f"{key!r} is not enforced by the grammar compiler, so the output would not follow it"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems' is not enforced by the grammar compiler, so the output could repeat items"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' with more than one schema is not enforced (only the first would be); merge them into one schema"
+    if "multipleOf" in node and node.get("type") != "integer":
+        return "'multipleOf' is enforced only for type integer"
+    if node.get("allOf") == []:
+        return "'allOf' is an empty list; JSON Schema asks for at least one schema"
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        if node.get(key) == []:
+            return f"{key!r} is an empty list, which no value satisfies: nothing could be generated"
+    ref = node.get("$ref")
+    if "$ref" in node and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
+        return f"$ref {reprlib.repr(ref)} is not a JSON pointer into this schema ('#' or '#/...'); other documents and anchors are not resolved"
+    for key in ("$ref", "anyOf", "oneOf", "allOf"):
+        beside = sorted((set(node) & _ASSERTIONS) - {key})
+        if key in node and beside:
+            where = "into the schema it names" if key == "$ref" else "into each of its schemas"
+            return f"{beside[0]!r} beside {key} is not enforced (the compiler takes {key} alone); move it {where}"
+    patterns = [node["pattern"]] if "pattern" in node else []
+    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+    for pattern in patterns:
+        reason = pattern_refusal(pattern)
+        if reason is not None:
+            return reason
+    lengths = sorted({"minLength", "maxLength"} & set(node))
+    if lengths and "pattern" in node:  # beside a format it is not enforced either, as documented (pydantic's HttpUrl has one)
+        return (f"{lengths[0]!r} beside pattern is not enforced by the grammar compiler (it drops the length); fold the length "
+                "into the pattern, or leave one of them out")  # fmt: skip
+    if "format" in node and not isinstance(node["format"], str):
+        return f"format is a string, got {reprlib.repr(node['format'])}"
+    if "uniqueItems" in node and not isinstance(node["uniqueItems"], bool):
+        return f"uniqueItems is a boolean, got {reprlib.repr(node['uniqueItems'])}"
+    values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+    if values is not None:
+        key = "enum" if "enum" in node else "const"
+        beside = sorted((set(node) & _ASSERTIONS) - {key, "type"})
+        if beside:
+            return f"{beside[0]!r} beside {key} is not enforced (the compiler generates the listed values as given); list only values that satisfy it"
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types is not None and any(not any(_is_of(v, t) for t in types) for v in values):
+            return f"{key} lists a value that is not of type {node['type']!r}, which the compiler would generate as given"
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            bound = node.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not -_INT64 <= bound < _INT64:
+                return f"{key} {bound} is outside 64-bit integers, the range integer bounds are compiled in"
+    required, properties = node.get("required"), node.get("properties", {})
+    names_properties = "properties" in node or node.get("type") == "object"
+    closed = node.get("additionalProperties", False) in (False, None) and "patternProperties" not in node
+    if isinstance(required, list) and isinstance(properties, dict) and names_properties and closed:
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        if missing:
+            return (f"required names {missing[0]!r}, which properties does not define; only the properties a schema names are "
+                    "generated (set additionalProperties to allow others)")  # fmt: skip
+    return None
+
+
+def schema_refusal(schema: dict) -> str | None:
+    """Why the compiled grammar would not make output follow this schema, with the JSON pointer
+    (an assertion xgrammar does not compile, an empty choice, an unresolvable $ref, a required
+    property no output could have), or None."""
+    stack = [(schema, "")]
+    while stack:
+        node, pointer = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        reason = _refusal(node)
+        if reason is not None:
+            return f"the JSON schema at {pointer or '/'}: {reason}"
+        stack.extend(subschemas(node, pointer))
+    return None
+
+
+def text_only_patterns(schema: dict) -> None:
+    """text_only_pattern on every pattern of the schema (pattern, patternProperties' keys), in place."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = text_only_pattern(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {text_only_pattern(k): v for k, v in node["patternProperties"].items()}
+        stack.extend(child for child, _ in subschemas(node, ""))
