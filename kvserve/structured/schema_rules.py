@@ -51,20 +51,28 @@ def subschemas(node: dict, pointer: str):
             yield from ((child, f"{pointer}/{key}/{name}") for name, child in node[key].items())
 
 
+def schema_nodes(schema: dict):
+    """(schema object, its JSON pointer) for the schema and every subschema in it, each once (a
+    subschema two places share is one object), a parent before its children; the caller may change
+    a node before its children are read."""
+    stack, seen = [(schema, "")], set()
+    while stack:
+        node, pointer = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node, pointer
+        stack.extend(subschemas(node, pointer))
+
+
 def rebase_refs(schema: dict, base: str) -> dict:
     """A copy of schema whose local $refs ("#", "#/...") point into it where it is embedded at the
     JSON pointer `base` of a larger schema (a tool's parameters inside the calls' schema)."""
     schema = copy.deepcopy(schema)
-    stack, seen = [schema], set()
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict) or id(node) in seen:  # a subschema shared by two places is rebased once
-            continue
-        seen.add(id(node))
+    for node, _ in schema_nodes(schema):
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
-        stack.extend(child for child, _ in subschemas(node, ""))
     return schema
 
 
@@ -136,27 +144,17 @@ def schema_refusal(schema: dict) -> str | None:
     """Why the compiled grammar would not make output follow this schema, with the JSON pointer
     (an assertion xgrammar does not compile, an empty choice, an unresolvable $ref, a required
     property no output could have), or None."""
-    stack = [(schema, "")]
-    while stack:
-        node, pointer = stack.pop()
-        if not isinstance(node, dict):
-            continue
+    for node, pointer in schema_nodes(schema):
         reason = _refusal(node)
         if reason is not None:
             return f"the JSON schema at {pointer or '/'}: {reason}"
-        stack.extend(subschemas(node, pointer))
     return None
 
 
 def text_only_patterns(schema: dict) -> None:
     """text_only_pattern on every pattern of the schema (pattern, patternProperties' keys), in place."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
+    for node, _ in schema_nodes(schema):
         if isinstance(node.get("pattern"), str):
             node["pattern"] = text_only_pattern(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
             node["patternProperties"] = {text_only_pattern(k): v for k, v in node["patternProperties"].items()}
-        stack.extend(child for child, _ in subschemas(node, ""))
