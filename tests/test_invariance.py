@@ -6,6 +6,8 @@ this CPU and for an AVX2-only one (KVSERVE_MARCH=haswell)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conftest import random_prompts
@@ -119,3 +121,45 @@ def test_the_matrix_catches_a_product_that_depends_on_the_batch(tiny_dir, monkey
     alone = run(engine(tiny_dir, "llama", "float32"), [request])[0]
     batched = run(engine(tiny_dir, "llama", "float32"), [request, *[(p, PLAIN_GREEDY) for p in OTHERS[:7]]])[0]
     assert batched != alone
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_int4_and_int2_give_the_same_bits_every_way(tiny_dir, family, dtype, kv_dtype, isa):
+    """KIVI quantizes a block once it leaves the residual window; every row reads quantized exactly
+    the blocks a token decoding at its position reads quantized (attention/kivi_reads.py), so a
+    request's tokens and logprobs with int4 / int2 KV are the same alone, batched, prefilled in any
+    chunks and after a preemption (which resumes without prefix hits: the cache keeps only the
+    quantized form of the residual window before one)."""
+    kivi = dict(kv_cache_dtype=kv_dtype, kv_quant_group_size=16, kv_quant_residual=16)
+    prompts = random_prompts(2 * PROMPT_COUNT, 40, 90, seed=44)  # no two share a prefix: a KIVI hit is not exact (docs/invariance.md)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    batch = [(p, greedy if i % 2 else dataclasses.replace(seeded(i), max_tokens=40)) for i, p in enumerate(prompts)]
+    alone_llm = engine(tiny_dir, family, dtype, **kivi)
+    alone = [run(alone_llm, [request])[0] for request in batch]
+    del alone_llm
+
+    def check(name: str, got: list[tuple]) -> None:
+        differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
+        assert not differ, f"{kv_dtype} {name}: requests {differ} differ from their runs alone"
+
+    check("batched", run(engine(tiny_dir, family, dtype, **kivi), batch + [(p, PLAIN_GREEDY) for p in OTHERS[:13]])[: len(batch)])
+    for chunk in (1, 16, 17, 256):
+        llm = engine(tiny_dir, family, dtype, max_num_batched_tokens=chunk, **kivi)
+        check(f"chunks of {chunk}", [run(llm, [request])[0] for request in batch])
+    spec = llm.engine.kv_spec  # the chunks of 256's
+    llm = engine(tiny_dir, family, dtype, num_kv_blocks=spec.min_blocks(160, 256) + 4, max_model_len=160, max_num_batched_tokens=256,
+                 enable_prefix_caching=True, **kivi)  # fmt: skip
+    long_runs = [(p, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)) for p in OTHERS[:8]]
+    resumed = []
+    preempt = llm.engine.scheduler._preempt
+
+    def counted(seq):
+        resumed.append(seq.num_computed_tokens)
+        preempt(seq)
+
+    llm.engine.scheduler._preempt = counted
+    got = run(llm, long_runs + batch)[len(long_runs) :]  # the newest are preempted first: these
+    assert max(resumed, default=0) > 3 * 16, "no sequence was preempted past its sink block and residual window"
+    check("preempted", got)

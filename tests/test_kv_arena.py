@@ -258,10 +258,9 @@ def test_full_precision_blocks_lie_over_their_chunk_and_quantize_in_place_exactl
 def test_int4_under_pressure_gives_the_tokens_of_a_large_pool(tiny_dir):
     """Sequences whose full-precision blocks compete with other sequences' quantized ones for a small
     pool (admissions wait, blocks are quantized into loose units and into their own chunks, the
-    newest sequence is preempted when a step finds no whole chunk) give the greedy tokens of the same
-    requests with room to spare, and every sequence never preempted their logprobs bit for bit.
-    (A preempted one recomputes its generated tokens in prefill chunks, where KIVI quantizes only
-    between steps: its later K/V may differ in the last bits, the invariance issue's part.)"""
+    newest sequence is preempted when a step finds no whole chunk) give the tokens and logprobs of
+    the same requests with room to spare, bit for bit: a preempted one too, whose recomputed rows
+    read quantized what its decode steps read quantized (attention/kivi_reads.py)."""
     path = str(tiny_dir("qwen3"))
     kw = dict(dtype="float32", kv_cache_dtype="int4", kv_quant_residual=32, max_num_batched_tokens=64, enable_prefix_caching=False)
     prompts = random_prompts(10, 20, 90, seed=21)
@@ -289,11 +288,8 @@ def test_int4_under_pressure_gives_the_tokens_of_a_large_pool(tiny_dir):
     got = tight.generate(prompts, params, use_tqdm=False)
     assert max(running) < len(prompts) and in_place[0] > 0
     assert [a.token_ids for a in got] == [b.token_ids for b in expected]
-    exact = [a.request_id not in preempted for a in got]
-    assert 3 <= sum(exact) < len(got)
-    for a, b, whole in zip(got, expected, exact):
-        if whole:
-            assert a.logprobs == b.logprobs
+    assert 0 < len(preempted) < len(got)
+    assert [a.logprobs for a in got] == [b.logprobs for b in expected]
     assert tight.stats()["num_free_blocks"] == tight.stats()["num_blocks"]
 
 

@@ -110,7 +110,8 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
                 self.kv.record_hit(hit, seq.prompt_len, seq.cache_salt)
             n = seq.next_chunk(budget)
-            self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
+                raise RuntimeError(f"{seq.request_id} was admitted and its first {n} tokens find no free blocks: can_admit counted short")
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -143,6 +144,12 @@ class Scheduler:
         limit = None
         if seq.prompt_scores_pending:  # row i scores prompt token i + 1: a hit may only cover rows already scored
             limit = len(seq.prompt_logprobs) - 1
+        if seq.num_preemptions and self.kv.spec.format.kind == "kivi":
+            # a resumed int4/int2 sequence computes its tokens again as they were: the rows after a hit
+            # would read the residual window before it in full precision, and the cache keeps that
+            # only for the sink block (the others are published quantized)
+            sink = self.kv.spec.quant_sink_blocks * self.kv.block_size
+            limit = sink if limit is None else min(limit, sink)
         if seq.eviction is None:
             return limit
         point, bs = seq.compression_point, self.kv.block_size

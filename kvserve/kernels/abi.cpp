@@ -17,7 +17,7 @@ extern "C" {
 // written, or -1 for an unknown struct or too little room.
 int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
   if (!std::strcmp(name, "KVView")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVView)), KVSERVE_FIELD(KVView, key), KVSERVE_FIELD(KVView, value), KVSERVE_FIELD(KVView, residual_key), KVSERVE_FIELD(KVView, residual_value), KVSERVE_FIELD(KVView, block_stride), KVSERVE_FIELD(KVView, token_stride), KVSERVE_FIELD(KVView, residual_block_stride), KVSERVE_FIELD(KVView, residual_token_stride), KVSERVE_FIELD(KVView, first_residual), KVSERVE_FIELD(KVView, dtype), KVSERVE_FIELD(KVView, residual_dtype), KVSERVE_FIELD(KVView, block_size), KVSERVE_FIELD(KVView, num_kv_heads), KVSERVE_FIELD(KVView, head_dim), KVSERVE_FIELD(KVView, group_size), KVSERVE_FIELD(KVView, value_group), KVSERVE_FIELD(KVView, pad_)};
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(KVView)), KVSERVE_FIELD(KVView, key), KVSERVE_FIELD(KVView, value), KVSERVE_FIELD(KVView, residual_key), KVSERVE_FIELD(KVView, residual_value), KVSERVE_FIELD(KVView, block_stride), KVSERVE_FIELD(KVView, token_stride), KVSERVE_FIELD(KVView, residual_block_stride), KVSERVE_FIELD(KVView, residual_token_stride), KVSERVE_FIELD(KVView, first_residual), KVSERVE_FIELD(KVView, dtype), KVSERVE_FIELD(KVView, residual_dtype), KVSERVE_FIELD(KVView, block_size), KVSERVE_FIELD(KVView, num_kv_heads), KVSERVE_FIELD(KVView, head_dim), KVSERVE_FIELD(KVView, group_size), KVSERVE_FIELD(KVView, value_group), KVSERVE_FIELD(KVView, pad_), KVSERVE_FIELD(KVView, scratch_key), KVSERVE_FIELD(KVView, scratch_value)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

@@ -17,7 +17,10 @@ namespace kvserve {
 // head h starts at element b * block_stride + t * token_stride + h * head_dim; a quantized
 // block is a byte record from b * block_stride, its values token_stride bytes per token, then
 // their scales. Blocks from first_residual on: full-precision (residual_dtype) blocks of a KIVI
-// cache, block id - first_residual, in residual_key / residual_value.
+// cache, block id - first_residual, in residual_key / residual_value. Negative ids: records of
+// blocks quantized for reading only (KIVI rows that read a block quantized before the pool has
+// quantized it, kvserve/attention/kivi_reads.py), id -1 - j at byte j * block_stride of
+// scratch_key / scratch_value.
 struct KVView {
   void* key;
   void* value;
@@ -36,6 +39,8 @@ struct KVView {
   int32_t group_size;   // KIVI: tokens per key-channel scale
   int32_t value_group;  // KIVI: channels per value scale
   int32_t pad_;
+  void* scratch_key;  // last, so that a view built without them is a valid prefix
+  void* scratch_value;
 };
 
 // One query token per sequence (decode).

@@ -19,7 +19,7 @@ class KVView(ctypes.Structure):
         ("key", _p), ("value", _p), ("residual_key", _p), ("residual_value", _p), ("block_stride", _i64), ("token_stride", _i64),
         ("residual_block_stride", _i64), ("residual_token_stride", _i64), ("first_residual", _i64), ("dtype", _i32),
         ("residual_dtype", _i32), ("block_size", _i32), ("num_kv_heads", _i32), ("head_dim", _i32), ("group_size", _i32),
-        ("value_group", _i32), ("pad_", _i32),
+        ("value_group", _i32), ("pad_", _i32), ("scratch_key", _p), ("scratch_value", _p),
     ]  # fmt: skip
 
 

@@ -9,7 +9,8 @@
 //   int8 / fp8: an fp16 per token and head, [t][h];
 //   int4 / int2 (KIVI): pairs (log2 scale byte e, int8 zero z), x = 2^((e - 160) / 8) * (q - z);
 //   keys [t / group][h][channel], values [t][h][channel / value_group]; values packed low bits first;
-// - ids from first_residual on: full-precision blocks (residual_dtype) of a KIVI cache.
+// - ids from first_residual on: full-precision blocks (residual_dtype) of a KIVI cache;
+// - negative ids: KIVI records quantized for reading only, -1 - j in scratch_key / scratch_value.
 
 #pragma once
 
@@ -179,6 +180,12 @@ inline float log_scale(uint8_t e) {
   return table.value[e];
 }
 
+// The byte record of quantized block `id` (below first_residual): the pool's, or a scratch one
+inline const uint8_t* quantized_record(const KVView& kv, bool value, int64_t id) {
+  if (id < 0) return static_cast<const uint8_t*>(value ? kv.scratch_value : kv.scratch_key) + (-1 - id) * kv.block_stride;
+  return static_cast<const uint8_t*>(value ? kv.value : kv.key) + id * kv.block_stride;
+}
+
 // One block of one layer's K or V, ready to hand out rows as float.
 class BlockRows {
  public:
@@ -194,7 +201,7 @@ class BlockRows {
       offset_ = block_id * kv.block_stride;
       token_stride_ = kv.token_stride;
     } else {
-      record_ = static_cast<const uint8_t*>(value ? kv.value : kv.key) + block_id * kv.block_stride;
+      record_ = quantized_record(kv, value, block_id);
       dtype_ = kv.dtype;
       token_stride_ = kv.token_stride;
     }

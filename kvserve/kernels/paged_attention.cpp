@@ -231,7 +231,7 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
       }
       continue;
     }
-    const uint8_t* record = static_cast<const uint8_t*>(kv.key) + id * kv.block_stride;
+    const uint8_t* record = quantized_record(kv, false, id);
     const uint8_t* meta = record + bs * kv.token_stride;
     while (t < bs && i < count) {
       const int key_group = t / kv.group_size;
@@ -275,7 +275,7 @@ void decode_task_kivi(float* out_rows, const float* queries, const KVView& kv, c
     const int t0 = static_cast<int>(position % bs);
     const int run = static_cast<int>(std::min<int64_t>(bs - t0, count - i));
     const bool residual = id >= kv.first_residual;
-    const uint8_t* record = residual ? nullptr : static_cast<const uint8_t*>(kv.value) + id * kv.block_stride;
+    const uint8_t* record = residual ? nullptr : quantized_record(kv, true, id);
     const uint8_t* pairs = residual ? nullptr : record + bs * kv.token_stride + (static_cast<int64_t>(t0) * heads + kv_head) * value_groups * 2;
     const int64_t pair_stride = static_cast<int64_t>(heads) * value_groups * 2;
     for (int c = 0; c < chunks; ++c) {
@@ -1098,16 +1098,14 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
   auto residual_row = [&](int64_t id, int64_t t) {  // element offset of a residual block's row
     return (id - kv.first_residual) * kv.residual_block_stride + t * kv.residual_token_stride + static_cast<int64_t>(kv_head) * dim;
   };
-  auto prefetch_block = [&](const uint8_t* cache, int64_t position) {  // this head's rows of the block holding `position`
+  auto prefetch_block = [&](bool value, int64_t position) {  // this head's rows of the block holding `position`
     if (position >= first + count) return;
     const int64_t id = table[position / bs];
     if (id >= kv.first_residual) return;
-    const uint8_t* record = cache + id * kv.block_stride + kv_head * row_bytes;
+    const uint8_t* record = quantized_record(kv, value, id) + kv_head * row_bytes;
     for (int t = 0; t < bs; ++t)
       for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(record + t * kv.token_stride + byte), _MM_HINT_T1);
   };
-  const uint8_t* key_cache = static_cast<const uint8_t*>(kv.key);
-  const uint8_t* value_cache = static_cast<const uint8_t*>(kv.value);
   scores.resize(static_cast<size_t>(G) * count);
   float* s = scores.data();
 
@@ -1126,9 +1124,9 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
     const int64_t id = table[position / bs];
     int t = static_cast<int>(position % bs);
     const int run = static_cast<int>(std::min<int64_t>(bs - t, count - i));
-    prefetch_block(key_cache, position + run);
+    prefetch_block(false, position + run);
     const bool residual = id >= kv.first_residual;
-    const uint8_t* record = residual ? nullptr : key_cache + id * kv.block_stride;
+    const uint8_t* record = residual ? nullptr : quantized_record(kv, false, id);
     for (int done = 0; done < run;) {
       int span = run - done;  // keys of one key group (any number in a residual block)
       if (!residual) {
@@ -1225,9 +1223,9 @@ void decode_task_kivi_bf16(float* out_rows, const uint16_t* queries, const KVVie
     const int64_t id = table[position / bs];
     const int t0 = static_cast<int>(position % bs);
     const int run = static_cast<int>(std::min<int64_t>(bs - t0, count - i));
-    prefetch_block(value_cache, position + run);
+    prefetch_block(true, position + run);
     const bool residual = id >= kv.first_residual;
-    const uint8_t* record = residual ? nullptr : value_cache + id * kv.block_stride;
+    const uint8_t* record = residual ? nullptr : quantized_record(kv, true, id);
     const int padded = (run + 15) / 16 * 16;  // rows per weight row, zeros past the run
     const int weight_groups = residual ? 1 : value_groups;
     // weights [g][value group][row]: p, times the row's group scale, as bf16, 16 rows at a time

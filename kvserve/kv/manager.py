@@ -157,6 +157,7 @@ class KVCacheManager:
                 - (hit.held(g) if hit is not None else 0))
             for g, group in enumerate(self.groups)
         )  # fmt: skip
+        taken: dict[int, KVBlock] = {}
         if hit is not None:
             taken = {id(b): b for row in hit.blocks for b in row if b is not None}
             taken.update({id(src): src for _, src, _ in hit.copies})
@@ -169,6 +170,8 @@ class KVCacheManager:
             # the first step's tokens (and a partial hit's copied block) take full-precision blocks, whole chunks
             start = hit.num_tokens if hit is not None else 0
             first_step = len(self.groups) * (blocks_for_tokens(min(num_tokens, start + chunk), self.block_size) - start // self.block_size)
+            # a hit's cached full-precision blocks (a sink block) leave the free ones when taken
+            first_step += sum(b.ref_count == 0 and self._pool_of(b) is self.residual_pool for b in taken.values())
             if first_step > self.residual_pool.num_free_blocks:
                 return False
         return need <= self.pool.num_free_blocks
@@ -372,8 +375,7 @@ class KVCacheManager:
         tables = self._tables.get(request_id)
         if self.arena is None or tables is None:
             return
-        bs = self.block_size
-        ready = max(0, num_computed - self.spec.quant_residual) // bs  # blocks wholly before the residual
+        ready = self.spec.blocks_read_quantized(num_computed)  # what the next token reads quantized
         done = self._quantized.setdefault(request_id, [0] * len(self.groups))
         row = self._rows[request_id]
         todo = []

@@ -222,6 +222,13 @@ class KVCacheSpec:
         sink (the first token, with outlier keys) would set its key group's scales."""
         return int(self.sink_block and self.format.kind == "kivi")
 
+    def blocks_read_quantized(self, position: int) -> int:
+        """int4/int2: a token at `position` reads its sequence's blocks below this index quantized
+        (but the sink blocks): those wholly older than the residual window. The pool quantizes them
+        once that many tokens are computed (kv/manager.py); attention/kivi_reads.py gives every
+        row the same, however its sequence was chunked, batched or resumed."""
+        return max(0, position - self.quant_residual) // self.block_size
+
     def meta_bytes_per_token(self, which: str) -> float:
         """Scale bytes one token takes per KV head, for `which` of "key", "value"."""
         fmt = self.format
