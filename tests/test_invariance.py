@@ -129,11 +129,11 @@ def test_the_matrix_catches_a_product_that_depends_on_the_batch(tiny_dir, monkey
 def test_int4_and_int2_give_the_same_bits_every_way(tiny_dir, family, dtype, kv_dtype, isa):
     """KIVI quantizes a block once it leaves the residual window; every row reads quantized exactly
     the blocks a token decoding at its position reads quantized (attention/kivi_reads.py), so a
-    request's tokens and logprobs with int4 / int2 KV are the same alone, batched, prefilled in any
-    chunks and after a preemption (which resumes without prefix hits: the cache keeps only the
-    quantized form of the residual window before one)."""
+    request's tokens and logprobs with int4 / int2 KV are the same alone, batched, after a prefix
+    hit (hash or radix: the cache keeps blocks' full-precision forms for the window before a hit,
+    kv/kivi_hits.py), prefilled in any chunks and after a preemption."""
     kivi = dict(kv_cache_dtype=kv_dtype, kv_quant_group_size=16, kv_quant_residual=16)
-    prompts = random_prompts(2 * PROMPT_COUNT, 40, 90, seed=44)  # no two share a prefix: a KIVI hit is not exact (docs/invariance.md)
+    prompts = random_prompts(2 * PROMPT_COUNT, 50, 90, seed=44)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
     batch = [(p, greedy if i % 2 else dataclasses.replace(seeded(i), max_tokens=40)) for i, p in enumerate(prompts)]
     alone_llm = engine(tiny_dir, family, dtype, **kivi)
@@ -145,13 +145,23 @@ def test_int4_and_int2_give_the_same_bits_every_way(tiny_dir, family, dtype, kv_
         assert not differ, f"{kv_dtype} {name}: requests {differ} differ from their runs alone"
 
     check("batched", run(engine(tiny_dir, family, dtype, **kivi), batch + [(p, PLAIN_GREEDY) for p in OTHERS[:13]])[: len(batch)])
+    shared = random_prompts(1, 70, 70, seed=45)[0]
+    hit_batch = [(shared + tail, params) for tail, params in zip(random_prompts(PROMPT_COUNT, 5, 30, seed=46), (greedy, seeded(7), greedy))]
+    cold = [run(engine(tiny_dir, family, dtype, **kivi), [request])[0] for request in hit_batch]
+    for cache in ("hash", "radix"):  # the hit ends past the residual window's start: its full-precision blocks are read
+        llm = engine(tiny_dir, family, dtype, enable_prefix_caching=True, prefix_cache=cache, **kivi)
+        run(llm, [(shared + [7, 8, 9], PLAIN_GREEDY)])
+        outs = llm.generate([p for p, _ in hit_batch], [params for _, params in hit_batch], use_tqdm=False)
+        assert min(o.num_cached_tokens for o in outs) == 64, f"{cache}: {[o.num_cached_tokens for o in outs]} tokens cached"
+        differ = [i for i, (o, c) in enumerate(zip(outs, cold)) if trace(o) != c]
+        assert not differ, f"{kv_dtype} {cache} prefix hit: requests {differ} differ from their cold runs"
     for chunk in (1, 16, 17, 256):
         llm = engine(tiny_dir, family, dtype, max_num_batched_tokens=chunk, **kivi)
         check(f"chunks of {chunk}", [run(llm, [request])[0] for request in batch])
     spec = llm.engine.kv_spec  # the chunks of 256's
-    llm = engine(tiny_dir, family, dtype, num_kv_blocks=spec.min_blocks(160, 256) + 4, max_model_len=160, max_num_batched_tokens=256,
+    llm = engine(tiny_dir, family, dtype, num_kv_blocks=spec.min_blocks(160, 256), max_model_len=160, max_num_batched_tokens=256,
                  enable_prefix_caching=True, **kivi)  # fmt: skip
-    long_runs = [(p, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)) for p in OTHERS[:8]]
+    long_runs = [(p, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)) for p in OTHERS[:16]]
     resumed = []
     preempt = llm.engine.scheduler._preempt
 

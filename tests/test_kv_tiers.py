@@ -218,10 +218,10 @@ def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_t
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("family, kv_dtype, sink_block", [("qwen3", "int4", True), ("llama", "int2", True), ("qwen3", "int4", False)])
 def test_kivi_blocks_come_back_from_the_tiers_as_they_would_from_the_pool(tiny_dir, tmp_path, tier, family, kv_dtype, sink_block):
-    """int4 / int2: a prefix hit reads its quantized blocks (and its full-precision sink block), so it is
-    judged against a hit on the same blocks in the pool. Prompts evicted from a pool of 8 full-precision
-    blocks come back from the tiers (counted) with the tokens and logprobs a roomy pool's hits give,
-    greedy and seeded; their first, cold runs match the roomy pool's too."""
+    """int4 / int2: a prefix hit reads the residual window before its end in full precision and older
+    blocks quantized, as computing the prompt does (kv/kivi_hits.py). Prompts evicted from a pool of 8
+    full-precision blocks come back from the tiers (counted, both forms) with the tokens and logprobs
+    a roomy pool's hits give, greedy and seeded, which are those of their cold runs."""
     path = str(tiny_dir(family))
     prompts = random_prompts(8, 150, 200, seed=7)
     kivi = dict(kv_cache_dtype=kv_dtype, kv_quant_residual=32, kv_quant_sink_block=sink_block, max_num_seqs=2)
@@ -233,7 +233,7 @@ def test_kivi_blocks_come_back_from_the_tiers_as_they_would_from_the_pool(tiny_d
         assert all(o.num_cached_tokens > 0 for o in hit)
         assert [trace(o) for o in one_by_one(llm, prompts, params)] == [trace(o) for o in cold]
         again = one_by_one(llm, prompts, params)
-        assert [trace(o) for o in again] == [trace(o) for o in hit]
+        assert [trace(o) for o in again] == [trace(o) for o in hit] == [trace(o) for o in cold]
         assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in hit]
     stats = llm.stats()
     assert sum(t["hit_tokens"] for t in stats["kv_tiers"].values()) >= 8 * 64
@@ -261,9 +261,11 @@ def test_a_record_larger_than_the_host_tier_goes_to_the_disk_tier(tiny_dir, tmp_
     again = one_by_one(llm, prompts, GREEDY)
     assert [trace(o) for o in again] == [trace(o) for o in hits]
     assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in hits]
-    # the load-or-recompute estimate counts the sink record (block 0) at its own, larger size
+    # the load-or-recompute estimate counts the full-precision records (the sink block, the residual
+    # window before the hit's end) at their own, larger size, the quantized ones between at theirs
     from_start = [sizes for sizes in asked if sizes[0] == spec.residual_block_bytes]
-    assert from_start and all(set(sizes[1:]) == {spec.bytes_per_block} for sizes in from_start)
+    assert from_start and all(set(sizes[1:]) == {spec.bytes_per_block, spec.residual_block_bytes} and sizes[1:] == sorted(sizes[1:])
+                              for sizes in from_start)  # fmt: skip
     tiers = llm.stats()["kv_tiers"]
     assert tiers["disk"]["hit_tokens"] > 0 and tiers["host"]["usage_bytes"] <= tiers["host"]["capacity_bytes"]
 

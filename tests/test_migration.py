@@ -57,9 +57,9 @@ def test_a_request_migrated_midway_gives_the_tokens_of_an_unmigrated_run(tiny_di
 
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
 def test_an_int4_request_migrated_resumes_as_it_would_from_its_own_prefix_cache(tiny_dir, kv_dtype):
-    """KIVI blocks travel as stored (quantized ones, and the full-precision sink block), so the
-    target resumes exactly as the source does when the request comes back to it (its published
-    blocks a prefix hit there, the rest recomputed)."""
+    """KIVI blocks travel as stored (quantized ones, the full-precision sink block, and the residual
+    window's full-precision forms, kv/kivi_hits.py), so the target resumes exactly as the source does
+    when the request comes back to it (its published blocks a prefix hit there, the rest recomputed)."""
     path = str(tiny_dir("qwen3"))
     prompt = random_prompts(1, 150, 150, seed=35)[0]
     settings = dict(dtype="float32", num_kv_blocks=400, kv_cache_dtype=kv_dtype, kv_quant_residual=32)

@@ -631,6 +631,7 @@ class LLMEngine:
                 self.kv.offloader.observe_prefill(prefill, time.perf_counter() - started)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            self.kv.publish_full_precision(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.plan_quantization(seq.request_id, seq.num_computed_tokens)
         pairs = self.kv.take_quantization()
         if pairs and self.pool is not None:

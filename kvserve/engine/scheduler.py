@@ -144,12 +144,6 @@ class Scheduler:
         limit = None
         if seq.prompt_scores_pending:  # row i scores prompt token i + 1: a hit may only cover rows already scored
             limit = len(seq.prompt_logprobs) - 1
-        if seq.num_preemptions and self.kv.spec.format.kind == "kivi":
-            # a resumed int4/int2 sequence computes its tokens again as they were: the rows after a hit
-            # would read the residual window before it in full precision, and the cache keeps that
-            # only for the sink block (the others are published quantized)
-            sink = self.kv.spec.quant_sink_blocks * self.kv.block_size
-            limit = sink if limit is None else min(limit, sink)
         if seq.eviction is None:
             return limit
         point, bs = seq.compression_point, self.kv.block_size

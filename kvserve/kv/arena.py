@@ -143,11 +143,14 @@ class BlockArena:
         else touches them, reading every source first): the first n // residual_units such blocks'
         chunks take the first n // residual_units * residual_units of them, in order, so a prefill's
         blocks stay contiguous and the other chunks come back whole when released; the rest take a clean loose unit, else
-        the first unit of their own chunk (which evicts nothing; a shared block: take_unit, else it waits). A chunk
+        the first unit of their own chunk (which evicts nothing; a shared block: take_unit, else it waits). A block the
+        prefix cache keeps takes a unit like a shared one, else its own chunk's, forgotten first. A chunk
         quantized over stays held by its quantized blocks; its full-precision block is retired and
         its release frees nothing."""
         k = self.residual_units
-        own = [j for j, (block, _) in enumerate(residuals) if block.ref_count == 1]
+        # a block the prefix cache keeps (its full-precision form, kv/kivi_hits.py) is quantized
+        # elsewhere while a unit is free, over its own bytes (forgotten first) only when none is
+        own = [j for j, (block, _) in enumerate(residuals) if block.ref_count == 1 and block.block_hash is None]
         targets: dict[int, KVBlock | None] = {}
         for n, j in enumerate(own[: len(own) // k * k]):
             chunk = residuals[own[n // k]][0].block_id - self.num_units  # read before written: own[n // k] <= own[n]
@@ -159,9 +162,11 @@ class BlockArena:
         for j, (block, group) in enumerate(residuals):
             if j in targets:
                 continue
-            if self._loose.clean or (block.ref_count > 1 and (self._loose or self._whole)):
+            kept = block.ref_count > 1 or block.block_hash is not None
+            if self._loose.clean or (kept and (self._loose or self._whole)):
                 targets[j] = self.take_unit(group)
             elif block.ref_count == 1:
+                self._evict(block, self.residual)
                 chunk = block.block_id - self.num_units
                 self._retire(chunk)
                 unit = self.units[chunk * k]

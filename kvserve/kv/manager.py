@@ -25,6 +25,7 @@ import numpy as np
 from kvserve.kv.arena import BlockArena
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import block_hash, chain_hashes
+from kvserve.kv.kivi_hits import exact_hit, full_precision_key, read_in_full_precision
 from kvserve.kv.prefix import PrefixCache, PrefixHit
 from kvserve.kv.prefix_stats import PrefixCacheStats
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
@@ -63,6 +64,7 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats(min_hit_tokens=self.block_size)
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
+        self._published_full_precision: dict[str, int] = {}  # KIVI: leading blocks whose full-precision form was offered
         self._salts: dict[str, str | None] = {}
         self.pending_copies: list[tuple[KVBlock, KVBlock, int]] = []  # (source, target, slots) before the next step
         self._evicted: dict[str, int] = {}  # positions a request no longer holds a slot for
@@ -190,7 +192,11 @@ class KVCacheManager:
             return empty
         self._salts[request_id] = salt
         hashes = self._hashes[request_id] = chain_hashes(self.prefix_cache.root, token_ids, self.block_size, salt, self._hashes.get(request_id))
-        return self.prefix_cache.lookup(token_ids, hashes, min(len(token_ids) - 1, len(token_ids) if limit is None else limit), salt)
+        limit = min(len(token_ids) - 1, len(token_ids) if limit is None else limit)
+        hit = self.prefix_cache.lookup(token_ids, hashes, limit, salt)
+        if self.residual_pool is None or not hit.num_tokens:
+            return hit
+        return exact_hit(self.prefix_cache, self.spec, token_ids, hashes, limit)  # kv/kivi_hits.py
 
     # ------------------------------------------------------------------ tiers
     def start_tier_load(self, request_id: str, token_ids: Sequence[int], hit: PrefixHit, limit: int | None = None) -> LoadJob | None:
@@ -210,16 +216,25 @@ class KVCacheManager:
         full = [g for g, spec in enumerate(self.groups) if spec.window is None]
         if not full:
             return None
-        where = dict(zip(*(keys := [record_key(hashes[i], g) for i in range(start, whole) for g in range(len(self.groups))],
+        kivi = self.residual_pool is not None  # a block's quantized form under its hash, its full-precision one under another
+        forms = [[hashes[i]] + ([full_precision_key(hashes[i])] if kivi and i >= self.spec.quant_sink_blocks else []) for i in range(whole)]
+        where = dict(zip(*(keys := [record_key(key, g) for i in range(start, whole) for key in forms[i] for g in range(len(self.groups))],
                                 offloader.locate(keys))))  # fmt: skip
+
+        def located(i: int, g: int, end: int) -> int | None:
+            """The key of block i's record a request resuming at block `end` can read, if a tier has it."""
+            usable = forms[i][-1:] if kivi and read_in_full_precision(self.spec, i, end * bs) else forms[i]
+            return next((key for key in usable if where[record_key(key, g)] is not None), None)
+
         end = start
-        while end < whole and all(where[record_key(hashes[end], g)] is not None for g in full):
+        while end < whole and all(any(where[record_key(key, g)] is not None for key in forms[end]) for g in full):
             end += 1
-        entries: list[tuple[int, int]] = []  # (block index, group), in prefix order
+        entries: list[tuple[int, int, int]] = []  # (block index, group, key), in prefix order
         while end > start:
-            entries = [(i, g) for i in range(start, end) for g in range(len(self.groups))
-                       if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
-            if all(where[record_key(hashes[i], g)] is not None for i, g in entries):
+            needed = [(i, g) for i in range(start, end) for g in range(len(self.groups))
+                      if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
+            entries = [(i, g, located(i, g, end)) for i, g in needed]
+            if all(key is not None for _, _, key in entries):
                 break
             end -= 1
         if end == start or self._recompute_decided.get(request_id) == end:
@@ -229,11 +244,11 @@ class KVCacheManager:
         held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
             self._touch(block)
-        # a KIVI cache's sink blocks take a whole chunk each: taken first
-        full_precision = [k for k, (i, _) in enumerate(entries) if self._side_for(i) is not self.pool]
+        # a KIVI cache's sink blocks and full-precision forms take a whole chunk each: taken first
+        full_precision = [k for k, (i, _, key) in enumerate(entries) if self._side_for(i) is not self.pool or key != hashes[i]]
         room = (len(entries) + len(full_precision) * (self.spec.residual_units - 1) <= self.pool.num_free_blocks
                 and len(full_precision) <= self._fresh.num_free_blocks)  # fmt: skip
-        keys = [record_key(hashes[i], g) for i, g in entries]
+        keys = [record_key(key, g) for _, g, key in entries]
         tiers, sizes = [where[key] for key in keys], [self.spec.bytes_per_block] * len(entries)
         for k in full_precision:
             sizes[k] = self.spec.residual_block_bytes
@@ -245,12 +260,13 @@ class KVCacheManager:
         targets: list[KVBlock | None] = [None] * len(entries)
         for k in full_precision:
             targets[k] = self._fresh.allocate(1, entries[k][1])[0]
-        targets = [t if t is not None else self.pool.allocate(1, g)[0] for t, (_, g) in zip(targets, entries)]
+        targets = [t if t is not None else self.pool.allocate(1, g)[0] for t, (_, g, _) in zip(targets, entries)]
         self._release(list(reversed(held)))
         salt = self._salts.get(request_id)
-        parents = {i: hashes[i - 1] if i else cache.parent_of_first(salt) for i, _ in entries}
+        # a full-precision form is published with its block's hash as parent (kv/kivi_hits.py)
+        parents = [hashes[i] if key != hashes[i] else hashes[i - 1] if i else cache.parent_of_first(salt) for i, _, key in entries]
         job = LoadJob(keys, targets, expected_seconds=offloader.load_seconds(tiers, sizes)[0])
-        job.entries = [(i, g, hashes[i], parents[i], tuple(token_ids[i * bs : (i + 1) * bs]), salt) for i, g in entries]
+        job.entries = [(i, g, key, parent, tuple(token_ids[i * bs : (i + 1) * bs]), salt) for (i, g, key), parent in zip(entries, parents)]
         offloader.load(job, [t.block_id for t in targets])
         return job
 
@@ -281,7 +297,7 @@ class KVCacheManager:
         """The request's blocks in the prefix cache, in prefix order (every group's; a sliding group's
         dropped ones excepted): what a migration carries."""
         tables = self._tables.get(request_id, [])
-        count = self._published.get(request_id, 0)
+        count = max(self._published.get(request_id, 0), self._published_full_precision.get(request_id, 0))  # a KIVI window's full-precision forms too
         return [table[i] for i in range(count) for table in tables if i < len(table) and table[i] is not None and table[i].block_hash is not None]
 
     def adopt_blocks(self, token_ids: Sequence[int], salt: str | None, records: Sequence, write: Callable[[int, bytes], None]) -> int:
@@ -294,19 +310,22 @@ class KVCacheManager:
         bs = self.block_size
         hashes = chain_hashes(cache.root, token_ids[: len(token_ids) // bs * bs], bs, salt, None)
         index = {h: i for i, h in enumerate(hashes)}
+        if self.residual_pool is not None:  # a KIVI block's full-precision form, parented by its hash (kv/kivi_hits.py)
+            index |= {full_precision_key(h): i for i, h in enumerate(hashes) if i >= self.spec.quant_sink_blocks}
         taken, adopted = [], 0
         for record in sorted(records, key=lambda r: (index.get(r.block_hash, -1), r.group)):
             i = index.get(record.block_hash)
             if i is None or not 0 <= record.group < len(self.groups) or record.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 continue
-            kind = self._side_for(i)
+            full_precision = record.block_hash != hashes[i]
+            kind = self._fresh if full_precision else self._side_for(i)
             if kind.num_free_blocks == 0:
                 break
             block = kind.allocate(1, record.group)[0]
             taken.append(block)
             write(block.block_id, record.payload)
-            parent = hashes[i - 1] if i else cache.parent_of_first(salt)
-            adopted += cache.publish(record.group, block, hashes[i], parent, record.token_ids, salt)
+            parent = hashes[i] if full_precision else hashes[i - 1] if i else cache.parent_of_first(salt)
+            adopted += cache.publish(record.group, block, record.block_hash, parent, record.token_ids, salt)
         self._release(list(reversed(taken)))
         return adopted
 
@@ -333,7 +352,12 @@ class KVCacheManager:
             self._ids[g][row, len(tables[g])] = target.block_id
             tables[g].append(target)
             self.pending_copies.append((source, target, slots))
-        self._published[request_id] = hit.num_tokens // self.block_size
+        whole = hit.num_tokens // self.block_size
+        # a KIVI hit's full-precision blocks past the sink are published quantized when this request quantizes them
+        quantized = [i < self.spec.quant_sink_blocks or all(b is None or self._pool_of(b) is self.pool for b in (row[i] for row in hit.blocks))
+                     for i in range(whole)]  # fmt: skip
+        self._published[request_id] = quantized.index(False) if False in quantized else whole
+        self._published_full_precision[request_id] = whole
 
     def fork(self, parent_id: str, child_id: str, num_computed: int) -> None:
         """The child shares the parent's blocks for its first num_computed tokens; the partly filled
@@ -355,7 +379,8 @@ class KVCacheManager:
                 self._ids[g][row, whole] = target.block_id
                 tables[g].append(target)
                 self.pending_copies.append((source, target, num_computed % self.block_size))
-        self._published[child_id] = whole
+        self._published[child_id] = self._published.get(parent_id, 0)
+        self._published_full_precision[child_id] = whole
         self._salts[child_id] = self._salts.get(parent_id)
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))[:whole]
 
@@ -400,6 +425,28 @@ class KVCacheManager:
 
     def release_quantized(self, pairs: list[tuple[KVBlock, KVBlock]]) -> None:
         self._release([residual for residual, _ in pairs])
+
+    def publish_full_precision(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """KIVI: offer the request's full-precision blocks that became full under their full-precision
+        keys, before any is quantized (kv/kivi_hits.py)."""
+        cache, tables = self.prefix_cache, self._tables.get(request_id)
+        if cache is None or tables is None or self.residual_pool is None:
+            return
+        bs = self.block_size
+        done = max(self._published_full_precision.get(request_id, 0), self.spec.quant_sink_blocks)
+        full = num_computed // bs
+        if full <= done:
+            return
+        salt = self._salts.get(request_id)
+        hashes = self._hashes[request_id] = chain_hashes(cache.root, token_ids[: full * bs], bs, salt, self._hashes.get(request_id))
+        for i in range(done, full):
+            for g, table in enumerate(tables):
+                block = table[i] if i < len(table) else None
+                if block is not None and self._pool_of(block) is self.residual_pool:
+                    published = cache.publish(g, block, full_precision_key(hashes[i]), hashes[i], token_ids[i * bs : (i + 1) * bs], salt)
+                    if published and self.offloader is not None and self.offloader.offloads_on_publish:
+                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
+        self._published_full_precision[request_id] = full
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish the request's blocks that became full of computed tokens."""
@@ -536,6 +583,7 @@ class KVCacheManager:
         hashes = self._hashes.pop(request_id, None)
         salt = self._salts.pop(request_id, None)
         self._published.pop(request_id, None)
+        self._published_full_precision.pop(request_id, None)
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
         self._load_cut.discard(request_id)
