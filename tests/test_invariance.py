@@ -173,3 +173,25 @@ def test_int4_and_int2_give_the_same_bits_every_way(tiny_dir, family, dtype, kv_
     got = run(llm, long_runs + batch)[len(long_runs) :]  # the newest are preempted first: these
     assert max(resumed, default=0) > 3 * 16, "no sequence was preempted past its sink block and residual window"
     check("preempted", got)
+
+
+def test_an_int4_hit_missing_its_windows_full_precision_form_is_shorter_not_different(tiny_dir):
+    """Where the pool has dropped a full-precision form the residual window before a hit's end needs,
+    the hit ends earlier (its window is further back) and the rest is computed: fewer cached tokens,
+    the same bits."""
+    from kvserve.kv.hashing import chain_hashes
+    from kvserve.kv.kivi_hits import full_precision_key
+
+    kivi = dict(kv_cache_dtype="int4", kv_quant_group_size=16, kv_quant_residual=16)
+    shared = random_prompts(1, 70, 70, seed=45)[0]
+    request = (shared + [5, 6, 7, 8], GREEDY)
+    cold = run(engine(tiny_dir, "qwen3", "float32", **kivi), [request])[0]
+    for dropped, cached in (((), 64), ((3,), 48), ((2, 3), 32)):
+        llm = engine(tiny_dir, "qwen3", "float32", enable_prefix_caching=True, **kivi)
+        run(llm, [(shared + [7, 8, 9], PLAIN_GREEDY)])
+        kv = llm.engine.kv
+        hashes = chain_hashes(kv.prefix_cache.root, shared[:64], 16, None)
+        for i in dropped:  # the pool reuses these blocks' full-precision forms
+            kv.arena._evict(kv.prefix_cache.cached(0, full_precision_key(hashes[i])), kv.arena.residual)
+        out = llm.generate([request[0]], request[1], use_tqdm=False)[0]
+        assert out.num_cached_tokens == cached and trace(out) == cold, f"forms of {dropped} dropped"

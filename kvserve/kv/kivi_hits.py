@@ -19,7 +19,8 @@ is cached in full precision; every earlier block is taken quantized where it can
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain
 
 from kvserve.kv.block_pool import KVBlock
 from kvserve.kv.hashing import block_hash
@@ -49,29 +50,40 @@ def exact_hit(cache: PrefixCache, spec: KVCacheSpec, token_ids: Sequence[int], h
     full_attention = [g for g, group in enumerate(groups) if group.window is None]
     whole = min(len(hashes), limit // bs)
 
-    def held(group: int, key: int, index: int) -> KVBlock | None:
+    def held(group: int, key: int, tokens: tuple[int, ...]) -> KVBlock | None:
         block = cache.cached(group, key)
-        return block if block is not None and block.token_ids == tuple(token_ids[index * bs : (index + 1) * bs]) else None
+        return block if block is not None and block.token_ids == tokens else None
 
     quantized: list[list[KVBlock | None]] = [[] for _ in groups]  # the hash's entry: a sink block is full precision
     precise: list[list[KVBlock | None]] = [[] for _ in groups]
+    reach = 0  # every full-attention group holds some form of each block below
     for i in range(whole):
+        tokens, key = tuple(token_ids[i * bs : (i + 1) * bs]), full_precision_key(hashes[i]) if i >= sink else None
         for g in range(len(groups)):
-            quantized[g].append(held(g, hashes[i], i))
-            precise[g].append(quantized[g][i] if i < sink else held(g, full_precision_key(hashes[i]), i))
+            quantized[g].append(held(g, hashes[i], tokens))
+            precise[g].append(quantized[g][i] if key is None else held(g, key, tokens))
         if any(quantized[g][i] is None and precise[g][i] is None for g in full_attention):
             break  # a full-attention group reads every block before the hit's end
-    for m in range(len(quantized[0]), 0, -1):
+        reach = i + 1
+
+    def form(g: int, i: int, end: int) -> KVBlock | None:
+        return precise[g][i] if read_in_full_precision(spec, i, end) else (quantized[g][i] or precise[g][i])
+
+    def checked(g: int, m: int, end: int) -> Iterable[int]:
+        """The blocks of group g a hit ending at block m reads that may lack the form it needs: a
+        sliding group's window; a full-attention group's sink and residual window (the older ones
+        all have a form, or `reach` would be lower)."""
+        first = groups[g].first_block(end, bs)
+        if groups[g].window is not None:
+            return range(first, m)
+        return chain(range(first, min(sink, m)), range(max(first, sink, spec.blocks_read_quantized(end)), m))
+
+    for m in range(reach, 0, -1):
         end = m * bs
-        blocks = []
-        for g, group in enumerate(groups):
-            first = group.first_block(end, bs)
-            row: list[KVBlock | None] = [None] * first
-            for i in range(first, m):
-                row.append(precise[g][i] if read_in_full_precision(spec, i, end) else (quantized[g][i] or precise[g][i]))
-            if any(b is None for b in row[first:]):
-                break
-            blocks.append(row)
-        else:
+        if all(form(g, i, end) is not None for g in range(len(groups)) for i in checked(g, m, end)):
+            blocks = []
+            for g, group in enumerate(groups):
+                first = group.first_block(end, bs)
+                blocks.append([None] * first + [form(g, i, end) for i in range(first, m)])
             return PrefixHit(num_tokens=end, blocks=blocks)
     return PrefixHit(blocks=[[] for _ in groups])
