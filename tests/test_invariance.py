@@ -195,3 +195,18 @@ def test_an_int4_hit_missing_its_windows_full_precision_form_is_shorter_not_diff
             kv.arena._evict(kv.prefix_cache.cached(0, full_precision_key(hashes[i])), kv.arena.residual)
         out = llm.generate([request[0]], request[1], use_tqdm=False)[0]
         assert out.num_cached_tokens == cached and trace(out) == cold, f"forms of {dropped} dropped"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_int4_sliding_window_rows_read_by_position_in_any_chunk(tiny_dir, kv_dtype):
+    """A sliding-window layer's rows read quantized only the blocks of their window older than the
+    residual: in a chunk longer than the window, a middle row's range lies between the first row's
+    and the last row's, and must be read quantized too (no residual window here, so the windows
+    reach quantized blocks)."""
+    kivi = dict(kv_cache_dtype=kv_dtype, kv_quant_group_size=16, kv_quant_residual=0)
+    batch = [(p, GREEDY) for p in random_prompts(PROMPT_COUNT, 70, 90, seed=47)]
+    alone = [run(engine(tiny_dir, "gemma3", "float32", max_num_batched_tokens=16, **kivi), [request])[0] for request in batch]
+    for chunk in (17, 256):
+        llm = engine(tiny_dir, "gemma3", "float32", max_num_batched_tokens=chunk, **kivi)
+        got = [run(llm, [request])[0] for request in batch]
+        assert got == alone, f"{kv_dtype} chunks of {chunk} differ from chunks of 16"

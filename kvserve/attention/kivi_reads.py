@@ -41,16 +41,21 @@ class GroupReads:
     spans: list[RowTables | None]  # per prefill span, where one of its rows reads scratch
 
 
-def _read_quantized(positions: torch.Tensor, num_blocks: int, spec: KVCacheSpec, group: int) -> torch.Tensor:
-    """[rows, num_blocks] bool: the blocks a row at each position reads (its window's, in a sliding
-    group) and reads quantized."""
+def _quantized_range(positions: torch.Tensor, spec: KVCacheSpec, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the blocks [first, end) it reads (its window's, in a sliding group) and reads quantized."""
     bs, window = spec.block_size, spec.groups[group].window
-    quantized = (positions - spec.quant_residual).clamp(min=0) // bs  # spec.blocks_read_quantized, per row
+    end = (positions - spec.quant_residual).clamp(min=0) // bs  # spec.blocks_read_quantized, per row
     first = torch.full_like(positions, spec.quant_sink_blocks)
     if window is not None:
-        first = first.clamp(min=0).maximum((positions - window + 1).clamp(min=0) // bs)
+        first = first.maximum((positions - window + 1).clamp(min=0) // bs)
+    return first, end
+
+
+def _read_quantized(positions: torch.Tensor, num_blocks: int, spec: KVCacheSpec, group: int) -> torch.Tensor:
+    """[rows, num_blocks] bool: the blocks a row at each position reads quantized."""
+    first, end = _quantized_range(positions, spec, group)
     index = torch.arange(num_blocks, device=positions.device)
-    return (index >= first[:, None]) & (index < quantized[:, None])
+    return (index >= first[:, None]) & (index < end[:, None])
 
 
 def plan_group(meta: AttentionMetadata, group: int, spec: KVCacheSpec, first_residual: int) -> GroupReads | None:
@@ -62,9 +67,12 @@ def plan_group(meta: AttentionMetadata, group: int, spec: KVCacheSpec, first_res
     for span in meta.prefills:
         table, start = span.block_tables[group], span.kv_starts[group]
         lens = torch.arange(start + 1, start + span.num_tokens + 1, device=table.device)
-        # a chunk's rows read contiguous, growing ranges: the union is its first and last rows' bounds
-        ends = _read_quantized(lens[[0, -1]] - 1, table.shape[-1], spec, group)
-        parts.append((table, lens, (ends[0] | ends[1]) & (table >= first_residual)))
+        # a chunk's rows read ranges whose both bounds grow with the row: their union runs from the
+        # first row's first block to the last row's end (a sliding window's can leave a row's range
+        # behind the first row's, but never skip a block between)
+        first, end = _quantized_range(lens[[0, -1]] - 1, spec, group)
+        index = torch.arange(table.shape[-1], device=table.device)
+        parts.append((table, lens, (index >= first[0]) & (index < end[1]) & (table >= first_residual)))
     if not any(bool(scratch.any()) for _, _, scratch in parts):
         return None
     ids = torch.unique(torch.cat([tables[scratch] for tables, _, scratch in parts]))  # sorted
