@@ -342,8 +342,18 @@ def test_chat_prompts_end_as_asked(server):
         assert message in resp.json()["error"]["message"]
 
 
+def successes(url: str) -> dict[str, float]:
+    """request_success_total by its finished_reason label."""
+    text = httpx.get(url + "/metrics").text
+    return {s.labels["finished_reason"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "kvserve:request_success_total"}  # fmt: skip
+
+
 def test_choices_say_their_stop_reason(server):
-    """vLLM's stop_reason: the stop string that ended a choice, None when its length did; streamed or not, chat too."""
+    """vLLM's stop_reason: the stop string that ended a choice, None when its length did; streamed or not, chat too.
+    request_success_total counts them under vLLM's finished_reason label."""
+    before = successes(server)
+    assert set(before) == {"stop", "length"}
     for path, body, text_of in (
         ("/v1/completions", {"prompt": "hello there"}, lambda c: c["text"]),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, lambda c: c["message"]["content"]),
@@ -359,6 +369,8 @@ def test_choices_say_their_stop_reason(server):
         chunks = [json.loads(line[6:])["choices"][0] for line in lines if line.startswith("data: {")]
         assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop, chunks[-1]
         assert all(c["stop_reason"] is None for c in chunks[:-1])  # null until the end, as vLLM sends it
+    after = successes(server)
+    assert (after["length"] - before["length"], after["stop"] - before["stop"]) == (2, 4)
 
 
 def test_a_grammar_that_ends_a_choice_is_its_stop_reason():

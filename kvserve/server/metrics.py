@@ -51,7 +51,10 @@ class ServerMetrics:
         self._misses = Counter("kvserve:prefix_cache_misses", "Lookups that reused nothing, by reason",
                                ["model_name", "reason"], registry=r)  # fmt: skip
         self._model_name = model_name
-        self.request_success = counter("request_success", "Requests that finished (stop or length)")
+        self._success = Counter("kvserve:request_success", "Requests that finished, by finished_reason (stop or length)",
+                                ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        for reason in ("stop", "length"):
+            self._success.labels(model_name, reason)  # both series exist from the start, at 0
         self._rejected = Counter("kvserve:request_rejected", "HTTP requests answered with an error before admission, by reason",
                                  ["model_name", "reason"], registry=r)  # fmt: skip
         self._aborted = Counter("kvserve:request_aborted", "HTTP requests aborted after admission, by reason",
@@ -179,7 +182,7 @@ class ServerMetrics:
         if "finished_time" in m:
             self.e2e.observe(m["finished_time"] - arrival)
         if out.finish_reason in ("stop", "length"):
-            self.request_success.inc()
+            self._success.labels(self._model_name, out.finish_reason).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self._model_name, reason).inc()
