@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+
+GIB = 1 << 30
 
 
 CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"  # a container's limit (cgroup v2)
@@ -43,3 +47,26 @@ def device_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).total_memory
     return None
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """An allocator's refusal: MemoryError, CUDA's OutOfMemoryError, or the CPU allocator's
+    RuntimeError ("can't allocate memory"), which ulimit -v and a cgroup's limit raise."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
+
+
+@contextmanager
+def fitting(device: torch.device, asked: str) -> Iterator[None]:
+    """Turn an allocation failure inside into one ValueError that names what was asked for and
+    what the device gives (the CLI prints it in a line), instead of an allocator's traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if not is_allocation_failure(exc):
+            raise
+        available = device_memory_bytes(device)
+        gives = f" ({available / GIB:.1f} GiB)" if available is not None else ""
+        raise ValueError(f"{asked} and the model's weights do not fit in what this {device.type} device gives this process{gives}: "
+                         "lower it; `kvserve plan --model ... --memory-gib ...` says what fits beside the weights") from None

@@ -69,6 +69,30 @@ def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_d
         LLM(str(tiny_dir("qwen2")), dtype="float32", kv_cache_memory=more)
 
 
+def test_a_pool_that_fits_the_limit_but_not_beside_the_weights_is_one_plain_error(tiny_dir):
+    """Found by QA: under ulimit -v, a pool below the limit that did not fit beside the loaded
+    weights died in the allocator with a traceback. The pool here asks for 90% of a limit that
+    leaves 1 GiB past what the process already maps."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource
+        from kvserve import LLM
+        mapped = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+        limit = mapped + (1 << 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            LLM({str(tiny_dir("qwen2"))!r}, dtype="float32", kv_cache_memory=0.9 * limit / 2**30)
+        except ValueError as exc:
+            print("REFUSED", exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "REFUSED kv_cache_memory=" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "do not fit in what this cpu device gives this process" in done.stdout
+
+
 def test_top_takes_host_and_port_and_refuses_bad_intervals(capsys):
     from kvserve.cli import build_parser
 

@@ -20,7 +20,7 @@ from kvserve import kernels
 from kvserve.attention.backend import create_backend
 from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
-from kvserve.device_memory import device_memory_bytes
+from kvserve.device_memory import device_memory_bytes, fitting
 from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
@@ -142,12 +142,13 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer,
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend,
                                                                                                     checkpoint.weight_format)))  # fmt: skip
-        self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
-        self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
-        self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, kv_scales(config, self.kv_spec),
-                                key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
-        if backend == "cpu_paged":
-            self.model.enable_native_kernels()
+        with fitting(self.device, self.kv_asked):
+            self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
+            self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
+            self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, kv_scales(config, self.kv_spec),
+                                    key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
+            if backend == "cpu_paged":
+                self.model.enable_native_kernels()
         if config.centers_keys:
             self._center_keys(checkpoint.config.vocab_size)
         self._attach_tiers(config)
@@ -240,9 +241,9 @@ class LLMEngine:
         if num_blocks <= 0:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes")
         available = device_memory_bytes(self.device)
+        self.kv_asked = f"num_kv_blocks={num_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
         if available is not None and num_blocks * self.kv_spec.bytes_per_block > available:
-            asked = f"num_kv_blocks={num_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
-            raise ValueError(f"{asked} is more than this {self.device.type} device gives this process in all ({available / GIB:.1f} GiB); "
+            raise ValueError(f"{self.kv_asked} is more than this {self.device.type} device gives this process in all ({available / GIB:.1f} GiB); "
                              "`kvserve plan` says what fits beside the weights")  # fmt: skip
         limit = model_config.max_position_embeddings
         capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
