@@ -120,6 +120,20 @@ def test_eval_rejects_bad_input_with_one_line(tiny_dir, capsys, argv, message):
     assert message in err and "Traceback" not in err and "usage:" not in err
 
 
+@pytest.mark.parametrize("config", ["--kv-cache-memory 100000", "--max-model-len 100000"])
+def test_a_config_the_engine_refuses_is_refused_before_the_reference_runs(tiny_dir, capsys, monkeypatch, config):
+    """Found by QA: a --config whose pool the machine cannot hold was refused only after the reference's minutes of work."""
+    import kvserve.eval.cli
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the evaluation started")
+
+    monkeypatch.setattr(kvserve.eval.cli, "Evaluation", no_run)
+    code, out, err = _run(capsys, "--model", str(tiny_dir("llama")), "--kv-cache-memory", "0.05", "--no-progress",
+                          "--config", "--kv-cache-dtype int8", "--config", config)  # fmt: skip
+    assert code == 2 and f"--config {config!r}" in err and "Traceback" not in err, err
+
+
 class _CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]

@@ -126,6 +126,39 @@ def checkpoint_digests(path: Path) -> tuple[str, str]:
 NO_TOKENIZER = "this engine has no tokenizer (--skip-tokenizer-init, or no tokenizer files beside the weights): send token ids, not text"
 
 
+def kv_asked(config: EngineConfig) -> str:
+    """The flag that sized the pool, as errors name it."""
+    return f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
+
+
+def kv_capacity(config: EngineConfig, model_config: ModelConfig, spec: KVCacheSpec) -> tuple[int, int]:
+    """(blocks in the pool, longest sequence): the engine's refusals of a pool and lengths that
+    cannot work, from configs alone (`kvserve eval` checks every configuration before running one)."""
+    device = torch.device(config.device)
+    flag = "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory"
+    num_blocks = config.num_kv_blocks or spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
+    if num_blocks <= 0:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {spec.bytes_per_block} bytes")
+    available = device_memory_bytes(device)
+    if available is not None and num_blocks * spec.bytes_per_block > available:
+        raise ValueError(f"{kv_asked(config)} is more than this {device.type} device gives this process in all ({available / GIB:.1f} GiB); "
+                         "`kvserve plan` says what fits beside the weights")  # fmt: skip
+    limit = model_config.max_position_embeddings
+    capacity = spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
+    max_model_len = capacity if config.max_model_len is None else config.max_model_len
+    if config.max_model_len is not None:
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {limit}")
+        if max_model_len > capacity:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the KV cache capacity of {capacity} tokens for one sequence "
+                             f"({num_blocks} blocks); raise {flag} or lower max_model_len")  # fmt: skip
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {max_model_len}")
+    if max_model_len < 2:
+        raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; raise {flag}")
+    return num_blocks, max_model_len
+
+
 class LLMEngine:
     # tests only: called with each step's batch before the forward pass, to raise inside a step
     step_fault_hook: Callable[[ScheduledBatch], None] | None = None
@@ -237,32 +270,8 @@ class LLMEngine:
         self.rotates_kv = config.rotates_kv(self.kv_spec.head_dim)
         if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
             raise ValueError(f"--kv-hadamard needs a power-of-two head dim; {config.model} has {self.kv_spec.head_dim}")
-        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory * GIB)
-        if num_blocks <= 0:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of {self.kv_spec.bytes_per_block} bytes")
-        available = device_memory_bytes(self.device)
-        self.kv_asked = f"num_kv_blocks={num_blocks}" if config.num_kv_blocks else f"kv_cache_memory={config.kv_cache_memory:g} GiB"
-        if available is not None and num_blocks * self.kv_spec.bytes_per_block > available:
-            raise ValueError(f"{self.kv_asked} is more than this {self.device.type} device gives this process in all ({available / GIB:.1f} GiB); "
-                             "`kvserve plan` says what fits beside the weights")  # fmt: skip
-        limit = model_config.max_position_embeddings
-        capacity = self.kv_spec.max_tokens(num_blocks, config.max_num_batched_tokens, limit)
-        if config.max_model_len is None:
-            self.max_model_len = capacity
-        else:
-            self.max_model_len = config.max_model_len
-            if self.max_model_len > limit:
-                raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length {limit}")
-            if self.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len={self.max_model_len} exceeds the KV cache capacity of {capacity} tokens for one sequence "
-                    f"({num_blocks} blocks); raise {'num_kv_blocks' if config.num_kv_blocks else 'kv_cache_memory'} or lower max_model_len"
-                )
-        if config.max_model_len is not None and config.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {config.max_model_len}")
-        if self.max_model_len < 2:
-            raise ValueError(f"the KV cache ({num_blocks} blocks) cannot hold a sequence of two tokens; "
-                             f"raise {'num_kv_blocks' if config.num_kv_blocks else 'kv_cache_memory'}")
+        self.kv_asked = kv_asked(config)
+        num_blocks, self.max_model_len = kv_capacity(config, model_config, self.kv_spec)
         self.cache_identity = identity
         prefix_cache = None
         if config.enable_prefix_caching:

@@ -8,6 +8,7 @@ import json
 import shlex
 from pathlib import Path
 
+from kvserve.config import EngineConfig
 from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.eval.harness import EvalPlan, Evaluation
 from kvserve.eval.text import default_text_path, read_text
@@ -131,6 +132,21 @@ def _naming_config(flags: str, exc: ValueError) -> ValueError:
     return ValueError(message if message.startswith("--config") else f"--config {flags!r}: {message}")
 
 
+def _check_before_running(model: str, reference: EngineConfig, configs: list[tuple[str, EngineConfig]]) -> None:
+    """The engine's refusals of a pool or lengths (a pool larger than the machine, a max_model_len
+    past its capacity) for every configuration, from configs alone: before the reference's minutes of work."""
+    from kvserve.engine.engine import kv_cache_spec, kv_capacity
+    from kvserve.plan.cli import load_model_config
+
+    model_config = load_model_config(model)
+    kv_capacity(reference, model_config, kv_cache_spec(reference, model_config))
+    for flags, config in configs:
+        try:
+            kv_capacity(config, model_config, kv_cache_spec(config, model_config))
+        except ValueError as exc:
+            raise _naming_config(flags, exc) from None
+
+
 def run_eval(args: argparse.Namespace) -> int:
     if not args.config:
         raise ValueError('give at least one --config "ENGINE FLAGS" to compare with the reference')
@@ -149,6 +165,7 @@ def run_eval(args: argparse.Namespace) -> int:
             configs.append((flags, engine_config_from_args(config_args(args, flags))))
         except ValueError as exc:  # a combination the engine's config refuses
             raise _naming_config(flags, exc) from None
+    _check_before_running(args.model, reference_config, configs)
     evaluation = Evaluation(plan, text, progress=not args.no_progress)
     try:
         reference = evaluation.run("reference", "", reference_config)
