@@ -257,11 +257,32 @@ def test_keywords_the_docs_call_enforced_are_enforced(name):
     ({"type": "string", "pattern": "\\Aabc\\Z"}, "\\A, \\Z"),
     ({"type": "string", "pattern": "^\\x41BC$"}, "more than two"),
     ({"enum": ["a", "b"], "const": "c"}, "'const' beside enum"),
+    # a range narrower than the six decimals xgrammar generates numbers in compiled to a grammar nothing completes
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-7}, "holds no number of at most six decimal places"),
+    ({"type": "number", "minimum": 0.1000001, "maximum": 0.1000002}, "holds no number"),
+    ({"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.500001}, "holds no number"),
 ])  # fmt: skip
 def test_schemas_the_grammar_would_not_follow_are_refused_with_where(schema, message):
     """Found by QA: these keywords compiled to nothing, and outputs broke them with finish_reason stop."""
     with pytest.raises(GrammarError, match=re.escape(message)):
         StructuredOutputs(json=schema)
+
+
+@pytest.mark.parametrize("bounds, least", [
+    ({"minimum": 0.1, "maximum": 0.1000001}, "0.1"),
+    ({"exclusiveMinimum": 0.5, "exclusiveMaximum": 0.50001}, "0.500001"),
+    ({"minimum": -1, "maximum": -0.9999999}, "-1"),
+    ({"minimum": 0.000001, "maximum": 0.0000015}, "0.000001"),
+    ({"exclusiveMinimum": -0.0000015, "maximum": -0.000001}, "-0.000001"),
+])  # fmt: skip
+def test_a_narrow_number_range_that_holds_a_generated_number_compiles_and_generates_it(bounds, least):
+    """The refusal above is exact: the least six-decimal number in a range it lets through is generated."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvserve.structured.compiler import grammar_text
+
+    grammar = xgr.Grammar.from_ebnf(grammar_text(StructuredOutputs(json={"type": "number", **bounds})))
+    assert _is_grammar_accept_string(grammar, least)
 
 
 def test_patterns_keep_off_the_surrogates_and_the_rewrite_is_stable():

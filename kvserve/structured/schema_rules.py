@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import reprlib
+from decimal import ROUND_CEILING, Decimal
 
 from kvserve.structured.patterns import pattern_refusal, text_only_pattern
 
@@ -25,6 +26,9 @@ _ASSERTIONS = frozenset(("type", "enum", "const", "multipleOf", "maximum", "excl
                          "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
                          "dependentSchemas", "dependencies", "$ref"))  # fmt: skip
 _INT64 = 2**63
+# xgrammar 0.2.9 writes a bounded number with at most six digits after the point: a range holding
+# no such number compiles to a grammar nothing completes
+_NUMBER_STEP = Decimal("0.000001")
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),), "array": (list,),
                "object": (dict,)}  # fmt: skip
 
@@ -129,6 +133,9 @@ def _refusal(node: dict) -> str | None:
             bound = node.get(key)
             if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not -_INT64 <= bound < _INT64:
                 return f"{key} {bound} is outside 64-bit integers, the range integer bounds are compiled in"
+    if node.get("type") == "number" and _holds_no_generated_number(node):
+        return ("the range its minimum/maximum bounds leave holds no number of at most six decimal places, the precision the "
+                "compiler generates numbers in; widen it")  # fmt: skip
     required, properties = node.get("required"), node.get("properties", {})
     names_properties = "properties" in node or node.get("type") == "object"
     closed = node.get("additionalProperties", False) in (False, None) and "patternProperties" not in node
@@ -138,6 +145,31 @@ def _refusal(node: dict) -> str | None:
             return (f"required names {missing[0]!r}, which properties does not define; only the properties a schema names are "
                     "generated (set additionalProperties to allow others)")  # fmt: skip
     return None
+
+
+def _bound(node: dict, key: str) -> Decimal | None:
+    value = node.get(key)
+    return Decimal(repr(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _holds_no_generated_number(node: dict) -> bool:
+    """Whether no multiple of 1e-6 meets the number's bounds (the least one above its lower bounds
+    breaks an upper bound)."""
+    least = None
+    for key, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
+        bound = _bound(node, key)
+        if bound is None or not bound.is_finite():
+            continue
+        point = (bound / _NUMBER_STEP).to_integral_value(ROUND_CEILING) * _NUMBER_STEP
+        if exclusive and point == bound:
+            point += _NUMBER_STEP
+        least = point if least is None else max(least, point)
+    if least is None:
+        return False
+    high, high_exclusive = _bound(node, "maximum"), _bound(node, "exclusiveMaximum")
+    return (high is not None and high.is_finite() and least > high) or (
+        high_exclusive is not None and high_exclusive.is_finite() and least >= high_exclusive
+    )
 
 
 def schema_refusal(schema: dict) -> str | None:
