@@ -30,16 +30,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="KV cache format; auto follows --dtype. int8 and fp8 (fp8 = fp8_e4m3) keep one scale per token and "
                        "head; int4 and int2 are KIVI-style (keys per channel, values per token, in groups), the most recent "
                        "tokens kept in full precision. See docs/kv-quantization.md")
-    group.add_argument("--kv-quant-group-size", type=int, default=32,
-                       help="int4/int2: tokens per key-channel scale and channels per value scale (default: %(default)s)")
-    group.add_argument("--kv-quant-residual", type=int, default=128,
+    # the three int4/int2 flags default to None so that one given with another cache is refused, not ignored
+    group.add_argument("--kv-quant-group-size", type=int, default=None,
+                       help="int4/int2: tokens per key-channel scale and channels per value scale (default: 32)")
+    group.add_argument("--kv-quant-residual", type=int, default=None,
                        help="int4/int2: the most recent tokens kept in full precision, in blocks taken from the pool as a "
-                       "sequence needs them (default: %(default)s)")
-    group.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=True,
+                       "sequence needs them (default: 128)")
+    group.add_argument("--kv-quant-sink-block", action=argparse.BooleanOptionalAction, default=None,
                        help="int4/int2: keep each sequence's first block (--block-size tokens) in full precision too: the "
                        "first token is the attention sink most heads look at, and its outlier keys would set the scales of "
                        "its whole key group (on SmolLM2 int4 it cuts the mean KL 2.5x; see docs/kv-quantization.md). Costs one "
-                       "full-precision block per sequence, taken from the pool while the sequence holds it")
+                       "full-precision block per sequence, taken from the pool while the sequence holds it (default: on)")
     group.add_argument("--kv-cache-scales", default=None, metavar="FILE",
                        help='fp8: a JSON file of calibrated scales, {"k_scale": [[per head] per layer], "v_scale": [...]}, '
                        "used instead of each token's own")
@@ -138,8 +139,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "tier; both does both (default: %(default)s). `kvserve pd-proxy` puts one of each behind one URL")
 
 
-def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+KIVI_FLAGS = ("kv_quant_group_size", "kv_quant_residual", "kv_quant_sink_block")
+
+
+def engine_config_from_args(args: argparse.Namespace, strict_kivi_flags: bool = True, **extra) -> EngineConfig:
+    """The engine's config from parsed flags. An int4/int2 flag beside another cache is refused,
+    unless not `strict_kivi_flags` (`kvserve eval`: flags given to the command apply to the rows they fit)."""
     names = EngineConfig.field_names()
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     values.update(extra)
+    given = [name for name in KIVI_FLAGS if values.get(name) is not None]
+    if given and strict_kivi_flags and values.get("kv_cache_dtype") not in ("int4", "int2"):
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to --kv-cache-dtype int4 or int2; this cache is "
+                         f"{values.get('kv_cache_dtype', 'auto')}")  # fmt: skip
+    for name in KIVI_FLAGS:
+        if values.get(name) is None:
+            values.pop(name, None)
     return EngineConfig(**values)

@@ -111,6 +111,24 @@ def test_the_cli_names_the_flag_of_a_bad_value(capsys):
     assert "--kv-keep-ratio (kv_keep_ratio) must be in (0, 1]" in capsys.readouterr().err
 
 
+def test_an_int4_flag_beside_another_cache_is_refused_not_ignored():
+    """Found by QA: `kvserve serve --kv-quant-residual 64` started a float cache and ignored the flag."""
+    from kvserve.cli import build_parser
+    from kvserve.engine_args import engine_config_from_args
+
+    parser = build_parser()
+    for flags in (["--kv-quant-residual", "64"], ["--no-kv-quant-sink-block"], ["--kv-cache-dtype", "int8", "--kv-quant-group-size", "16"]):
+        with pytest.raises(ValueError, match="applies to --kv-cache-dtype int4 or int2"):
+            engine_config_from_args(parser.parse_args(["serve", *flags]))
+    config = engine_config_from_args(parser.parse_args(["serve", "--kv-cache-dtype", "int2", "--kv-quant-residual", "64"]))
+    assert (config.kv_quant_residual, config.kv_quant_group_size, config.kv_quant_sink_block) == (64, 32, True)
+    config = engine_config_from_args(parser.parse_args(["serve"]))
+    assert (config.kv_quant_residual, config.kv_quant_group_size, config.kv_quant_sink_block) == (128, 32, True)
+    # kvserve eval: flags given to the command apply to the rows they fit (the reference is not int4)
+    config = engine_config_from_args(parser.parse_args(["serve", "--kv-quant-residual", "64"]), strict_kivi_flags=False)
+    assert config.kv_quant_residual == 64 and config.kv_cache_dtype not in ("int4", "int2")
+
+
 def test_max_model_len_beyond_capacity(tiny_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny_dir("qwen2")), dtype="float32", num_kv_blocks=2, block_size=4, max_model_len=64)

@@ -158,11 +158,11 @@ def run_eval(args: argparse.Namespace) -> int:
     )  # fmt: skip
     text_path = args.text or default_text_path()
     text = read_text(text_path)
-    reference_config = engine_config_from_args(args)
+    reference_config = engine_config_from_args(args, strict_kivi_flags=False)
     configs = []
     for flags in args.config:
         try:
-            configs.append((flags, engine_config_from_args(config_args(args, flags))))
+            configs.append((flags, engine_config_from_args(config_args(args, flags), strict_kivi_flags=False)))
         except ValueError as exc:  # a combination the engine's config refuses
             raise _naming_config(flags, exc) from None
     _check_before_running(args.model, reference_config, configs)
