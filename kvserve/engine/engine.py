@@ -175,7 +175,7 @@ class LLMEngine:
         self._setup(config, checkpoint.config, tokenizer,
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend,
                                                                                                     checkpoint.weight_format)))  # fmt: skip
-        with fitting(self.device, self.kv_asked):
+        with fitting(self.device, kv_asked(config)):
             self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
             self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
             self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, kv_scales(config, self.kv_spec),
@@ -270,7 +270,6 @@ class LLMEngine:
         self.rotates_kv = config.rotates_kv(self.kv_spec.head_dim)
         if self.rotates_kv and not is_power_of_two(self.kv_spec.head_dim):
             raise ValueError(f"--kv-hadamard needs a power-of-two head dim; {config.model} has {self.kv_spec.head_dim}")
-        self.kv_asked = kv_asked(config)
         num_blocks, self.max_model_len = kv_capacity(config, model_config, self.kv_spec)
         self.cache_identity = identity
         prefix_cache = None

@@ -139,12 +139,11 @@ def _check_before_running(model: str, reference: EngineConfig, configs: list[tup
     from kvserve.plan.cli import load_model_config
 
     model_config = load_model_config(model)
-    kv_capacity(reference, model_config, kv_cache_spec(reference, model_config))
-    for flags, config in configs:
+    for flags, config in [(None, reference), *configs]:
         try:
             kv_capacity(config, model_config, kv_cache_spec(config, model_config))
         except ValueError as exc:
-            raise _naming_config(flags, exc) from None
+            raise exc if flags is None else _naming_config(flags, exc) from None
 
 
 def run_eval(args: argparse.Namespace) -> int:
