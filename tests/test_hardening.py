@@ -550,7 +550,10 @@ def test_a_second_signal_exits_at_once(model_dir):
 
         client = threading.Thread(target=hold, daemon=True)
         client.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while metrics(url)["kvserve:num_requests_running"] < 1:  # the request runs: the first signal starts a drain
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert proc.poll() is None  # draining

@@ -77,6 +77,10 @@ def metric(url: str, name: str, event: str) -> float:
     return 0.0
 
 
+def counter(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(name + "{"))
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 17}], ids=["greedy", "seeded"])
 def test_a_streaming_request_migrated_after_20_tokens_reads_as_if_it_never_moved(servers, sampling):
     payload = body(a_prompt(40), **sampling)
@@ -99,9 +103,13 @@ def test_a_non_streamed_request_migrates_too(servers):
         result["answer"] = httpx.post(servers["source"] + "/v1/completions", json=payload, headers={"x-request-id": "mig-plain"},
                                       timeout=120).json()  # fmt: skip
 
+    generated = counter(servers["source"], "kvserve:generation_tokens_total")
     thread = threading.Thread(target=client)
     thread.start()
-    time.sleep(1.2)  # about 20 steps of 50 ms
+    deadline = time.monotonic() + 60
+    while counter(servers["source"], "kvserve:generation_tokens_total") < generated + 20:  # decoding, well before its 60 tokens
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
     moved = httpx.post(servers["source"] + "/v1/kv/migrate", json={"request_id": "mig-plain", "target": servers["target"]}, timeout=60)
     thread.join(timeout=120)
     assert moved.status_code == 200, moved.text

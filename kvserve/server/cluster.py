@@ -127,9 +127,7 @@ def _reserved_port(host: str, port: int, flags: str | None = None) -> socket.soc
     port (a released one could be, and then the router failed to bind)."""
     from kvserve.server.shutdown import bound_socket
 
-    sock = bound_socket(host, port, flags)
-    sock.listen()
-    return sock
+    return bound_socket(host, port, flags)
 
 
 def _die_with_parent() -> None:

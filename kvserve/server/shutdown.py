@@ -68,6 +68,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+_BACKLOG = 2048  # uvicorn's default
+
+
 def bound_socket(host: str, port: int, flags: str | None = None) -> socket.socket:
     """A listening socket's address taken, or ValueError naming the flags that chose it (--host/--port
     by default) and why not."""
@@ -78,6 +81,9 @@ def bound_socket(host: str, port: int, flags: str | None = None) -> socket.socke
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # listening before the startup line is printed: a client that connects on that line is queued
+        # until the server accepts, never refused
+        sock.listen(_BACKLOG)
     except OSError as error:
         raise ValueError(f"cannot listen on {flags}: {error.strerror or error}") from None
     return sock
