@@ -293,6 +293,44 @@ def test_a_restarted_engine_reuses_the_disk_tier_and_another_identity_never_does
     assert all(o.num_cached_tokens == 0 for o in salted) and [trace(o) for o in salted] == expected
 
 
+def test_write_through_stores_every_computed_block_in_host_and_disk_alike(tiny_dir, tmp_path):
+    """Found by QA: with host and disk tiers, write_through wrote to the host tier only, and a block
+    reached the disk only when the host tier dropped it; a crash lost every block it still held."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(4, 90, 120, seed=31)
+    first = tiered(path, tmp_path, "both", kv_offload_host_gib=0.05, kv_offload_policy="write_through")
+    expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
+    first.engine.kv.offloader.drain()
+    host, disk = first.engine.kv.offloader.local
+    keys = [key for key, _ in host.records()]
+    assert len(keys) >= 4 * 5 and all(disk.contains(key) for key in keys)  # the host tier dropped nothing; the disk has it all
+    restarted = tiered(path, tmp_path, "disk")  # what a crash leaves: the disk alone
+    outs = one_by_one(restarted, prompts, GREEDY)
+    assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
+
+
+@pytest.mark.parametrize("tier", ["disk", "both"])
+def test_a_graceful_shutdown_sends_the_pools_and_the_host_tiers_blocks_to_disk(tiny_dir, tmp_path, tier):
+    """write_back keeps a block in the pool (and then the host tier) until it is evicted: persist, the
+    drain's last step, writes what only they hold to the disk, so the restarted engine starts warm."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(6, 90, 120, seed=32)
+    first = tiered(path, tmp_path, tier, num_kv_blocks=64, **({"kv_offload_host_gib": 0.0004} if tier == "both" else {}))
+    expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
+    kv = first.engine.kv
+    disk = kv.offloader.local[-1]
+    kv.offloader.drain()
+    assert disk.usage().entries < 6 * 5  # write_back: most blocks are still above the disk
+    assert kv.persist_to_tiers(timeout=30) > 0
+    cached = kv.prefix_cache.blocks()
+    assert cached and all(disk.contains(record_key(b.block_hash, b.group)) for b in cached)
+    assert all(disk.contains(key) for store in kv.offloader.local[:-1] for key, _ in store.records())
+    assert kv.persist_to_tiers(timeout=30) == 0  # nothing left to write
+    restarted = tiered(path, tmp_path, "disk", num_kv_blocks=64)
+    outs = one_by_one(restarted, prompts, GREEDY)
+    assert [trace(o) for o in outs] == expected and all(o.num_cached_tokens >= 80 for o in outs)
+
+
 def test_corrupt_truncated_and_deleted_records_are_misses_with_the_right_tokens(tiny_dir, tmp_path):
     path = str(tiny_dir("llama"))
     prompts = random_prompts(4, 90, 120, seed=3)

@@ -473,6 +473,14 @@ class KVCacheManager:
                         self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
         self._published[request_id] = full
 
+    def persist_to_tiers(self, timeout: float) -> int:
+        """A graceful shutdown: the prefix cache's blocks and the host tier's records go down to the
+        disk tier (kv/tiers/offload.py's persist), within timeout seconds. Records queued."""
+        if self.offloader is None or self.prefix_cache is None:
+            return 0
+        cached = [(b.block_id, b.block_hash, b.group, b.token_ids) for b in self.prefix_cache.blocks()]
+        return self.offloader.persist(cached, timeout)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block; requests keep the blocks they hold. Returns how many were forgotten."""
         if self.prefix_cache is None:

@@ -25,6 +25,7 @@ _TEMPORARY = ".tmp-"
 
 class DiskStore(BlockStore):
     name = "disk"
+    durable = True
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

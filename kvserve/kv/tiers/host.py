@@ -56,6 +56,11 @@ class HostStore(BlockStore):
                 self.on_evict(gone_key, gone)
         return True
 
+    def records(self) -> list[tuple[str, bytes]]:
+        """Every (key, record) held, least recently used first (a copy of the index, not of the bytes)."""
+        with self._lock:
+            return list(self._records.items())
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._records

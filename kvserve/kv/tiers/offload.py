@@ -2,7 +2,10 @@
 
 Down: a cached block's bytes are copied out of the pool at once (on eviction, or as soon as it is
 published with write_through), before anything can reuse its memory; encoding and storing happen
-on the tiers' worker thread. The host tier hands what it drops for room to the disk tier.
+on the tiers' worker thread. write_through stores a computed block in every local tier (host and
+disk: a crash loses nothing the writer finished); write_back stores an evicted block in the first,
+and the host tier hands what it drops for room to the disk tier. At a graceful shutdown `persist`
+sends what only the pool or the host tier holds down to the disk tier, so a restart starts warm.
 
 Up: a request whose prefix continues in the tiers gets fresh pool blocks, held (so nothing reuses
 them) while the worker reads, checks and copies the records into them; the scheduler then
@@ -131,19 +134,28 @@ class KVOffloader:
         holds is not stored there again; the worker asks the shared tier before sending it."""
         key = record_key(block_hash, group)
         targets: list[BlockStore] = []
+        if published == (self.policy == "write_through"):
+            if not published:
+                targets = self.local[:1] if not any(s.contains(key) for s in self.local) else []
+            else:
+                targets = [s for s in self.local if not s.contains(key)]
         if published and self.writes_remote:
             targets.append(self.remote)
-        if self.local and (published == (self.policy == "write_through")) and not any(s.contains(key) for s in self.local):
-            targets.insert(0, self.local[0])
+        self._copy_out(block_id, block_hash, group, token_ids, key, targets, wait=published)
+
+    def _copy_out(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int], key: str,
+                  targets: list[BlockStore], wait: bool) -> bool:  # fmt: skip
+        """Copy the block's bytes now and queue its record for targets (nothing if none); past
+        MAX_PENDING_BYTES wait for the writer (`wait`) or drop the block. False: dropped."""
         if not targets:
-            return
+            return True
         with self._lock:
             if key in self._pending:
-                return
+                return True
             if self._pending_bytes >= MAX_PENDING_BYTES:
-                if not published:  # an eviction burst: the block goes, as it would without tiers
+                if not wait:  # an eviction burst: the block goes, as it would without tiers
                     self.dropped_blocks += 1
-                    return
+                    return False
                 self.waits_for_writer += 1  # a computed block is what write-through and the shared tier are for: wait
                 self._room.wait_for(lambda: self._pending_bytes < MAX_PENDING_BYTES)
         record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
@@ -151,6 +163,7 @@ class KVOffloader:
             self._pending[key] = (record, targets[0])
             self._pending_bytes += len(record.payload)
         self._worker.submit(self._write, key, record, targets)
+        return True
 
     def _write(self, key: str, record: BlockRecord, targets: list[BlockStore]) -> None:
         try:
@@ -159,6 +172,8 @@ class KVOffloader:
                 if store.shared:
                     if not store.contains(key):  # another engine may have sent it already
                         self._store(store, key, data)
+                elif len(targets) > 1 or self.policy == "write_through":
+                    self._store(store, key, data)  # each local tier its own copy
                 else:
                     self._store_local(self.local.index(store), key, data)
         except Exception:  # noqa: BLE001 - a record that cannot be stored is only a future recompute
@@ -180,10 +195,38 @@ class KVOffloader:
 
     def _store_local(self, first: int, key: str, data: bytes) -> None:
         """Into the first local tier from self.local[first] down that takes it: a record larger than
-        a tier's whole budget (a KIVI cache's full-precision sink block in a small host tier) goes below."""
+        a tier's whole budget (a KIVI cache's full-precision sink block in a small host tier) goes below.
+        A tier that holds the key already (write_through put it there too) ends the walk."""
         for store in self.local[first:]:
-            if self._store(store, key, data):
+            if store.contains(key) or self._store(store, key, data):
                 return
+
+    # ------------------------------------------------------------------ shutdown
+    def persist(self, cached: Sequence[tuple[int, int, int, Sequence[int]]], timeout: float) -> int:
+        """A graceful shutdown's last writes: every cached block of the pool (block id, hash, group,
+        tokens) and every host-tier record that the durable tier (disk) lacks goes down to it, within
+        `timeout` seconds. Call it on the thread that owns the pool, with no step running. Returns
+        how many records were queued; what the timeout cuts off is recomputed after the restart."""
+        durable = next((s for s in self.local if s.durable), None)
+        if durable is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        queued = 0
+        for block_id, block_hash, group, token_ids in cached:
+            if time.monotonic() >= deadline:
+                break
+            key = record_key(block_hash, group)
+            if not durable.contains(key):
+                queued += self._copy_out(block_id, block_hash, group, token_ids, key, [durable], wait=True)
+        for upper in self.local[: self.local.index(durable)]:
+            if hasattr(upper, "records"):
+                for key, data in upper.records():
+                    if not durable.contains(key):
+                        self._worker.submit(self._store, durable, key, data)
+                        queued += 1
+        done = self._worker.submit(lambda: None)
+        wait([done], timeout=max(0.0, deadline - time.monotonic()))
+        return queued
 
     def flushed(self) -> Future:
         """Done once every block copied out before this call is stored (a producer answers then)."""
