@@ -9,16 +9,15 @@ import itertools
 import logging
 import random
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence as Seq
 
 import torch
 import xxhash
 
 from kvserve.attention.backend import create_backend
-from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
+from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
 from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
@@ -51,16 +50,6 @@ from kvserve.structured.compiler import GrammarCompiler
 log = logging.getLogger(__name__)
 
 
-def checkpoint_digests(path: Path) -> tuple[str, str]:
-    """(weights, tokenizer) content digests of a GGUF file (both inside it) or an HF directory."""
-    if path.is_file():
-        digest = file_digest(path)
-        return digest, digest
-    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and not p.name.startswith("tokenizer")]
-    tokenizer = [p for p in path.iterdir() if p.name.startswith(("tokenizer", "special_tokens")) or p.suffix in (".model", ".jinja")]
-    return tree_digest(weights), tree_digest(tokenizer)
-
-
 NO_TOKENIZER = "this engine has no tokenizer (--skip-tokenizer-init, or no tokenizer files beside the weights): send token ids, not text"
 
 
@@ -78,8 +67,8 @@ class LLMEngine:
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
         weights, tokenizer_digest = checkpoint_digests(path)
         self._setup(config, checkpoint.config, tokenizer,
-                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **self._identity_fields(config, checkpoint.config, backend,
-                                                                                                    checkpoint.weight_format)))  # fmt: skip
+                    CacheIdentity(model=weights, tokenizer=tokenizer_digest, **identity_fields(config, checkpoint.config, backend,
+                                                                                               checkpoint.weight_format)))  # fmt: skip
         with fitting(self.device, kv_asked(config)):
             self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
             self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
@@ -147,23 +136,11 @@ class LLMEngine:
         (prefix reuse, quantized dtypes, sliding-window groups) shows up in the replay as well.
         """
         engine = cls.__new__(cls)
-        identity = CacheIdentity(model=config.model, **cls._identity_fields(config, model_config, "simulated"))
+        identity = CacheIdentity(model=config.model, **identity_fields(config, model_config, "simulated"))
         engine._setup(config, model_config, None, identity)
         engine.model = engine.pool = None
         engine.runner = SimulatedRunner()
         return engine
-
-    @staticmethod
-    def _identity_fields(config: EngineConfig, model_config: ModelConfig, backend: str, weight_format: str = "float") -> dict:
-        return {
-            # GGUF blocks compute in float32 from the exact dequantized values: other K/V than --dtype weights
-            "dtype": config.dtype if weight_format == "float" else f"{config.dtype}/weights {weight_format}",
-            "kv_cache_dtype": config.kv_cache_dtype,
-            "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
-            "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/sink {config.kv_quant_sink_block}"
-                               f"/scales {config.kv_cache_scales}"
-                               + ("/keys centered" if config.centers_keys else "") + f"/hadamard {config.rotates_kv(model_config.head_dim)}",
-        }  # fmt: skip
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
         self.config = config
