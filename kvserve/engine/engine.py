@@ -19,7 +19,7 @@ from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
 from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
-from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
+from kvserve.engine import migrate
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
@@ -35,7 +35,6 @@ from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
 from kvserve.kv.tiers.offload import KVOffloader
-from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_head, record_key, record_overhead
 from kvserve.kv.tiers.remote import RemoteStore
 from kvserve.kv.spec import GIB, blocks_for_tokens
 from kvserve.model.config import ModelConfig
@@ -296,109 +295,13 @@ class LLMEngine:
                                "score with prefix caching off, or another cache_salt)")  # fmt: skip
         return hidden
 
-    # ------------------------------------------------------------------ live migration
-    def export_request(self, request_id: str, with_records: bool = True) -> RequestState:
-        """A running or waiting request's state (engine/migration.py), after which it leaves this
-        engine (no output): its blocks stay in the prefix cache, so importing the state here again
-        resumes it cheaply. With `with_records`, the KV of its cached blocks travels in the state;
-        with a remote tier it is there already (this waits until what was sent has landed)."""
-        seq = self.requests.get(request_id)
-        if seq is None:
-            raise KeyError(request_id)
-        if seq.eviction is not None or seq.captured is not None:
-            raise ValueError("a request with kv_compression (or a scoring one) cannot migrate: its cache is not a prefix chain")
-        if seq.params.prompt_logprobs is not None:
-            raise ValueError("a request with prompt logprobs (echo with logprobs) cannot migrate: its scores stay here")
-        identity = root_hash(self.cache_identity)
-        records = []
-        if with_records and self.pool is not None:
-            records = [encode_record(BlockRecord(b.block_hash, b.group, b.token_ids, self.pool.block_bytes(b.block_id)), identity)
-                       for b in self.kv.published_blocks(request_id)]  # fmt: skip
-        state = RequestState(list(seq.prompt_token_ids), list(seq.output_token_ids), seq.params, seq.seed, identity, seq.cache_salt,
-                             seq.prompt, seq.stream, list(seq.logprobs), seq.num_cached_tokens, records)  # fmt: skip
-        self.requests.pop(request_id)
-        self.scheduler.finish(seq)
-        if self.kv.offloader is not None and self.kv.offloader.writes_remote:
-            self.kv.offloader.flushed().result(timeout=60)
-        self.migrations["out"] += 1
-        return state
-
-    def check_import(self, state: RequestState) -> None:
-        """Whether this engine can continue the request exactly (ValueError saying why not); changes nothing."""
-        if state.identity != root_hash(self.cache_identity):
-            raise ValueError("the request was exported by an engine with another model, dtype or KV settings")
-        validate_cache_salt(state.cache_salt)
-        self.validate_prompt_tokens(state.prompt_token_ids)
-        tokens = [*state.prompt_token_ids, *state.output_token_ids]
-        if any(t >= self.model_config.vocab_size for t in state.output_token_ids):
-            raise ValueError(f"output token ids must be in [0, {self.model_config.vocab_size})")
-        if len(tokens) >= self.max_model_len or len(state.output_token_ids) >= state.params.max_tokens:
-            raise ValueError("the request has no tokens left to generate")
-        if len(state.logprobs) != (len(state.output_token_ids) if state.params.logprobs is not None else 0):
-            raise ValueError("the request's logprobs do not match its output tokens")
-        if self.eviction_policy(state.params) is not None:
-            raise ValueError("this engine compresses the request's cache (--kv-compression): it cannot continue it exactly")
-        if len(state.prompt_token_ids) + state.params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={state.params.max_tokens} plus the prompt's {len(state.prompt_token_ids)} tokens exceeds "
-                             f"max_model_len={self.max_model_len}")  # fmt: skip
-        if len(state.records) > self.max_migrated_records(len(tokens)):
-            raise ValueError(f"{len(state.records)} KV records are more than {len(tokens)} tokens have blocks")
-
-    def max_migrated_records(self, num_tokens: int) -> int:
-        """The most block records a migrated request of num_tokens tokens can carry (one per group per block)."""
-        return (num_tokens // self.kv.block_size + 1) * len(self.kv.groups)
-
-    def max_migration_bytes(self) -> int:
-        """The largest state (engine/migration.py) a request can need here: its JSON and its records."""
-        records, spec = self.max_migrated_records(self.max_model_len), self.kv_spec
-        # a KIVI cache's sink blocks travel in full precision: up to residual_units quantized blocks' bytes
-        sink_bytes = spec.quant_sink_blocks * len(self.kv.groups) * max(spec.residual_units - 1, 0) * spec.bytes_per_block
-        return MAX_STATE_BYTES + records * (4 + spec.bytes_per_block + record_overhead(self.kv.block_size)) + sink_bytes
-
-    def decode_records(self, state: RequestState) -> list[BlockRecord]:
-        """The state's KV records that pass their checks (the others are counted, then recomputed);
-        pure, so a server runs it off the engine thread."""
-        records = []
-        for data in state.records:
-            try:
-                records.append(decode_record(data, state.identity, record_key(*record_head(data))))
-            except (CorruptRecord, ValueError):
-                self.migrations["records_rejected"] += 1
-        return records
-
-    def import_request(self, state: RequestState, request_id: str | None = None, records: list[BlockRecord] | None = None,
-                       returning: bool = False) -> Sequence:  # fmt: skip
-        """Continue a request exported by an engine with the same model and KV settings: its blocks
-        (the records in the state, else the tiers, else recomputed) and its draws go on where they
-        were, so it produces the tokens it would have produced there. Its outputs hold what is new."""
-        self.check_import(state)
-        tokens = [*state.prompt_token_ids, *state.output_token_ids]
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if records is None:
-            records = self.decode_records(state)
-        if records and self.pool is not None:
-            self.kv.adopt_blocks(tokens, state.cache_salt, records, self.pool.write_block_bytes)
-        text = None
-        if self.tokenizer is not None:
-            text = OutputText(self.tokenizer.incremental_detokenizer(), state.params.stop, state.params.include_stop_str_in_output)
-            for token in state.output_token_ids:
-                text.add(token)
-            text.take_new()  # handed out at the source
-        seq = Sequence(request_id, list(state.prompt_token_ids), state.params, prompt=state.prompt, cache_salt=state.cache_salt,
-                       seed=state.seed, text=text, stream=state.stream, migrated=True,
-                       grammar=self._grammar(state.params, state.output_token_ids))  # fmt: skip
-        for token in state.output_token_ids:
-            seq.append_token(token)
-        seq.logprobs = list(state.logprobs)
-        seq.num_sent_tokens = len(state.output_token_ids)
-        seq.num_cached_tokens = state.num_cached_tokens
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        if not returning:  # a request back from a failed migration counts as failed, not as in
-            self.migrations["in"] += 1
-        return seq
+    # ------------------------------------------------------------------ live migration (engine/migrate.py)
+    export_request = migrate.export_request
+    check_import = migrate.check_import
+    max_migrated_records = migrate.max_migrated_records
+    max_migration_bytes = migrate.max_migration_bytes
+    decode_records = migrate.decode_records
+    import_request = migrate.import_request
 
     def validate_prompt_tokens(self, token_ids: Seq[int]) -> None:
         if len(token_ids) == 0:
