@@ -42,7 +42,7 @@ from kvserve.model.loader import build_model, load_checkpoint, resolve_weight_fo
 from kvserve.model.weight_bytes import weight_bytes
 from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, request_output
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -325,7 +325,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
         seq.finished_time = time.monotonic()
-        return self._output(seq)
+        return request_output(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._handing_over)
@@ -381,7 +381,7 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.finish_reason, seq.finished_time = "error", time.monotonic()
-        out = self._output(seq)
+        out = request_output(seq)
         out.error = f"the KV cache ({self.kv.num_blocks} blocks) cannot hold this request's {seq.num_tokens} tokens even alone"
         return [out]
 
@@ -395,7 +395,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
             seq.finish_reason, seq.finished_time = "error", now
-            out = self._output(seq)
+            out = request_output(seq)
             out.error = f"{type(exc).__name__}: {exc}"
             outputs.append(out)
         return outputs
@@ -452,10 +452,10 @@ class LLMEngine:
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
                     if self.hands_over:
-                        self._handing_over.append((self.kv.offloader.flushed(), self._output(seq)))
+                        self._handing_over.append((self.kv.offloader.flushed(), request_output(seq)))
                         continue
                 if seq.stream or seq.is_finished:
-                    outputs.append(self._output(seq))
+                    outputs.append(request_output(seq))
         return outputs
 
     # ------------------------------------------------------------------ KV eviction (engine/eviction.py)
@@ -493,41 +493,6 @@ class LLMEngine:
             seq.stop_reason = stop_reason
         seq.finished_time = now
         self.scheduler.finish(seq)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.is_finished
-        if finished and seq.text is not None:
-            seq.text.finish()
-        if seq.stream:
-            token_ids = seq.token_ids[seq.prompt_len + seq.num_sent_tokens :]
-            logprobs = seq.logprobs[seq.num_sent_tokens :] if seq.params.logprobs is not None else None
-            text = seq.text.take_new() if seq.text is not None else ""
-            seq.num_sent_tokens = seq.num_output_tokens
-        else:
-            token_ids = seq.output_token_ids
-            logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
-            text = seq.text.text if seq.text is not None else ""
-        metrics = {"arrival_time": seq.arrival_time}
-        for name in ("first_scheduled_time", "first_token_time", "last_token_time", "finished_time"):
-            value = getattr(seq, name)
-            if value is not None:
-                metrics[name] = value
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=token_ids,
-            text=text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=logprobs,
-            prompt_logprobs=seq.prompt_logprobs,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=metrics,
-            num_output_tokens=seq.num_output_tokens,
-            delta=seq.stream,
-        )
 
     # ------------------------------------------------------------------ introspection
     def prefix_cache_stats(self) -> dict:
