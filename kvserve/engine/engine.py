@@ -19,7 +19,7 @@ from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
 from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
-from kvserve.engine import eviction, migrate
+from kvserve.engine import engine_stats, eviction, migrate
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
@@ -494,21 +494,9 @@ class LLMEngine:
         seq.finished_time = now
         self.scheduler.finish(seq)
 
-    # ------------------------------------------------------------------ introspection
-    def prefix_cache_stats(self) -> dict:
-        p = self.kv.prefix_stats
-        return {
-            "prefix_cache": self.kv.prefix_cache.name if self.kv.prefix_cache is not None else None,
-            "prefix_cache_queries_total": p.queries,
-            "prefix_cache_hits_total": p.hits,
-            "prefix_cache_eligible_tokens_total": p.eligible,
-            "prefix_cache_requests_total": p.requests,
-            "prefix_cache_requests_hit_total": p.requests_hit,
-            "prefix_cache_request_hit_rate": p.requests_hit / p.requests if p.requests else 0.0,
-            "prefix_cache_reused_token_ratio": p.hits / p.eligible if p.eligible else 0.0,
-            "prefix_cache_misses_total": dict(p.misses),
-            "prefix_cache_evictions_total": self.kv.pool.num_evictions,
-        }
+    # ------------------------------------------------------------------ introspection (the stats: engine/engine_stats.py)
+    prefix_cache_stats = engine_stats.prefix_cache_stats
+    stats = engine_stats.stats
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running requests keep their blocks); returns the blocks forgotten."""
@@ -524,55 +512,3 @@ class LLMEngine:
     def weight_bytes(self) -> int:
         """The bytes the model's weights take as held (0 for a simulated engine): read once, they never change."""
         return weight_bytes(self.model) if self.model is not None else 0
-
-    def stats(self) -> dict:
-        return {
-            "model": self.config.model,
-            "dtype": self.config.dtype,
-            "weight_dtype": self.weight_dtype,
-            "weight_bytes": self.weight_bytes,
-            "num_blocks": self.kv.num_blocks,
-            "num_free_blocks": self.kv.num_free_blocks,
-            "kv_cache_groups": [
-                {"layers": list(group.layers), "attention": group.attention, "num_blocks": self.kv.num_blocks,
-                 "num_free_blocks": self.kv.num_free_blocks, "num_used_blocks": used}
-                for group, used in zip(self.kv.groups, self.kv.num_used_blocks)
-            ],  # fmt: skip
-            "block_size": self.kv_spec.block_size,
-            "bytes_per_token": self.kv_spec.bytes_per_token,
-            "scale_bytes_per_token": self.kv_spec.scale_bytes_per_token,
-            # tokens of every layer the pool holds (a sliding-window model holds longer sequences: max_model_len)
-            "token_capacity": self.kv.num_blocks * self.kv_spec.block_size // len(self.kv.groups),
-            "kv_cache_bytes": self.kv.num_blocks * self.kv_spec.bytes_per_block,
-            "kv_cache_dtype": self.kv_spec.kv_dtype,
-            # int4 / int2: the full-precision blocks the pool could hold at once (they share its bytes)
-            "kv_quant_residual_blocks": self.kv.residual_pool.num_blocks if self.kv.residual_pool is not None else 0,
-            "kv_key_centering": self.config.centers_keys,
-            "kv_hadamard": self.rotates_kv,
-            "kv_quant_sink_block": bool(self.kv_spec.quant_sink_blocks),
-            "kv_quant_residual_free_blocks": self.kv.residual_pool.num_free_blocks if self.kv.residual_pool is not None else 0,
-            "kv_cache_usage": self.kv.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_compression": self.config.kv_compression,
-            "snapkv_query": self.config.snapkv_query,
-            "snapkv_question_weight": self.config.snapkv_question_weight,
-            "kv_evicted_tokens_total": self.num_evicted_tokens,
-            "kv_compactions_total": self.num_compactions,
-            "kv_probe_tokens_total": self.num_probe_tokens,
-            "num_steps": self.num_steps,
-            "peak_num_blocks_used": self.peak_num_blocks_used,
-            "kv_cache_usage_peak": self.peak_num_blocks_used / self.kv.num_blocks,
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            # prompt (and, after a preemption, output) tokens the waiting sequences still have to compute, before prefix hits
-            "num_waiting_tokens": sum(len(seq.token_ids) - seq.num_computed_tokens for seq in self.scheduler.waiting),
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_model_len": self.max_model_len,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            **self.prefix_cache_stats(),
-            **(self.kv.offloader.stats() if self.kv.offloader is not None else {"kv_tiers": {}}),
-            "kv_role": self.config.kv_role,
-            "kv_handovers_published_total": self.handovers_published,
-            "kv_migrations_total": dict(self.migrations, hit_tokens=self.scheduler.migrated_hit_tokens),
-        }
