@@ -17,9 +17,9 @@ import xxhash
 from kvserve.attention.backend import create_backend
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
+from kvserve.engine import engine_stats, eviction, migrate
 from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
-from kvserve.engine import engine_stats, eviction, migrate
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
 from kvserve.engine.sampler import Sampler
