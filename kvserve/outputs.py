@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.sequence import TokenLogprobs
+from kvserve.engine.sequence import Sequence, TokenLogprobs
 
 
 @dataclass
@@ -24,3 +24,41 @@ class RequestOutput:
     num_output_tokens: int = 0  # generated so far, in all
     delta: bool = False  # token_ids, text and logprobs hold only what is new (streamed requests)
     error: str | None = None  # with finish_reason "error": what failed
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """What the engine hands back for seq now: a stream's output holds what is new since its
+    previous one (which it marks sent); a finished request's text is flushed first."""
+    finished = seq.is_finished
+    if finished and seq.text is not None:
+        seq.text.finish()
+    if seq.stream:
+        token_ids = seq.token_ids[seq.prompt_len + seq.num_sent_tokens :]
+        logprobs = seq.logprobs[seq.num_sent_tokens :] if seq.params.logprobs is not None else None
+        text = seq.text.take_new() if seq.text is not None else ""
+        seq.num_sent_tokens = seq.num_output_tokens
+    else:
+        token_ids = seq.output_token_ids
+        logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+        text = seq.text.text if seq.text is not None else ""
+    metrics = {"arrival_time": seq.arrival_time}
+    for name in ("first_scheduled_time", "first_token_time", "last_token_time", "finished_time"):
+        value = getattr(seq, name)
+        if value is not None:
+            metrics[name] = value
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt=seq.prompt,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=token_ids,
+        text=text,
+        finished=finished,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        logprobs=logprobs,
+        prompt_logprobs=seq.prompt_logprobs,
+        num_cached_tokens=seq.num_cached_tokens,
+        metrics=metrics,
+        num_output_tokens=seq.num_output_tokens,
+        delta=seq.stream,
+    )

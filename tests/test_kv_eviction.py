@@ -18,7 +18,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.backend import create_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
 from kvserve.config import EngineConfig
-from kvserve.engine import engine as engine_module
+from kvserve.engine import eviction as engine_eviction
 from kvserve.kv.eviction import GENERIC_QUESTION, EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KVCacheSpec
@@ -176,8 +176,8 @@ def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkey
     path = tiny_dir("llama")
     prompt = random_prompts(1, length, length, seed=length)[0]
     seen = []
-    real = engine_module.top_positions
-    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+    real = engine_eviction.top_positions
+    monkeypatch.setattr(engine_eviction, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
     llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=20, snapkv_window=8, max_num_batched_tokens=29,
                snapkv_query="window")  # fmt: skip
     kept = _record_compactions(llm)
@@ -386,8 +386,8 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     path, k = tiny_dir("llama"), 64
     tokens = random_prompts(1, 100, 100, seed=23)[0]
     seen = []
-    real = engine_module.top_positions
-    monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+    real = engine_eviction.top_positions
+    monkeypatch.setattr(engine_eviction, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
     flags = dict(attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40)
     llm = _llm(path, snapkv_query="generic", **flags)
     kept = _record_compactions(llm)
@@ -400,7 +400,7 @@ def test_a_generic_question_scores_the_compressed_tokens_and_leaves_no_trace(tin
     assert any(not torch.equal(keep[layer, 0], keep[layer, 1]) for layer in range(3))  # chosen per head
     _check_free(llm)
     # the same positions kept by a window-scored SnapKV whose selection is replaced by this one
-    monkeypatch.setattr(engine_module, "top_positions", lambda *a: keep)
+    monkeypatch.setattr(engine_eviction, "top_positions", lambda *a: keep)
     plain = _llm(path, snapkv_query="window", **flags)
     torch.testing.assert_close(plain.engine.score(tokens, chunk=chunk, compress_at=k), hidden, atol=0, rtol=0)
     assert plain.stats()["kv_probe_tokens_total"] == 0
@@ -416,12 +416,12 @@ def test_both_adds_the_windows_scores_and_the_generic_questions(tiny_dir, monkey
     window = _hf_window_scores(path, tokens[:k], 8, 2)
     for weight in (3.0, 0.5):
         seen = []
-        real = engine_module.top_positions
-        monkeypatch.setattr(engine_module, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+        real = engine_eviction.top_positions
+        monkeypatch.setattr(engine_eviction, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
         llm = _llm(path, attention_backend=backend, kv_compression="snapkv", kv_budget=24, snapkv_window=8, max_num_batched_tokens=40,
                    snapkv_query="both", snapkv_question_weight=weight)  # fmt: skip
         llm.engine.score(tokens, chunk=40, compress_at=k)
-        monkeypatch.setattr(engine_module, "top_positions", real)
+        monkeypatch.setattr(engine_eviction, "top_positions", real)
         question = _generic(llm)
         assert llm.stats()["kv_probe_tokens_total"] == len(question)
         asked = _hf_window_scores(path, tokens[:k] + question, len(question), 2)[..., :k]

@@ -135,7 +135,7 @@ def _naming_config(flags: str, exc: ValueError) -> ValueError:
 def _check_before_running(model: str, reference: EngineConfig, configs: list[tuple[str, EngineConfig]]) -> None:
     """The engine's refusals of a pool or lengths (a pool larger than the machine, a max_model_len
     past its capacity) for every configuration, from configs alone: before the reference's minutes of work."""
-    from kvserve.engine.engine import kv_cache_spec, kv_capacity
+    from kvserve.engine.kv_setup import kv_cache_spec, kv_capacity
     from kvserve.plan.cli import load_model_config
 
     model_config = load_model_config(model)
