@@ -79,6 +79,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False  # every layer holds every block (sliding-window layers too)
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash: whole blocks by chained hash; radix: token-granular radix tree
+    expose_salt_stats: bool = False  # other_salt misses and per-salt reuse: cross-tenant signals, for trusted callers only
     skip_tokenizer_init: bool = False  # token ids in and out only (automatic when the model has no tokenizer files)
     kv_compression: str = "none"  # none | snapkv | streaming | random: evict cached tokens (kv/eviction.py)
     kv_keep_ratio: float | None = None  # share of a sequence's tokens kept

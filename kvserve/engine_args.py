@@ -79,6 +79,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                        help="hash: whole blocks matched by chained hash; radix: a radix tree that also reuses the shared "
                        "part of a block (copied into a fresh one)")
+    group.add_argument("--expose-salt-stats", action="store_true",
+                       help="count prefix-cache misses whose first block another cache_salt cached (reason other_salt in "
+                       "/metrics) and show reuse per salt in /v1/kv/snapshot, /dashboard and kvserve top. Both tell any "
+                       "caller whether a guessed prompt start or salt is another tenant's: only where every caller is "
+                       "trusted. Off (default): such a miss counts as no_shared_prefix and the snapshot has no per-salt rows")
     group.add_argument("--skip-tokenizer-init", action="store_true",
                        help="load no tokenizer: prompts are token ids, outputs token ids (also what happens when the model "
                        "directory has no tokenizer files)")

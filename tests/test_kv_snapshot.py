@@ -73,7 +73,7 @@ def test_prefix_tree_merges_runs_and_counts_hits(kind):
     pool = BlockPool(64)
     cache = kind([KVCacheGroupSpec((0,))], 4, root=7)
     pool.on_evict = cache.evicted
-    stats = PrefixCacheStats()
+    stats = PrefixCacheStats(per_salt=True)
     root = cache.parent_of_first("tenant secret")
     system = chain(cache, pool, root, [11, 12, 13])  # a prompt three requests share...
     tails = [chain(cache, pool, 13, [21 + i, 31 + i]) for i in range(3)]  # ...each with its own question
@@ -99,7 +99,7 @@ def test_prefix_tree_merges_runs_and_counts_hits(kind):
 
 
 def test_salts_are_digests_and_bounded():
-    stats = PrefixCacheStats()
+    stats = PrefixCacheStats(per_salt=True)
     for i in range(MAX_SALTS + 5):
         stats.record(PrefixHit(num_tokens=4), 10, f"tenant-{i}", i)
     assert len(stats.salts) == MAX_SALTS + 1 and stats.salts[OTHER_SALTS].requests == 5
@@ -125,7 +125,8 @@ def test_a_100k_block_prefix_cache_gives_a_bounded_tree():
 
 
 def test_engine_snapshot_counts_reuse_and_hides_text_unless_asked(tiny_dir):
-    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.01, kv_offload_host_gib=0.01, kv_offload_policy="write_through")
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.01, kv_offload_host_gib=0.01, kv_offload_policy="write_through",
+              expose_salt_stats=True)  # fmt: skip
     shared = list(range(5, 5 + 48))  # three blocks
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm.generate([shared + [100]], params, use_tqdm=False)

@@ -91,8 +91,9 @@ def _tree_engines(tiny_dir, family: str, mode: str) -> tuple[LLM, LLM]:
     return _TREE_ENGINES[family, mode]
 
 
-def test_salts_never_share_a_block(tiny_dir):
-    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02)
+@pytest.mark.parametrize("exposed", [False, True], ids=["default", "expose-salt-stats"])
+def test_salts_never_share_a_block(tiny_dir, exposed):
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02, expose_salt_stats=exposed)
     engine = llm.engine
     prompt = random_prompts(1, 80, 80, seed=4)[0]
 
@@ -112,7 +113,10 @@ def test_salts_never_share_a_block(tiny_dir):
     assert cached_a == 64 and len(first_a & again_a) == 4  # the same salt reuses its four whole blocks
     assert cached_b == cached_plain == 0
     assert not (b & first_a) and not (plain & first_a) and not (plain & b)
-    assert llm.stats()["prefix_cache_misses_total"]["other_salt"] == 2
+    misses = llm.stats()["prefix_cache_misses_total"]
+    # only an operator who opts in learns that a miss met another salt's blocks: a tenant reading /metrics
+    # must not learn whether another tenant's prompts begin like theirs
+    assert (misses["other_salt"], misses["no_shared_prefix"]) == ((2, 1) if exposed else (0, 3))
     assert llm.generate([prompt], GREEDY, use_tqdm=False, cache_salt="tenant-b")[0].num_cached_tokens == 64
 
 

@@ -156,7 +156,7 @@ class LLMEngine:
         prefix_cache = None
         if config.enable_prefix_caching:
             kind = RadixPrefixCache if config.prefix_cache == "radix" else HashPrefixCache
-            prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity))
+            prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity), config.expose_salt_stats)
         self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv

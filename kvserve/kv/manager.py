@@ -61,7 +61,7 @@ class KVCacheManager:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
                 self.residual_pool.on_evict = self._evicting
-        self.prefix_stats = PrefixCacheStats(min_hit_tokens=self.block_size)
+        self.prefix_stats = PrefixCacheStats(min_hit_tokens=self.block_size, per_salt=prefix_cache is not None and prefix_cache.tracks_salts)
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._published: dict[str, int] = {}  # leading blocks already offered to the cache
         self._published_full_precision: dict[str, int] = {}  # KIVI: leading blocks whose full-precision form was offered

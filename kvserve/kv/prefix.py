@@ -43,11 +43,15 @@ class PrefixHit:
 class PrefixCache(abc.ABC):
     name = ""
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int, tracks_salts: bool = False) -> None:
         self.groups = tuple(groups)
         self.block_size = block_size
         self.root = root
         self._evicted: OrderedDict[int, None] = OrderedDict()
+        # `tracks_salts` (--expose-salt-stats): a miss whose first block another salt cached says other_salt.
+        # Off, it is no_shared_prefix: a counter that told them apart would tell any caller, one guessed
+        # block at a time, whether another tenant's prompts begin like theirs
+        self.tracks_salts = tracks_salts
         self._first_blocks: OrderedDict[int, set[bytes]] = OrderedDict()  # unsalted first-block hash -> salts seen
 
     # ------------------------------------------------------------------ the index
@@ -134,9 +138,10 @@ class PrefixCache(abc.ABC):
         first = block_hash(self.parent_of_first(salt), token_ids[: self.block_size])
         if first in self._evicted:
             return "evicted"
-        salts = self._first_blocks.get(block_hash(self.parent_of_first(None), token_ids[: self.block_size]), set())
-        if salts - {salt_key(salt)}:
-            return "other_salt"
+        if self.tracks_salts:
+            salts = self._first_blocks.get(block_hash(self.parent_of_first(None), token_ids[: self.block_size]), set())
+            if salts - {salt_key(salt)}:
+                return "other_salt"
         return "no_shared_prefix"
 
     # ------------------------------------------------------------------ changes
@@ -149,7 +154,7 @@ class PrefixCache(abc.ABC):
             forget(block)
             return False
         self._evicted.pop(key, None)
-        if parent == self.parent_of_first(salt) and len(token_ids) == self.block_size:
+        if self.tracks_salts and parent == self.parent_of_first(salt) and len(token_ids) == self.block_size:
             plain = block_hash(self.parent_of_first(None), token_ids)
             self._first_blocks.setdefault(plain, set()).add(salt_key(salt))
             self._first_blocks.move_to_end(plain)
@@ -178,8 +183,8 @@ class PrefixCache(abc.ABC):
 class HashPrefixCache(PrefixCache):
     name = "hash"
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int) -> None:
-        super().__init__(groups, block_size, root)
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int, tracks_salts: bool = False) -> None:
+        super().__init__(groups, block_size, root, tracks_salts)
         self._maps: list[dict[int, KVBlock]] = [{} for _ in self.groups]
 
     def cached(self, group: int, key: int) -> KVBlock | None:

@@ -6,7 +6,9 @@ not a hit), in tokens as vLLM counts them. Each reused block counts the requests
 
 A salt is a tenant's secret: the per-salt figures name it by a keyed digest that only this process
 can compute (never the salt, and no stable hash a client could test guesses against), and keep at
-most MAX_SALTS of them; requests of further salts are counted under OTHER_SALTS.
+most MAX_SALTS of them; requests of further salts are counted under OTHER_SALTS. Even so, a row per
+salt confirms a guessed salt (its requests move an existing row instead of adding one), so they are
+kept only with --expose-salt-stats (`per_salt`); otherwise every request counts in the totals alone.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class PrefixCacheStats:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     salts: dict[str, SaltReuse] = field(default_factory=dict)  # salt_label -> its requests' reuse
     salt_roots: dict[int, str] = field(default_factory=dict)  # a salt's first-block parent hash -> salt_label
+    per_salt: bool = False  # keep `salts` and `salt_roots` (--expose-salt-stats)
 
     def record(self, hit: PrefixHit, prompt_len: int, salt: str | None = None, salt_root: int | None = None) -> None:
         self.queries += prompt_len
@@ -63,6 +66,8 @@ class PrefixCacheStats:
                     block.hits += 1
         for _, source, _ in hit.copies:
             source.hits += 1
+        if not self.per_salt:
+            return
         label = salt_label(salt)
         if label not in self.salts and len(self.salts) >= MAX_SALTS:
             label = OTHER_SALTS

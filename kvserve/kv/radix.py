@@ -31,8 +31,8 @@ class RadixNode:
 class RadixPrefixCache(PrefixCache):
     name = "radix"
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int) -> None:
-        super().__init__(groups, block_size, root)
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], block_size: int, root: int, tracks_salts: bool = False) -> None:
+        super().__init__(groups, block_size, root, tracks_salts)
         self._nodes: dict[int, RadixNode] = {}
         self._children: dict[int, dict[int, RadixNode]] = {}
 
