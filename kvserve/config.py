@@ -97,6 +97,7 @@ class EngineConfig:
     kv_remote_timeout_ms: int = 200  # the deadline of every call to the remote tier
     kv_remote_ttl: int = 3600  # seconds every remote entry lives after it was last written or read
     kv_remote_ca_file: str | None = None  # rediss://: the CA certificate that signed the server's
+    kv_remote_key_file: str | None = None  # the secret that signs KV records leaving the process (or KVSERVE_KV_REMOTE_KEY)
     kv_role: str = "both"  # both | producer (prefills, publishes to the remote tier) | consumer (reads it, never writes)
     threads: int | None = None  # CPU threads of the process's kernels (torch and ours); None: torch's default (all cores)
 

@@ -138,6 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds a remote entry lives after it was last written or read (default: %(default)s)")
     group.add_argument("--kv-remote-ca-file", default=None, metavar="PEM",
                        help="with a rediss:// URL: the CA certificate to verify the server with (default: the system's)")
+    group.add_argument("--kv-remote-key-file", default=None, metavar="PATH",
+                       help="a file holding a secret (16+ bytes; or the environment's KVSERVE_KV_REMOTE_KEY, never a flag "
+                       "value `ps` would show) that every engine sharing KV shares: each KV record leaving the process "
+                       "(the Redis and disk tiers, migration, prefill hand-overs) is signed (AES-GMAC) and unsigned or "
+                       "mis-signed records are refused. Without one, anyone who can write to the Redis server can plant K/V")
     group.add_argument("--kv-role", default="both", choices=["both", "producer", "consumer"],
                        help="disaggregated prefill through --kv-remote-url: a producer prefills, publishes the prompt's "
                        "blocks and answers once they are stored; a consumer decodes with them and never writes the remote "

@@ -293,6 +293,20 @@ def test_replicas_get_the_flags_given_and_never_the_api_key():
     assert isinstance(args, argparse.Namespace)
 
 
+def test_replicas_share_a_kv_record_key_drawn_for_them_unless_one_is_given(monkeypatch):
+    from kvserve.kv.tiers.signing import KEY_ENV, load_signer
+    from kvserve.server.cluster import Cluster
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    drawn = Cluster(argparse.Namespace(), "smg", ["--kv-remote-url", "redis://127.0.0.1:1"], 1, None)
+    env = drawn._env()
+    assert load_signer(None, env) is not None and env[KEY_ENV] == drawn._env()[KEY_ENV]  # one key, every replica
+    assert env[KEY_ENV] != Cluster(argparse.Namespace(), "smg", [], 1, None)._env()[KEY_ENV]  # drawn per cluster
+    assert KEY_ENV not in Cluster(argparse.Namespace(), "smg", ["--kv-remote-key-file", "/k"], 1, None)._env()
+    monkeypatch.setenv(KEY_ENV, "the operator's own key, 32 bytes")
+    assert Cluster(argparse.Namespace(), "smg", [], 1, None)._env()[KEY_ENV] == "the operator's own key, 32 bytes"
+
+
 def test_the_routers_ports_stay_taken_while_the_replicas_start():
     """The router's ports are held by listening sockets until smg starts: a replica binding port 0
     meanwhile cannot be given one of them (a port released early was, once, and smg failed to bind).

@@ -35,7 +35,8 @@ from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
 from kvserve.kv.tiers.offload import KVOffloader
-from kvserve.kv.tiers.remote import RemoteStore
+from kvserve.kv.tiers.remote import RemoteStore, masked_url
+from kvserve.kv.tiers.signing import KEY_ENV, load_signer
 from kvserve.kv.spec import GIB, blocks_for_tokens
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import build_model, load_checkpoint, resolve_weight_format
@@ -115,7 +116,13 @@ class LLMEngine:
             stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:
             self.kv.offloader = KVOffloader(stores, root_hash(self.cache_identity), self.pool.block_bytes, self.pool.write_block_bytes,
-                                            config.kv_offload_policy, write_remote=config.kv_role != "consumer")  # fmt: skip
+                                            config.kv_offload_policy, write_remote=config.kv_role != "consumer",
+                                            signer=self.record_signer)  # fmt: skip
+        if config.kv_remote_url is not None and self.record_signer is None:
+            log.warning("the shared KV tier's records are not authenticated: anyone who can write to %s can plant K/V that "
+                        "this server serves as the cached prompt prefix of other users' requests. Give every engine the same "
+                        "secret with --kv-remote-key-file (or %s) to sign and check them", masked_url(config.kv_remote_url),
+                        KEY_ENV)  # fmt: skip
 
     def tiers_description(self) -> str:
         """', KV tiers: host 4 GiB, disk /var/kv 50 GiB (write_back)', or '' without tiers (the serve banner)."""
@@ -143,6 +150,8 @@ class LLMEngine:
 
     def _setup(self, config: EngineConfig, model_config: ModelConfig, tokenizer, identity: CacheIdentity) -> None:
         self.config = config
+        # signs every KV record that leaves the process (tiers, migration) and refuses unsigned ones
+        self.record_signer = load_signer(config.kv_remote_key_file)
         self.device = torch.device(config.device)
         self.model_config = model_config
         self.tokenizer = tokenizer

@@ -4,6 +4,7 @@ methods (engine.export_request(...) and the rest)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvserve.engine.migration import MAX_STATE_BYTES, RequestState
@@ -14,6 +15,8 @@ from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, e
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 def export_request(engine: LLMEngine, request_id: str, with_records: bool = True) -> RequestState:
@@ -31,8 +34,8 @@ def export_request(engine: LLMEngine, request_id: str, with_records: bool = True
     identity = root_hash(engine.cache_identity)
     records = []
     if with_records and engine.pool is not None:
-        records = [encode_record(BlockRecord(b.block_hash, b.group, b.token_ids, engine.pool.block_bytes(b.block_id)), identity)
-                   for b in engine.kv.published_blocks(request_id)]  # fmt: skip
+        records = [encode_record(BlockRecord(b.block_hash, b.group, b.token_ids, engine.pool.block_bytes(b.block_id)), identity,
+                                 engine.record_signer) for b in engine.kv.published_blocks(request_id)]  # fmt: skip
     state = RequestState(list(seq.prompt_token_ids), list(seq.output_token_ids), seq.params, seq.seed, identity, seq.cache_salt,
                          seq.prompt, seq.stream, list(seq.logprobs), seq.num_cached_tokens, records)  # fmt: skip
     engine.requests.pop(request_id)
@@ -79,14 +82,20 @@ def max_migration_bytes(engine: LLMEngine) -> int:
 
 
 def decode_records(engine: LLMEngine, state: RequestState) -> list[BlockRecord]:
-    """The state's KV records that pass their checks (the others are counted, then recomputed);
-    pure, so a server runs it off the engine thread."""
-    records = []
+    """The state's KV records that pass their checks, signatures included (the others are counted,
+    logged, then recomputed); pure, so a server runs it off the engine thread."""
+    records, refused = [], {}
     for data in state.records:
         try:
-            records.append(decode_record(data, state.identity, record_key(*record_head(data))))
-        except (CorruptRecord, ValueError):
+            records.append(decode_record(data, state.identity, record_key(*record_head(data)), engine.record_signer))
+        except (CorruptRecord, ValueError) as error:
             engine.migrations["records_rejected"] += 1
+            reason = getattr(error, "reason", "damaged")
+            refused[reason] = refused.get(reason, 0) + 1
+    if refused:
+        hint = " (the engines do not share one --kv-remote-key-file)" if {"unsigned", "bad_signature"} & refused.keys() else ""
+        log.warning("a migrated request's KV records were refused%s: %s; its tokens are recomputed here", hint,
+                    ", ".join(f"{n} {reason}" for reason, n in sorted(refused.items())))  # fmt: skip
     return records
 
 

@@ -17,6 +17,7 @@ import ctypes.util
 import math
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.kv.tiers.signing import KEY_ENV as KV_KEY_ENV
 from kvserve.server.config import API_KEY_ENV
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -191,6 +193,9 @@ class Cluster:
         self.replica_argv = replica_argv
         self.threads = threads
         self.api_key = api_key
+        # the replicas share one KV record key (kv/tiers/signing.py): the operator's, else one drawn here
+        given = "--kv-remote-key-file" in replica_argv or bool(os.environ.get(KV_KEY_ENV))
+        self.record_key = None if given else secrets.token_hex(32)
         self.replicas: list[_Child] = []
         self.router: _Child | None = None
         self.urls: list[str] = []
@@ -202,6 +207,8 @@ class Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         if self.api_key is not None:
             env[API_KEY_ENV] = self.api_key  # not on a command line, where `ps` would show it
+        if self.record_key is not None:
+            env[KV_KEY_ENV] = self.record_key
         return env
 
     def _failed(self, child: _Child, what: str) -> ValueError:

@@ -75,6 +75,9 @@ class ServerMetrics:
         self._tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of recomputed", tier, registry=r)
         self._tier_corrupt = Counter("kvserve:kv_tier_corrupt_records", "Unusable KV records found (damaged, truncated, foreign): "
                                      "recomputed", tier, registry=r)  # fmt: skip
+        self._tier_rejected = Counter("kvserve:kv_tier_records_rejected", "KV records refused when read, by reason: damaged, "
+                                      "foreign (another cache or block), unsigned or bad_signature (with --kv-remote-key-file): "
+                                      "recomputed, never served", [*tier, "reason"], registry=r)  # fmt: skip
         self._tier_write_failures = Counter("kvserve:kv_tier_write_failures", "KV records a tier's medium refused to store (a full "
                                             "or vanished disk, a server error): recomputed when needed", tier, registry=r)  # fmt: skip
         self._tier_queries = counter("kv_tier_query_tokens", "Prompt tokens past the pool's prefix hit looked up in the KV tiers")
@@ -146,6 +149,8 @@ class ServerMetrics:
                 self._advance(f"seconds:{tier}:{direction}", t[f"seconds_{field}"], self._offload_seconds.labels(name, tier, direction))
             self._advance(f"tier_hits:{tier}", t["hit_tokens"], self._tier_hits.labels(name, tier))
             self._advance(f"tier_corrupt:{tier}", t["corrupt_records"], self._tier_corrupt.labels(name, tier))
+            for reason, total in t["records_rejected"].items():
+                self._advance(f"tier_rejected:{tier}:{reason}", total, self._tier_rejected.labels(name, tier, reason))
             self._advance(f"tier_write_failures:{tier}", t["write_failures"], self._tier_write_failures.labels(name, tier))
             self._advance(f"tier_requests:{tier}", t["requests_served"], self._tier_requests.labels(name, tier))
             if tier == "remote":

@@ -15,6 +15,7 @@ ENTRY_OVERHEAD = 192
 
 class HostStore(BlockStore):
     name = "host"
+    in_process = True
 
     def __init__(self, capacity_bytes: int, on_evict: Callable[[str, bytes], None] | None = None) -> None:
         if capacity_bytes <= 0:

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key
+from kvserve.kv.tiers.record import REJECT_REASONS, BlockRecord, CorruptRecord, decode_record, encode_record, record_key
+from kvserve.kv.tiers.signing import RecordSigner
 from kvserve.kv.tiers.store import BlockStore
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class TierCounters:
     seconds_read: float = 0.0
     hit_tokens: int = 0  # prompt tokens whose blocks a load from this tier brought back into the prefix cache
     corrupt_records: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))  # corrupt_records by reason
     latency: float = 0.0  # measured per load (seconds), then averaged
     bandwidth: float = 0.0  # bytes per second
     loads: int = 0  # load jobs that read from this tier (its rates are measured ones from the first)
@@ -88,7 +90,8 @@ class LoadJob:
 
 class KVOffloader:
     def __init__(self, stores: Sequence[BlockStore], identity: int, read_block: Callable[[int], bytes],
-                 write_block: Callable[[int, bytes], None], policy: str = "write_back", write_remote: bool = True) -> None:  # fmt: skip
+                 write_block: Callable[[int, bytes], None], policy: str = "write_back", write_remote: bool = True,
+                 signer: RecordSigner | None = None) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not stores:
@@ -97,6 +100,7 @@ class KVOffloader:
         self.remote = next((s for s in stores if s.shared), None)
         self.stores = self.local + ([self.remote] if self.remote is not None else [])
         self.identity = identity
+        self.signer = signer  # every record is signed, and only signed records are read (kv/tiers/signing.py)
         self.policy = policy
         self.writes_remote = self.remote is not None and write_remote  # a consumer (--kv-role) only reads it
         self._read_block, self._write_block = read_block, write_block
@@ -167,7 +171,7 @@ class KVOffloader:
 
     def _write(self, key: str, record: BlockRecord, targets: list[BlockStore]) -> None:
         try:
-            data = encode_record(record, self.identity)
+            data = encode_record(record, self.identity, self.signer)
             for store in targets:
                 if store.shared:
                     if not store.contains(key):  # another engine may have sent it already
@@ -309,10 +313,12 @@ class KVOffloader:
             if data is None:
                 break
             try:
-                record = decode_record(data, self.identity, key)
+                record = decode_record(data, self.identity, key, None if store.in_process else self.signer)
                 self._write_block(block_id, record.payload)
             except (CorruptRecord, ValueError) as error:
-                self.counters[store.name].corrupt_records += 1
+                counters = self.counters[store.name]
+                counters.corrupt_records += 1
+                counters.rejected[getattr(error, "reason", "damaged")] += 1
                 store.delete(key)
                 if store.shared:  # the rest of the chain is recomputed and sent again: stale copies must not stand in its way
                     store.delete_many([k for k, where in zip(keys[i + 1 :], local[i + 1 :]) if where is None])
@@ -384,6 +390,7 @@ class KVOffloader:
                 "usage_bytes": usage.used_bytes, "capacity_bytes": usage.capacity_bytes, "entries": usage.entries,
                 "bytes_written": c.bytes_written, "seconds_written": c.seconds_written, "bytes_read": c.bytes_read,
                 "seconds_read": c.seconds_read, "hit_tokens": c.hit_tokens, "requests_served": c.requests, "corrupt_records": c.corrupt_records,
+                "records_rejected": dict(c.rejected),
                 "write_failures": store.write_failures,
                 "read_latency_seconds": c.latency, "read_bandwidth_bytes_per_second": c.bandwidth,
             }  # fmt: skip

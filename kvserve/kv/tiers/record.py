@@ -6,6 +6,9 @@ cache identity's root hash, the block's chained hash), the block's token ids (ui
 checksum of everything before it. The chained hash already covers the identity (model, dtype, KV
 format, salt...), so a key never names another cache's block; the record says so again, and
 decode_record refuses a record whose identity, key, length or checksum is not the expected one.
+
+A signed record (version 2, written with a RecordSigner: kv/tiers/signing.py) ends with a 28-byte
+signature of its key and every byte before the checksum. A reader with a signer refuses anything else.
 """
 
 from __future__ import annotations
@@ -16,14 +19,24 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvserve.kv.tiers.signing import TAG_BYTES, RecordSigner
+
 MAGIC = b"KVSB"
-VERSION = 1
+VERSION, SIGNED_VERSION = 1, 2
 _HEADER = struct.Struct("<4sHHIQ16s16s")  # magic, version, group, tokens, payload bytes, identity, block hash
 _CHECKSUM = struct.Struct("<Q")
 
 
+REJECT_REASONS = ("damaged", "foreign", "unsigned", "bad_signature")
+
+
 class CorruptRecord(ValueError):
-    """A record that is truncated, damaged, of another cache or of another block."""
+    """A record that is truncated, damaged, of another cache or of another block, or (with a
+    signer) unsigned or signed with another secret; `reason` is one of REJECT_REASONS."""
+
+    def __init__(self, message: str, reason: str = "damaged") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -35,8 +48,8 @@ class BlockRecord:
 
 
 def record_overhead(block_size: int) -> int:
-    """Bytes a record adds to its block's K/V: header, token ids, checksum."""
-    return _HEADER.size + 4 * block_size + _CHECKSUM.size
+    """Bytes a record adds to its block's K/V: header, token ids, checksum (and a signature's tag)."""
+    return _HEADER.size + 4 * block_size + _CHECKSUM.size + TAG_BYTES
 
 
 def record_key(block_hash: int, group: int) -> str:
@@ -52,33 +65,43 @@ def record_head(data: bytes) -> tuple[int, int]:
     return int.from_bytes(block, "little"), group
 
 
-def encode_record(record: BlockRecord, identity: int) -> bytes:
+def encode_record(record: BlockRecord, identity: int, signer: RecordSigner | None = None) -> bytes:
     tokens = np.asarray(record.token_ids, dtype="<u4").tobytes()
     header = _HEADER.pack(
-        MAGIC, VERSION, record.group, len(record.token_ids), len(record.payload), identity.to_bytes(16, "little"),
-        record.block_hash.to_bytes(16, "little"),
+        MAGIC, VERSION if signer is None else SIGNED_VERSION, record.group, len(record.token_ids), len(record.payload),
+        identity.to_bytes(16, "little"), record.block_hash.to_bytes(16, "little"),
     )  # fmt: skip
-    body = header + tokens + record.payload
-    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    body = b"".join((header, tokens, record.payload))
+    checksum = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    if signer is None:
+        return body + checksum
+    return b"".join((body, checksum, signer.tag(record_key(record.block_hash, record.group), body)))
 
 
-def decode_record(data: bytes, identity: int, key: str) -> BlockRecord:
-    """The record in data, checked against the cache identity and the key it was stored under."""
+def decode_record(data: bytes, identity: int, key: str, signer: RecordSigner | None = None) -> BlockRecord:
+    """The record in data, checked against the cache identity and the key it was stored under, and
+    with a signer, against its signature (an unsigned record is refused)."""
     if len(data) < _HEADER.size + _CHECKSUM.size:
         raise CorruptRecord(f"record {key}: {len(data)} bytes, shorter than a header")
     magic, version, group, count, payload_bytes, ident, block = _HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
-        raise CorruptRecord(f"record {key}: not a version-{VERSION} kvserve block record")
+    if magic != MAGIC or version not in (VERSION, SIGNED_VERSION):
+        raise CorruptRecord(f"record {key}: not a version-{VERSION} or -{SIGNED_VERSION} kvserve block record")
     end = _HEADER.size + 4 * count + payload_bytes
-    if len(data) != end + _CHECKSUM.size:
-        raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + _CHECKSUM.size}")
+    tag = TAG_BYTES if version == SIGNED_VERSION else 0
+    if len(data) != end + _CHECKSUM.size + tag:
+        raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + _CHECKSUM.size + tag}")
     (checksum,) = _CHECKSUM.unpack_from(data, end)
     if xxhash.xxh3_64_intdigest(memoryview(data)[:end]) != checksum:
         raise CorruptRecord(f"record {key}: checksum mismatch")
+    if signer is not None:
+        if not tag:
+            raise CorruptRecord(f"record {key}: unsigned, and this engine has a KV record key", "unsigned")
+        if not signer.verify(key, memoryview(data)[:end], memoryview(data)[end + _CHECKSUM.size :]):
+            raise CorruptRecord(f"record {key}: its signature does not match this engine's KV record key", "bad_signature")
     if int.from_bytes(ident, "little") != identity:
-        raise CorruptRecord(f"record {key}: written by another cache identity")
+        raise CorruptRecord(f"record {key}: written by another cache identity", "foreign")
     block_hash = int.from_bytes(block, "little")
     if record_key(block_hash, group) != key:
-        raise CorruptRecord(f"record {key}: holds block {record_key(block_hash, group)}")
+        raise CorruptRecord(f"record {key}: holds block {record_key(block_hash, group)}", "foreign")
     tokens = tuple(np.frombuffer(data, dtype="<u4", count=count, offset=_HEADER.size).tolist())
     return BlockRecord(block_hash, group, tokens, bytes(memoryview(data)[_HEADER.size + 4 * count : end]))

@@ -21,6 +21,7 @@ class BlockStore(abc.ABC):
     name = ""
     shared = False  # other engines read it too (the remote tier): a block goes there as soon as it is computed
     durable = False  # it outlives the process (the disk tier): what a restart starts warm from
+    in_process = False  # only this process writes it (the host tier): its records' signatures need no check
     write_failures = 0  # puts the medium refused (a full or vanished disk, a server error): counted, each block recomputable
 
     @abc.abstractmethod
