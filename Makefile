@@ -40,8 +40,11 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kvserve generate $(MODEL_FLAG) --prompt "The KV cache of a transformer" --prompt "Paged attention splits" --max-tokens 64
 
+# two workers, a test file each (a module's fixtures stay in one process): the suite's waits for
+# servers and subprocesses overlap. OMP_WAIT_POLICY=PASSIVE: two workers' OpenMP teams share two
+# cores, and libgomp's default spin would hold a core the other's threads need (docs/kernels.md)
 test: setup
-	$(PY) -m pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: setup
 	$(PY) bench/throughput.py
