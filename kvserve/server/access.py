@@ -10,6 +10,7 @@ reading the body itself so that the limit holds for chunked uploads too.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -20,6 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.config import ServerConfig
+from kvserve.server.json_limits import raw_depth_exceeds, too_deep_message
 from kvserve.server.migration import IMPORT_PATH, MIGRATION_KEY_HEADER
 
 # a client's own X-Request-Id is used when it is this plain (it reaches log lines)
@@ -27,6 +29,7 @@ _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 # an oversized body is read and dropped up to this size before the 413, so that a client still
 # sending it reads the answer instead of a reset connection; beyond it the connection is cut
 _DRAIN_BYTES = 64 * 2**20
+_THREAD_BYTES = 1 << 20  # a larger body's nesting is measured off the event loop
 # reject(request_id, method and path, status, message, kind, reason) -> the error response (logged and counted)
 # outside /v1 yet behind --api-key: cache control, and the tokenizer endpoints (vLLM serves them at the root)
 _KEYED_PATHS = frozenset({"/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info"})
@@ -113,6 +116,10 @@ class AccessGuard:
             if len(body) > limit:
                 await refuse(413, too_large, "invalid_request_error", "request_too_large", received=len(body) if more else None)
                 return
+        deep = raw_depth_exceeds(body) if len(body) < _THREAD_BYTES else await asyncio.to_thread(raw_depth_exceeds, bytes(body))
+        if deep:
+            await refuse(400, too_deep_message(), "invalid_request_error", "too_deep", received=None)
+            return
         replayed = False
 
         async def replay() -> dict:

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.kv.tiers.remote import masked_url
+from kvserve.server.json_limits import MAX_JSON_DEPTH, TooDeep, first_unpaired_surrogate
 from kvserve.server.shutdown import bound_socket
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ class PDProxy:
             return _error(413, f"request body over --max-request-bytes {self.max_request_bytes}", "request_too_large")
         try:
             body = json.loads(raw, parse_constant=_refuse_constant)
-        except RecursionError:
-            return _error(400, "the body's JSON is nested too deeply", "invalid_json")
+            first_unpaired_surrogate(body)  # the nesting limit every server applies, before anything is forwarded
+        except (RecursionError, TooDeep):
+            return _error(400, f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels, the limit of every request", "invalid_json")
         except (ValueError, UnicodeDecodeError) as error:
             return _error(400, f"the body is not valid JSON ({error})", "invalid_json")
         if not isinstance(body, dict):

@@ -14,9 +14,9 @@ from pydantic_core import PydanticCustomError
 
 from kvserve.kv.hashing import validate_cache_salt
 from kvserve.sampling_params import MAX_SEED, SamplingParams
+from kvserve.server.json_limits import MAX_JSON_DEPTH, TooDeep, first_unpaired_surrogate, loads_bounded
 from kvserve.server.structured_fields import structured_outputs_of
 from kvserve.structured.spec import StructuredOutputs
-
 
 
 def _one_number_error(value, handler):
@@ -45,22 +45,6 @@ def _float(name: str, value: int | float) -> float:
         raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
 
 
-def _unpaired_surrogate(value: object, path: str) -> str | None:
-    """The path of the first string in a JSON value that UTF-8 cannot encode (JSON's "\\ud800")."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _unpaired_surrogate(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
-
-
 class UnpairedSurrogateError(ValueError):
     """Text JSON can carry but Unicode cannot; `param` is the top-level field that holds it."""
 
@@ -78,12 +62,16 @@ class FieldError(ValueError):
 
 
 class UnicodeBody(BaseModel):
-    """A request body whose every string must be valid Unicode (checked before its fields)."""
+    """A request body nested at most MAX_JSON_DEPTH levels whose every string is valid Unicode
+    (checked before its fields, in one iterative walk: server/json_limits.py)."""
 
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data):
-        path = _unpaired_surrogate(data, "")
+        try:
+            path = first_unpaired_surrogate(data)
+        except TooDeep as error:
+            raise FieldError(error.path.split(".")[0] or "body", str(error)) from None
         if path is not None:
             raise UnpairedSurrogateError(path)
         return data
@@ -283,6 +271,17 @@ class FunctionCall(BaseModel):
     name: StrictStr
     arguments: StrictStr  # JSON text, as OpenAI sends it
 
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_nest_within_the_limit(cls, value: str) -> str:
+        try:
+            loads_bounded(value)
+        except json.JSONDecodeError:
+            pass  # not JSON: templates get the text as it is
+        except TooDeep:
+            raise ValueError(f"the arguments' JSON nests deeper than {MAX_JSON_DEPTH} levels, the limit of every request") from None
+        return value
+
 
 class ToolCallMessage(BaseModel):
     """One call of an assistant message's tool_calls."""
@@ -294,8 +293,8 @@ class ToolCallMessage(BaseModel):
     def rendered(self) -> dict:
         # templates write the arguments with `| tojson`: they take the object, not its JSON text (as transformers' do)
         try:
-            arguments = json.loads(self.function.arguments)
-        except json.JSONDecodeError:
+            arguments = loads_bounded(self.function.arguments)
+        except (json.JSONDecodeError, TooDeep):
             arguments = self.function.arguments
         call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
         return {**call, "id": self.id} if self.id is not None else call
@@ -430,7 +429,7 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
-class MigrateRequest(BaseModel):
+class MigrateRequest(UnicodeBody):
     """POST /v1/kv/migrate: move a running request to another server (server/migration.py)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -464,7 +463,7 @@ class TokenizeRequest(UnicodeBody):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(UnicodeBody):
     """POST /detokenize (vLLM's shape)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.server.json_limits import TooDeep, loads_bounded
 from kvserve.structured.compiler import grammar_text, rename_rule
 from kvserve.structured.schema_rules import rebase_refs
 from kvserve.structured.spec import GrammarError, StructuredOutputs, schema_text
@@ -123,16 +124,16 @@ def _call(body: str | dict, names: frozenset[str] | None = None) -> dict | None:
     """A `<tool_call>` block's JSON (or a parsed object) as an OpenAI tool call; None when it is not one
     (or, given `names`, not a call of one of them)."""
     try:
-        value = json.loads(body) if isinstance(body, str) else body
-    except json.JSONDecodeError:
+        value = loads_bounded(body) if isinstance(body, str) else body
+    except (json.JSONDecodeError, TooDeep):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or (names is not None and value["name"] not in names):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads_bounded(arguments)
+        except (json.JSONDecodeError, TooDeep):
             return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}  # fmt: skip

@@ -1,0 +1,77 @@
+"""No request can stall or crash the server through what its JSON holds (found by QA): one nesting
+limit for every body and for JSON text inside it, checked before anything else; a 400 naming the
+limit, never a 500 or a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvserve.server.json_limits import MAX_JSON_DEPTH, TooDeep, first_unpaired_surrogate, loads_bounded
+from server_process import launch_server, server_log, stop_server
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    proc, url = launch_server(["--model", str(tiny_dir("llama")), "--port", "0", "--dtype", "float32", "--kv-cache-memory", "0.02",
+                               "--chat-template", CHAT_TEMPLATE])  # fmt: skip
+    yield proc, url
+    stop_server(proc)
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_the_walk_is_iterative_and_stops_at_the_limit():
+    assert first_unpaired_surrogate(json.loads(nested(MAX_JSON_DEPTH))) is None
+    with pytest.raises(TooDeep):
+        first_unpaired_surrogate(json.loads(nested(MAX_JSON_DEPTH + 1)))
+    with pytest.raises(TooDeep):
+        loads_bounded(nested(100_000))  # past the parser's own recursion: TooDeep, not RecursionError
+    assert first_unpaired_surrogate({"a": [1, "ok", {"b": "\ud800"}]}) == "a.2.b"
+
+
+BODIES = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [5, 6]},
+}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 958, 960, 961, 2000, 100_000])
+def test_a_body_nested_past_the_limit_is_a_400_naming_it(server, path, depth):
+    proc, url = server
+    body = json.dumps(BODIES[path])[:-1] + f', "x": {nested(depth)}}}'  # an ignored field, nested
+    response = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert str(MAX_JSON_DEPTH) in response.text or "nest" in response.text
+    assert "Traceback" not in server_log(proc)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])  # the two that ignore unknown fields
+def test_a_body_nested_within_the_limit_is_served(server, path):
+    _, url = server
+    body = json.dumps(BODIES[path])[:-1] + f', "x": {nested(MAX_JSON_DEPTH - 1)}}}'
+    response = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 3000])
+def test_tool_call_arguments_nested_past_the_limit_are_a_400(server, path, depth):
+    proc, url = server
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": nested(depth)}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}, {"role": "user", "content": "and?"}]  # fmt: skip
+    body = {"messages": messages} | ({"max_tokens": 1} if path != "/tokenize" else {})
+    response = httpx.post(url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "arguments" in response.text and str(MAX_JSON_DEPTH) in response.text
+    assert "Traceback" not in server_log(proc)
