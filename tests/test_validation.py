@@ -159,12 +159,12 @@ def _api_message(model, body: dict) -> tuple[str, str | None]:
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
 
-    from kvserve.server.api import _validation_message
+    from kvserve.server.errors import validation_message
 
     with pytest.raises(ValidationError) as info:
         model(**body)
     errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
-    return _validation_message(RequestValidationError(errors))
+    return validation_message(RequestValidationError(errors))
 
 
 def test_api_errors_name_the_field_once_and_never_say_body():

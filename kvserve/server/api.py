@@ -43,6 +43,7 @@ from kvserve.server.async_engine import (
     Submission,
 )
 from kvserve.server.config import ServerConfig
+from kvserve.server.errors import NO_TOKENIZER, APIError, aborted_body, error_response, validation_message
 from kvserve.server.kv_snapshot import kv_snapshot as take_snapshot
 from kvserve.server.loads import load_report, parse_include
 from kvserve.server.metrics import ServerMetrics
@@ -66,8 +67,6 @@ _ROUTER_PROBES = frozenset({"/loads", "/server_info", "/get_server_info", "/get_
 DASHBOARD_PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
-_NO_TOKENIZER = ("this model was loaded without a tokenizer (--skip-tokenizer-init, or no tokenizer files in its directory): "
-                 "send prompts as token ids to /v1/completions")  # fmt: skip
 
 
 class TextOffsets:
@@ -91,45 +90,6 @@ class TextOffsets:
 def _top(top: dict[int, float], n: int) -> dict[int, float]:
     """The n most likely of a token's alternatives."""
     return dict(sorted(top.items(), key=lambda item: -item[1])[:n])
-
-
-class APIError(Exception):
-    """A request refused before admission: status, message, the field at fault, error type and reason (the code)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 reason: str = "invalid_request", headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.reason = status, message, param, kind, reason
-        self.headers = headers or {}
-
-
-def error_body(message: str, kind: str, param: str | None, code: str) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   code: str = "invalid_request") -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
-
-
-def _aborted_body(exc: RequestAborted) -> dict:
-    return error_body(exc.message, "timeout_error" if exc.reason == "timeout" else "server_error", None, exc.reason)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc)
-        if err.get("type") == "json_invalid":
-            return f"request body is not valid JSON: {err.get('msg')}", None
-        cause = err.get("ctx", {}).get("error")
-        param = param or (loc[0] if loc else getattr(cause, "param", None))
-        msg = err.get("msg").removeprefix("Value error, ")
-        # a message that already names its field (or one about the whole body) is not prefixed again
-        named = not loc or msg.startswith((f"{field} ", f"{loc[-1]} ", f"{loc[0]} "))
-        parts.append(msg if named else f"{field}: {msg}")
-    return "; ".join(parts) or "invalid request", param
 
 
 _CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
@@ -242,7 +202,7 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty", "prompt")
         texts = [p for p in prompts if isinstance(p, str)]
         if texts and self.tokenizer is None:
-            raise APIError(400, _NO_TOKENIZER, "prompt")
+            raise APIError(400, NO_TOKENIZER, "prompt")
         for text in texts:
             self._check_text_length(len(text), "prompt")
         if texts:
@@ -292,7 +252,7 @@ class OpenAIServer:
                                add_special_tokens: bool = False, tools: list[Tool] | None = None,
                                continue_final_message: bool = False) -> list[int]:  # fmt: skip
         if self.tokenizer is None:
-            raise APIError(400, _NO_TOKENIZER, "messages")
+            raise APIError(400, NO_TOKENIZER, "messages")
         template = self._chat_template_for(requested_template)
         if any(m.tool_calls for m in messages) and "tool_calls" not in template:
             raise APIError(400, "messages carry tool_calls, which this model's chat template does not render; refused rather than "
@@ -317,7 +277,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), "snapkv_query" if str(exc).startswith("snapkv_query") else "kv_compression") from exc
         if params.stop and self.tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer; " + _NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
+            raise APIError(400, "stop strings need a tokenizer; " + NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
         vocab = self.engine.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
@@ -332,7 +292,7 @@ class OpenAIServer:
             raise APIError(400, str(exc), exc.param) from None
         if choice.mode != "none":
             if self.tokenizer is None:
-                raise APIError(400, _NO_TOKENIZER, "tools")
+                raise APIError(400, NO_TOKENIZER, "tools")
             if not template_takes_tools(self._chat_template_for(body.chat_template)):
                 raise APIError(400, f"model {self.model_name!r} does not take tools: its chat template does not render them "
                                "(Qwen2.5 instruct models do; or set --chat-template)", "tools")  # fmt: skip
@@ -348,7 +308,7 @@ class OpenAIServer:
         if spec is None:
             return
         if self.grammar_compiler is None:
-            raise APIError(400, f"{field} needs the model's tokenizer; " + _NO_TOKENIZER.split(": ", 1)[0], field)
+            raise APIError(400, f"{field} needs the model's tokenizer; " + NO_TOKENIZER.split(": ", 1)[0], field)
         try:
             await self.grammar_compiler.compile(spec)
         except GrammarError as exc:
@@ -444,7 +404,7 @@ class OpenAIServer:
         num_prompts = len(self._prompt_list(body.prompt))
         self._check_choices(num_prompts, body.n)
         if body.echo and self.tokenizer is None:
-            raise APIError(400, "echo needs a tokenizer to write the prompt's text; " + _NO_TOKENIZER.split(": ", 1)[0], "echo")
+            raise APIError(400, "echo needs a tokenizer to write the prompt's text; " + NO_TOKENIZER.split(": ", 1)[0], "echo")
         prompts = await self._tokenize_prompts(body.prompt)
         # echo with max_tokens 0 scores the prompt and generates nothing (vLLM's behaviour): one token is drawn and dropped
         score_only = body.echo and body.max_tokens == 0
@@ -653,7 +613,7 @@ class OpenAIServer:
                         if text:  # a chunk function may have nothing to send yet (tool calls being held)
                             yield text
             except RequestAborted as exc:  # then [DONE], as vLLM ends every stream
-                yield f"data: {json.dumps(_aborted_body(exc))}\n\n"
+                yield f"data: {json.dumps(aborted_body(exc))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             if include_usage:
@@ -670,7 +630,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ tokenizer endpoints (vLLM's)
     def _need_tokenizer(self, param: str):
         if self.tokenizer is None:
-            raise APIError(400, _NO_TOKENIZER.split(": ", 1)[0], param)
+            raise APIError(400, NO_TOKENIZER.split(": ", 1)[0], param)
         return self.tokenizer
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -811,7 +771,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
             given = f"Content-Type: {reprlib.repr(media)}" if media else "no Content-Type"
             return server.reject(_request_id(request), where(request), 415, f"the body must be JSON (Content-Type: application/json), "
                                  f"got {given}", "invalid_request_error", "unsupported_media_type")  # fmt: skip
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return server.reject(_request_id(request), where(request), 400, message, "invalid_request_error", "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -827,7 +787,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(RequestAborted)
     async def _aborted(_: Request, exc: RequestAborted):
-        return JSONResponse(_aborted_body(exc), status_code=exc.status)
+        return JSONResponse(aborted_body(exc), status_code=exc.status)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
