@@ -207,16 +207,17 @@ def test_integral_floats_are_integers_as_openai_takes_them():
 def test_too_many_prompts_blame_the_prompt_not_n():
     from types import SimpleNamespace
 
-    from kvserve.server.api import APIError, OpenAIServer
+    from kvserve.server.errors import APIError
+    from kvserve.server.serving_engine import OpenAIServing
 
     server = SimpleNamespace(config=SimpleNamespace(max_waiting_requests=256))
     with pytest.raises(APIError) as info:
-        OpenAIServer._check_choices(server, 300, 1)
+        OpenAIServing.check_choices(server, 300, 1)
     assert info.value.param == "prompt" and "300 prompts" in info.value.message and "n=" not in info.value.message
     with pytest.raises(APIError) as info:
-        OpenAIServer._check_choices(server, 100, 3)
+        OpenAIServing.check_choices(server, 100, 3)
     assert info.value.param == "n" and "100 prompts x n=3" in info.value.message
-    OpenAIServer._check_choices(server, 256, 1)
+    OpenAIServing.check_choices(server, 256, 1)
 
 
 def test_a_truncated_gguf_header_is_one_plain_line(tmp_path):
