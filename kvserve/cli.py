@@ -52,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvserve.server.api import run_server
+    from kvserve.server.app import run_server
 
     return run_server(args)
 

@@ -376,11 +376,11 @@ def test_choices_say_their_stop_reason(server):
 def test_a_grammar_that_ends_a_choice_is_its_stop_reason():
     # found by QA: an output cut short by a constraint that allowed no token said stop_reason null, as a complete one
     from kvserve.outputs import RequestOutput
-    from kvserve.server.api import _stop_reason
+    from kvserve.server.serving_engine import stop_reason
 
-    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", "grammar")) == "grammar"
-    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", None)) is None
-    assert _stop_reason(RequestOutput("r", None, [1], [2], "x", False, None, None)) is None
+    assert stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", "grammar")) == "grammar"
+    assert stop_reason(RequestOutput("r", None, [1], [2], "x", True, "stop", None)) is None
+    assert stop_reason(RequestOutput("r", None, [1], [2], "x", False, None, None)) is None
 
 
 def test_continuous_usage_stats(server):

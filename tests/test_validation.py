@@ -159,12 +159,12 @@ def _api_message(model, body: dict) -> tuple[str, str | None]:
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
 
-    from kvserve.server.api import _validation_message
+    from kvserve.server.errors import validation_message
 
     with pytest.raises(ValidationError) as info:
         model(**body)
     errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
-    return _validation_message(RequestValidationError(errors))
+    return validation_message(RequestValidationError(errors))
 
 
 def test_api_errors_name_the_field_once_and_never_say_body():
@@ -207,16 +207,17 @@ def test_integral_floats_are_integers_as_openai_takes_them():
 def test_too_many_prompts_blame_the_prompt_not_n():
     from types import SimpleNamespace
 
-    from kvserve.server.api import APIError, OpenAIServer
+    from kvserve.server.errors import APIError
+    from kvserve.server.serving_engine import OpenAIServing
 
     server = SimpleNamespace(config=SimpleNamespace(max_waiting_requests=256))
     with pytest.raises(APIError) as info:
-        OpenAIServer._check_choices(server, 300, 1)
+        OpenAIServing.check_choices(server, 300, 1)
     assert info.value.param == "prompt" and "300 prompts" in info.value.message and "n=" not in info.value.message
     with pytest.raises(APIError) as info:
-        OpenAIServer._check_choices(server, 100, 3)
+        OpenAIServing.check_choices(server, 100, 3)
     assert info.value.param == "n" and "100 prompts x n=3" in info.value.message
-    OpenAIServer._check_choices(server, 256, 1)
+    OpenAIServing.check_choices(server, 256, 1)
 
 
 def test_a_truncated_gguf_header_is_one_plain_line(tmp_path):

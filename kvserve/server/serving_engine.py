@@ -1,0 +1,389 @@
+"""The path every endpoint family (server/serving_*.py) shares from a request to the engine and back:
+the checks, the prompt's tokens, the sampling parameters, admission, and the response, whole or streamed.
+
+Every check happens before a response starts: the body, the prompts (tokenized and the chat
+template rendered off the event loop), every sample's parameters, and admission of all of them
+at once. A streamed 200 then ends with `data: [DONE]`, after one error event when the request is
+aborted after admission (deadline, shutdown, a failed engine step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import reprlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.sequence import TokenLogprobs
+from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    PromptGroup,
+    RequestAborted,
+    Submission,
+)
+from kvserve.server.config import ServerConfig
+from kvserve.server.errors import NO_TOKENIZER, APIError, aborted_body, error_response
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.migration import Migrator
+from kvserve.server.protocol import ChatCompletionRequest, StreamOptions, TokenizeRequest
+from kvserve.server.templates import TemplateRenderer
+from kvserve.server.tool_calls import Tool, ToolChoice, parse_tool_choice, parse_tools, template_takes_tools
+from kvserve.structured.spec import GrammarError, StructuredOutputs
+from kvserve.structured.worker import IsolatedGrammarCompiler
+
+# one logger for the whole HTTP layer (app.py, serving_*.py), under the name its lines have always carried:
+# bench/soak.py and operators' log filters match "kvserve.server.api: rejected"
+log = logging.getLogger("kvserve.server.api")
+
+_SPLICE = "\x00kvserve-splice\x00"
+_SPLICED = json.dumps(_SPLICE)
+_CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
+
+# a stream's chunk of one choice: (choice index, its output, its new text, its new tokens' logprobs) -> the chunk, or None
+ChunkMaker = Callable[[int, RequestOutput, str, list[TokenLogprobs]], dict | None]
+
+
+def most_likely(top: dict[int, float], n: int) -> dict[int, float]:
+    """The n most likely of a token's alternatives."""
+    return dict(sorted(top.items(), key=lambda item: -item[1])[:n])
+
+
+def stop_reason(out: RequestOutput) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the text, "grammar" where the
+    request's constraint allowed no token (the output is cut short); None for EOS or a length."""
+    return out.stop_reason if out.finished else None
+
+
+def request_id_of(request: Request) -> str:
+    """The id the access guard gave the request (server/access.py), which its log lines name."""
+    return request.scope.get("state", {}).get("request_id", "-")
+
+
+class SubmissionStream(StreamingResponse):
+    """A streamed response that, however it ends (finished, aborted, client gone), closes its submission."""
+
+    def __init__(self, content: AsyncIterator[str], sub: Submission, media_type: str = "text/event-stream") -> None:
+        super().__init__(content, media_type=media_type)
+        self.sub = sub
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.close()
+
+
+class OpenAIServing:
+    """What every endpoint family shares: the engine and its event-loop side (AsyncEngine), the tokenizer,
+    the chat template, the server's settings and metrics; and the path of a request through them."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.model_name = config.served_model_name or engine.config.model
+        self.chat_template = config.chat_template or (self.tokenizer.chat_template if self.tokenizer is not None else None)
+        self.metrics = ServerMetrics(self.model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, config.max_waiting_requests)
+        self.renderer = TemplateRenderer()
+        self.created = int(time.time())
+        # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
+        self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
+        self.migrator = Migrator(self, config.migration_targets)
+        self.grammar_compiler = IsolatedGrammarCompiler(engine.grammars, config.grammar_compile_timeout) if engine.grammars else None
+        self._unknown_fields: set[str] = set()
+
+    # ------------------------------------------------------------------ rejections: logged and counted once each
+    def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
+               param: str | None = None) -> JSONResponse:  # fmt: skip
+        log.info("rejected %s %s: %d %s: %s", request_id, where, status, reason, message)
+        self.metrics.rejected(reason)
+        return error_response(status, message, param, kind, reason)
+
+    # ------------------------------------------------------------------ checks before admission
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine.config.model):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found",
+                           "model_not_found")  # fmt: skip
+
+    def note_unknown_fields(self, body) -> None:
+        """Fields OpenAI does not define (a router's additions, vLLM extensions not implemented) are ignored: each
+        name logged once, at debug level (a bounded set: a client cannot grow it without end)."""
+        for name in body.model_extra or ():
+            if name not in self._unknown_fields and len(self._unknown_fields) < 256:
+                self._unknown_fields.add(name)
+                log.debug("ignoring request field %s (not implemented; logged once)", reprlib.repr(name))
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
+        room = self.engine.max_model_len - prompt_len
+        if requested is None:
+            return max(1, room)
+        if requested <= 0:
+            raise APIError(400, f"{param} must be a positive integer, got {reprlib.repr(requested)}", param)
+        if requested > room:
+            raise APIError(
+                400,
+                f"{param}={requested} plus the prompt's {prompt_len} tokens exceeds max_model_len={self.engine.max_model_len}",
+                param,
+            )
+        return requested
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.config.max_waiting_requests:
+            limit = f"at most --max-waiting-requests {self.config.max_waiting_requests} can wait at once"
+            if n == 1:  # the prompts alone are too many: the field at fault is prompt
+                raise APIError(400, f"this request has {num_prompts} prompts; {limit}", "prompt")
+            raise APIError(400, f"this request has {num_prompts * n} choices ({num_prompts} prompts x n={n}); {limit}", "n")
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {chars} characters, more than max_model_len={self.engine.max_model_len} tokens can "
+                           "hold", param)  # fmt: skip
+
+    def validate_prompt(self, ids: list[int], param: str) -> None:
+        try:
+            self.engine.validate_prompt_tokens(ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from exc
+
+    def _chat_ids(self, template: str, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                  tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:  # fmt: skip
+        """Render and tokenize (blocking: run in a thread)."""
+        if continue_final_message:  # the text ends where the last message's does (a mark placed after it), its end of turn cut
+            if not messages[-1]["content"].strip():
+                raise APIError(400, "continue_final_message continues the last message's text: it is empty", "continue_final_message")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
+        text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt, tools)
+        if continue_final_message:
+            if text.count(_CONTINUE_MARK) != 1:
+                raise APIError(400, "continue_final_message: the last message's text must appear once in the rendered conversation "
+                               f"(this chat template {'drops' if _CONTINUE_MARK not in text else 'repeats'} it, or it holds U+10FFFD)",
+                               "continue_final_message")  # fmt: skip
+            text = text[: text.index(_CONTINUE_MARK)]
+        self.check_text_length(len(text), "messages")
+        # the template already carries BOS where the model wants it
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _chat_template_for(self, requested: str | None) -> str:
+        """The template that renders a request's messages: the request's own (when the server trusts
+        request templates) or the server's."""
+        if requested is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: a template is code the server runs; start the server "
+                           "with --trust-request-chat-template to accept it, or set --chat-template", "chat_template")  # fmt: skip
+        template = requested or self.chat_template
+        if template is None:
+            raise APIError(
+                400,
+                f"model {self.model_name!r} has no chat template (base models ship none), so chat messages cannot be "
+                "formatted; start the server with --chat-template (inline Jinja or a file), "
+                "or send a plain prompt to /v1/completions",
+                "messages",
+            )
+        return template
+
+    async def render_messages(self, messages: list, requested_template: str | None, add_generation_prompt: bool = True,
+                              add_special_tokens: bool = False, tools: list[Tool] | None = None,
+                              continue_final_message: bool = False) -> list[int]:  # fmt: skip
+        if self.tokenizer is None:
+            raise APIError(400, NO_TOKENIZER, "messages")
+        template = self._chat_template_for(requested_template)
+        if any(m.tool_calls for m in messages) and "tool_calls" not in template:
+            raise APIError(400, "messages carry tool_calls, which this model's chat template does not render; refused rather than "
+                           "dropped from the conversation", "messages")  # fmt: skip
+        rendered = [m.rendered() for m in messages]
+        self.check_text_length(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in rendered), "messages")
+        definitions = [t.definition for t in tools] if tools else None
+        try:
+            return await asyncio.to_thread(self._chat_ids, template, rendered, add_generation_prompt, add_special_tokens, definitions,
+                                           continue_final_message)  # fmt: skip
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "chat_template" if requested_template is not None else "messages") from None
+
+    def sampling_params(self, body, max_tokens: int, logprobs: int | None, offset: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+        try:
+            params = body.sampling_params(max_tokens, logprobs, offset, prompt_logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(400, message, message.split(" ", 1)[0] if message else None) from exc
+        try:
+            self.engine.eviction_policy(params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "snapkv_query" if str(exc).startswith("snapkv_query") else "kv_compression") from exc
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; " + NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
+        vocab = self.engine.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        return params
+
+    def request_tools(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[Tool], ToolChoice]:
+        """The request's tools and tool_choice; tools need a chat template that renders them."""
+        try:
+            tools = parse_tools(body.tools or [])
+            choice = parse_tool_choice(body.tool_choice, tools)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        if choice.mode != "none":
+            if self.tokenizer is None:
+                raise APIError(400, NO_TOKENIZER, "tools")
+            if not template_takes_tools(self._chat_template_for(body.chat_template)):
+                raise APIError(400, f"model {self.model_name!r} does not take tools: its chat template does not render them "
+                               "(Qwen2.5 instruct models do; or set --chat-template)", "tools")  # fmt: skip
+            if isinstance(body, TokenizeRequest):
+                return tools, choice
+            if choice.mode == "required" and body.structured_field is not None:
+                raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output; {body.structured_field} cannot as well",
+                               body.structured_field)  # fmt: skip
+        return tools, choice
+
+    async def compile_grammar(self, spec: StructuredOutputs | None, field: str | None) -> None:
+        """Compiles a request's output constraint (off the event loop, within --grammar-compile-timeout) before it is admitted."""
+        if spec is None:
+            return
+        if self.grammar_compiler is None:
+            raise APIError(400, f"{field} needs the model's tokenizer; " + NO_TOKENIZER.split(": ", 1)[0], field)
+        try:
+            await self.grammar_compiler.compile(spec)
+        except GrammarError as exc:
+            raise APIError(400, f"{field}: {exc}", field) from None
+
+    def submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None) -> Submission:
+        arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
+        try:
+            return self.async_engine.submit(request_id_of(request), groups, cache_salt, stream, self.config.request_timeout,
+                                            time.monotonic() - arrival, imported)  # fmt: skip
+        except EngineOverloadedError as exc:
+            # a router (smg) retries a 503 on another replica; a client learns when to come back
+            raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded",
+                           {"Retry-After": "1"}) from None  # fmt: skip
+        except EngineDrainingError:
+            raise APIError(503, "the server is shutting down; retry later", None, "server_unavailable", "shutting_down",
+                           {"Retry-After": "1"}) from None  # fmt: skip
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "server_error", "engine_unavailable") from None
+
+    # ------------------------------------------------------------------ responses
+    async def collect(self, sub: Submission, request: Request) -> dict[tuple[int, int], RequestOutput]:
+        """Every sample's finished output; a client that leaves aborts the request."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            sub.fail(RequestAborted("client_disconnected", "the client disconnected", 499))
+
+        watcher = asyncio.ensure_future(watch())
+        results: dict[tuple[int, int], RequestOutput] = {}
+        try:
+            async for g, i, out in sub.outputs():
+                if out.finished:
+                    results[(g, i)] = out
+            return results
+        finally:
+            watcher.cancel()
+            sub.close()
+
+    def stream(self, sub: Submission, n: int, make_chunk: ChunkMaker, envelope: Callable[[list[dict]], dict],
+               stream_options: StreamOptions | None, generated: bool = True, splice: bool = True) -> StreamingResponse:  # fmt: skip
+        """Server-sent events of the submission's outputs; `splice` lets a plain chunk be the first one's JSON with new text spliced in."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+        continuous = include_usage and stream_options.continuous_usage_stats  # vLLM's: every chunk carries its choice's usage so far
+        templates: dict[int, tuple[str, str]] = {}
+        sent: set[int] = set()
+
+        def event(idx: int, out: RequestOutput) -> str:
+            lps = out.logprobs or []
+            if continuous or not splice or out.finished or lps or self.tokenizer is None or idx not in sent:  # a choice's first chunk differs (chat: the role)
+                sent.add(idx)
+                chunk = make_chunk(idx, out, out.text, lps)
+                if chunk is not None and continuous:
+                    prompt = len(sub.groups[idx // n].token_ids)
+                    done = out.num_output_tokens if generated else 0
+                    chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+                return "" if chunk is None else f"data: {json.dumps(chunk)}\n\n"
+            # the common chunk (new text only) is its JSON with the text spliced in: no dict, one dumps
+            if idx not in templates:
+                head, tail = json.dumps(make_chunk(idx, out, _SPLICE, [])).split(_SPLICED, 1)
+                templates[idx] = (f"data: {head}", f"{tail}\n\n")
+            head, tail = templates[idx]
+            return head + json.dumps(out.text) + tail
+
+        async def events() -> AsyncIterator[str]:
+            finals: dict[tuple[int, int], RequestOutput] = {}
+            try:
+                async for g, i, out in sub.outputs():
+                    if out.finished:
+                        finals[(g, i)] = out
+                    if out.text or out.finished or out.logprobs or (out.token_ids and self.tokenizer is None):
+                        text = event(g * n + i, out)
+                        if text:  # a chunk function may have nothing to send yet (tool calls being held)
+                            yield text
+            except RequestAborted as exc:  # then [DONE], as vLLM ends every stream
+                yield f"data: {json.dumps(aborted_body(exc))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            if include_usage:
+                yield f"data: {json.dumps({**envelope([]), 'usage': self.usage(sub.groups, finals, generated)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return SubmissionStream(events(), sub)
+
+    def usage(self, groups: list[PromptGroup], outs: dict[tuple[int, int], RequestOutput], generated: bool = True) -> dict:
+        """Each prompt counted once, however many samples (n) it has; `generated` false: a prompt scored, nothing generated."""
+        prompt_tokens = sum(len(group.token_ids) for group in groups)
+        completion = sum(o.num_output_tokens for o in outs.values()) if generated else 0
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(outs[(g, 0)].num_cached_tokens for g in range(len(groups)) if (g, 0) in outs)},
+        }
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    def prompt_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None], top: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first None), {token id: logprob, rank, decoded_token},
+        the prompt's own token first, then the `top` most likely."""
+        out: list[dict | None] = []
+        for token_id, lp in zip(prompt_ids, lps):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_text(token_id)}}
+            for rank, (other, value) in enumerate(most_likely(lp.top, top).items(), 1):
+                entry.setdefault(str(other), {"logprob": value, "rank": rank, "decoded_token": self.token_text(other)})
+            out.append(entry)
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest."""
+        engine = self.async_engine
+        engine.stop_admitting()
+        log.info("shutting down: %d requests running, waiting up to %g s (--shutdown-timeout)", engine.num_active, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while engine.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_active:
+            log.info("shutdown timeout: aborting %d requests", engine.num_active)
+            engine.abort_all(RequestAborted("shutdown", "the server shut down before this request finished", 503))
+            deadline = loop.time() + 5.0  # their responses send the error event, then end
+            while engine.num_active and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
