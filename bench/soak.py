@@ -543,7 +543,7 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
     return report(cfg, records, warm, before, after, elapsed, health, rss_warm, rss_end, log)
 
 
-_REJECTED = re.compile(r"kvserve\.server\.api: rejected (\S+) \S+ \S+: (\d+) (\S+):")
+_REJECTED = re.compile(r"kvserve\.server: rejected (\S+) \S+ \S+: (\d+) (\S+):")
 _ABORTED = re.compile(r"kvserve\.server\.\w+: aborted (\S+): (\S+):")
 
 

@@ -44,8 +44,9 @@ from kvserve.structured.spec import GrammarError, StructuredOutputs
 from kvserve.structured.worker import IsolatedGrammarCompiler
 
 # one logger for the whole HTTP layer (app.py, serving_*.py), under the name its lines have always carried:
-# bench/soak.py and operators' log filters match "kvserve.server.api: rejected"
-log = logging.getLogger("kvserve.server.api")
+# the server's one request log, whichever endpoint family writes it (bench/soak.py reads its "kvserve.server: rejected" lines)
+log = logging.getLogger("kvserve.server")
+_MIN_PERSIST_S = 5.0  # the drain's last step may take this long past --shutdown-timeout
 
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
@@ -386,4 +387,11 @@ class OpenAIServing:
             deadline = loop.time() + 5.0  # their responses send the error event, then end
             while engine.num_active and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+        kv = self.engine.kv
+        if kv.offloader is not None and engine.is_alive:
+            # what only the pool or the host tier holds goes down to disk: a restart starts warm (kv/tiers/offload.py)
+            seconds = max(deadline - loop.time(), _MIN_PERSIST_S)
+            queued = await engine.call(lambda: kv.persist_to_tiers(seconds))
+            if queued:
+                log.info("persisted %d KV records to the disk tier for the next start", queued)
 
