@@ -571,3 +571,19 @@ def test_serve_help_documents_every_new_flag():
     for flag in ("--api-key", "--allowed-hosts", "--max-request-bytes", "--request-timeout", "--shutdown-timeout",
                  "--trust-request-chat-template", "--skip-tokenizer-init", "KVSERVE_API_KEY"):  # fmt: skip
         assert flag in out, flag
+
+
+def test_the_api_pages_are_behind_the_key_and_can_be_turned_off(guarded, model_dir):
+    """/docs, /redoc and /openapi.json list every route and field: with --api-key they need it, as
+    the endpoints do, and --disable-fastapi-docs (vLLM's flag) serves none of them."""
+    _, url = guarded
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(url + path, timeout=30).status_code == 401
+        assert httpx.get(url + path, headers=AUTH, timeout=30).status_code == 200
+    assert "/v1/completions" in httpx.get(url + "/openapi.json", headers=AUTH, timeout=30).json()["paths"]
+    proc, plain = start(model_dir, "--disable-fastapi-docs")
+    try:
+        assert [httpx.get(plain + path, timeout=30).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+        assert httpx.get(plain + "/health", timeout=30).status_code == 200
+    finally:
+        stop_server(proc)

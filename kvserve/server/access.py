@@ -31,8 +31,10 @@ _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 _DRAIN_BYTES = 64 * 2**20
 _THREAD_BYTES = 1 << 20  # a larger body's nesting is measured off the event loop
 # reject(request_id, method and path, status, message, kind, reason) -> the error response (logged and counted)
-# outside /v1 yet behind --api-key: cache control, and the tokenizer endpoints (vLLM serves them at the root)
-_KEYED_PATHS = frozenset({"/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info"})
+# outside /v1 yet behind --api-key: cache control, the tokenizer endpoints (vLLM serves them at the root), and
+# FastAPI's API pages (the OpenAPI schema lists every route and field)
+_KEYED_PATHS = frozenset({"/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/docs", "/docs/oauth2-redirect", "/redoc",
+                          "/openapi.json"})  # fmt: skip
 Reject = Callable[[str, str, int, str, str, str], Response]
 
 

@@ -49,7 +49,9 @@ def create_app(serving: OpenAIServing) -> FastAPI:
                 serving.grammar_compiler.close()
             await serving.migrator.close()
 
-    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+    docs = not serving.config.disable_fastapi_docs  # /docs, /redoc, /openapi.json: behind --api-key when one is set (access.py)
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
     _add_error_handlers(app, serving)
     serving_completions.register_routes(app, serving)
     serving_chat.register_routes(app, serving)

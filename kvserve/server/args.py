@@ -24,7 +24,8 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--max-waiting-requests", type=int, default=_DEFAULTS.max_waiting_requests,
          help="answer 503 at once when this many requests are already waiting")
     flag("--api-key", default=None,
-         help=f"require `Authorization: Bearer KEY` on /v1/*, /flush_cache, POST /reset_prefix_cache and the tokenizer endpoints (401 otherwise); "
+         help=f"require `Authorization: Bearer KEY` on /v1/*, /flush_cache, POST /reset_prefix_cache, the tokenizer endpoints and "
+         f"/docs, /redoc, /openapi.json (401 otherwise); "
          f"default: ${API_KEY_ENV}, else no key")
     flag("--allowed-hosts", default=None,
          help="comma-separated Host header names this server answers to (others get 400; * = any); "
@@ -54,4 +55,6 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--dashboard-show-tokens", action="store_true",
          help="the KV page (GET /dashboard) and GET /v1/kv/snapshot show the text of cached prefixes; off by default "
          "(the page then shows shapes, counts and salt digests, never prompt text). Both need --api-key when one is set")
+    flag("--disable-fastapi-docs", action="store_true",
+         help="serve no /docs (Swagger UI), /redoc or /openapi.json; without it they are served, behind --api-key when one is set")
     flag("--uvicorn-log-level", default="warning", help="uvicorn's log level")

@@ -41,6 +41,7 @@ class ServerConfig:
     migration_key: str | None = None  # the secret servers of a migration group share: /v1/kv/import takes a request only with it
     grammar_compile_timeout: float = 10.0  # seconds one structured-outputs grammar may take to compile (then a 400)
     dashboard_show_tokens: bool = False  # the KV page's prefix tree shows the cached tokens' text
+    disable_fastapi_docs: bool = False  # serve no /docs, /redoc, /openapi.json (vLLM's flag)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
