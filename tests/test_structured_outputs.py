@@ -178,6 +178,15 @@ def test_constraints_are_bounded_and_their_errors_say_what_is_wrong(tiny):
         (dict(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}), "required names 'b'"),
         (dict(json={"items": {"properties": {}, "required": ["x"]}}), "required names 'x'"),
         (dict(), "exactly one"),
+        # found by QA: forms xgrammar reads otherwise than Python's re, answered 200 with output that broke them; the
+        # checks a schema's pattern already had ("a$b" gave "ab", "a\\Z" "aZ", "\\x41BC" one CJK character, "a[\\x00]b" "ab")
+        (dict(regex="a$b"), "inside the regex"),
+        (dict(regex="a\\Z"), "\\A, \\Z"),
+        (dict(regex="\\x41BC"), "\\x escape"),
+        (dict(regex="a[\\x00]b"), "holds only NUL"),
+        (dict(regex="(?=a)a"), "lookahead"),
+        (dict(grammar='root ::= "a" [\\0] "b"'), "holds only NUL"),
+        (dict(grammar='root ::= [a-z]+ (="x")'), "lookahead assertion"),
     ]
     for fields, message in cases:
         with pytest.raises(GrammarError, match=re.escape(message)):
@@ -261,6 +270,19 @@ def test_keywords_the_docs_call_enforced_are_enforced(name):
     ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-7}, "holds no number of at most six decimal places"),
     ({"type": "number", "minimum": 0.1000001, "maximum": 0.1000002}, "holds no number"),
     ({"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.500001}, "holds no number"),
+    # found by QA: an integer's multipleOf was dropped past 1024 or beside one bound only ({"n": 10} came back for multiples of 7)
+    ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7, "minimum": 1}}}, "at /properties/n: 'multipleOf'"),
+    ({"type": "integer", "multipleOf": 7, "exclusiveMaximum": 50}, "both a lower and an upper bound or neither"),
+    ({"type": "integer", "multipleOf": 1025}, "whole number in 1..1024"),
+    ({"type": "integer", "multipleOf": 2.5}, "whole number"),
+    ({"type": "integer", "multipleOf": 0}, "whole number"),
+    # bounds that are no bounds answered 200 as if unbounded, or a 400 quoting the compiler's grammar text
+    ({"type": "array", "minItems": -5}, "minItems must be a non-negative integer, got -5"),
+    ({"type": "string", "maxLength": -1}, "maxLength must be a non-negative integer"),
+    ({"type": "string", "minLength": -3}, "minLength must be a non-negative integer"),
+    ({"type": "string", "minLength": 1.5}, "minLength must be a non-negative integer"),
+    ({"type": "array", "minItems": 4, "maxItems": 2}, "minItems 4 is larger than maxItems 2"),
+    ({"type": "object", "minProperties": True}, "minProperties must be a non-negative integer"),
 ])  # fmt: skip
 def test_schemas_the_grammar_would_not_follow_are_refused_with_where(schema, message):
     """Found by QA: these keywords compiled to nothing, and outputs broke them with finish_reason stop."""
@@ -455,7 +477,7 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"guided_choice": ["a\u0000b"]}, "guided_choice", "NUL"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
     ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
-    ({"guided_json": json.loads('{"items":' * 200 + "{}" + "}" * 200)}, "guided_json", "deeper than"),
+    ({"guided_json": json.loads('{"items":' * 100 + "{}" + "}" * 100)}, "guided_json", "deeper than"),
     ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}, "guided_json", "at most"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
     ({"guided_choice": []}, "guided_choice", "1 to"),

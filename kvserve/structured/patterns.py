@@ -112,12 +112,42 @@ def _needs_json_escape(pattern: str) -> bool:
     return False
 
 
+# a character class that holds only NUL: xgrammar drops it, and "a[\x00]b" generates "ab"
+_NUL_CLASS = re.compile(r"\[(?:\\(?:x0+|x\{0+\}|u0000|U00000000|0)|\x00)\]")
+# xgrammar's EBNF lookahead assertion: a hint it does not enforce where the rule ends ('root ::= [a-z]+ (="x")' gave "simpletext")
+_EBNF_LOOKAHEAD = re.compile(r"\(\s*=")
+_EBNF_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
 def pattern_refusal(pattern) -> str | None:
     """Why xgrammar would not follow this pattern as JSON Schema means it, or None."""
     if not isinstance(pattern, str):
         return f"a pattern is a string, got {reprlib.repr(pattern)}"
-    if _admits_surrogates(pattern):
+    if _admits_surrogates(pattern):  # a guided regex's classes lose them in compiler.grammar_text instead
         return "a pattern admits UTF-16 surrogates (U+D800-U+DFFF), which are not text and cannot be generated"
+    reason = regex_refusal(pattern, "pattern")
+    if reason is not None:
+        return reason
+    if _needs_json_escape(pattern):
+        return (f"the pattern {reprlib.repr(pattern)} generates a quote, a backslash or a control character, which the grammar "
+                "compiler would write into the JSON string unescaped")  # fmt: skip
+    return None
+
+
+def grammar_refusal(ebnf: str) -> str | None:
+    """Why xgrammar would not follow this EBNF grammar as written, or None (its string literals are
+    compiler.grammar_text's: NUL there is refused where they are read)."""
+    rules = _EBNF_STRING.sub('""', ebnf)
+    if _EBNF_LOOKAHEAD.search(rules):
+        return "a lookahead assertion (= ...) in the grammar is not enforced by the grammar compiler; leave it out"
+    if _NUL_CLASS.search(rules):
+        return "a character class in the grammar holds only NUL, which cannot be generated as text"
+    return None
+
+
+def regex_refusal(pattern: str, what: str = "regex") -> str | None:
+    """Why xgrammar would not follow this regex as Python's re (and JSON Schema) read it, or None:
+    the checks a guided_regex and a schema's pattern share."""
     if holds_nul(pattern):
         return "a pattern holds NUL, which cannot be generated as text"
     if _LOOKAROUND.search(pattern):
@@ -127,9 +157,8 @@ def pattern_refusal(pattern) -> str | None:
                 "hex digits, which the grammar compiler does not read as JSON Schema's regexes do")  # fmt: skip
     if _inner_anchor(pattern):
         return f"a ^ or $ inside the pattern {reprlib.repr(pattern)} is not enforced (only at its ends and its alternatives')"
-    if _needs_json_escape(pattern):
-        return (f"the pattern {reprlib.repr(pattern)} generates a quote, a backslash or a control character, which the grammar "
-                "compiler would write into the JSON string unescaped")  # fmt: skip
+    if _NUL_CLASS.search(pattern):
+        return "a character class in the pattern holds only NUL, which cannot be generated as text"
     return None
 
 

@@ -80,6 +80,10 @@ def rebase_refs(schema: dict, base: str) -> dict:
     return schema
 
 
+_MAX_MULTIPLE_OF = 1024  # xgrammar 0.2.9 compiles an integer's multipleOf up to this, unbounded or bounded on both sides
+_COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"), ("minContains", "maxContains"))
+
+
 def _refusal(node: dict) -> str | None:
     """Why this schema object cannot be enforced as written, or None."""
     for key in _NOT_ENFORCED:
@@ -91,6 +95,21 @@ def _refusal(node: dict) -> str | None:
         return "'allOf' with more than one schema is not enforced (only the first would be); merge them into one schema"
     if "multipleOf" in node and node.get("type") != "integer":
         return "'multipleOf' is enforced only for type integer"
+    if "multipleOf" in node:
+        step = node["multipleOf"]
+        lower = {"minimum", "exclusiveMinimum"} & set(node)
+        upper = {"maximum", "exclusiveMaximum"} & set(node)
+        whole = isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer()
+        if not whole or not 1 <= step <= _MAX_MULTIPLE_OF or bool(lower) != bool(upper):
+            return (f"'multipleOf' on an integer is enforced only as a whole number in 1..{_MAX_MULTIPLE_OF} with both a lower and "
+                    "an upper bound or neither (the compiler drops it otherwise, and the output would not follow it)")  # fmt: skip
+    for low, high in _COUNTS:
+        for key in (low, high):
+            value = node.get(key)
+            if key in node and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                return f"{key} must be a non-negative integer, got {reprlib.repr(value)}"
+        if isinstance(node.get(low), int) and isinstance(node.get(high), int) and node[low] > node[high]:
+            return f"{low} {node[low]} is larger than {high} {node[high]}: no value satisfies both"
     if node.get("allOf") == []:
         return "'allOf' is an empty list; JSON Schema asks for at least one schema"
     for key in ("anyOf", "oneOf", "enum", "type"):

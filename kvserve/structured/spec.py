@@ -9,7 +9,7 @@ import json
 import reprlib
 from dataclasses import dataclass
 
-from kvserve.structured.patterns import holds_nul, not_text
+from kvserve.structured.patterns import grammar_refusal, holds_nul, not_text, regex_refusal
 from kvserve.structured.schema_rules import schema_refusal, text_only_patterns
 
 # a schema, regex or grammar longer than this is refused before it is compiled; so are more choices
@@ -104,6 +104,10 @@ class StructuredOutputs:
                 raise GrammarError("the regex holds NUL, which cannot be generated as text")
             if value is not None and len(value) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the {name} is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+            if value is not None:  # one check for a regex and a schema's pattern: forms xgrammar reads otherwise
+                reason = regex_refusal(value) if name == "regex" else grammar_refusal(value)
+                if reason is not None:
+                    raise GrammarError(reason.replace("the pattern", f"the {name}").replace("a pattern", f"a {name}"))
         if not isinstance(self.json_object, bool):
             raise GrammarError(f"json_object must be a boolean, got {reprlib.repr(self.json_object)}")
         given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
