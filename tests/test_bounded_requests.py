@@ -75,3 +75,20 @@ def test_tool_call_arguments_nested_past_the_limit_are_a_400(server, path, depth
     assert response.status_code == 400, response.text
     assert "arguments" in response.text and str(MAX_JSON_DEPTH) in response.text
     assert "Traceback" not in server_log(proc)
+
+
+def test_an_answer_amplified_by_prompt_logprobs_is_refused_before_any_work(server):
+    """Found by QA: 8,000 prompt ids with echo, logprobs 20, prompt_logprobs 20 and n 16 (48 KB) built a 249 MB
+    answer in 74 s and held /health 30 s. Bounded: prompt tokens x n x (1 + alternatives), before admission."""
+    from kvserve.server.serving_completions import MAX_PROMPT_LOGPROB_ENTRIES
+
+    proc, url = server
+    prompts = [[5 + (i * 7 + j) % 400 for j in range(400)] for i in range(4)]
+    body = {"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20, "n": 16}
+    assert 4 * 400 * 16 * 42 > MAX_PROMPT_LOGPROB_ENTRIES
+    refused = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", refused.text
+    assert f"{MAX_PROMPT_LOGPROB_ENTRIES:,}" in refused.json()["error"]["message"]
+    served = httpx.post(url + "/v1/completions", json=body | {"n": 1, "prompt": prompts[:1]}, timeout=60)
+    assert served.status_code == 200 and len(served.json()["choices"][0]["prompt_logprobs"]) == 400
+    assert "Traceback" not in server_log(proc)

@@ -18,6 +18,8 @@ from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving_engine import OpenAIServing, most_likely, stop_reason
 
 
+MAX_PROMPT_LOGPROB_ENTRIES = 500_000  # ~45 MB of JSON; lm-evaluation-harness asks 2 per prompt token, one choice
+
 class TextOffsets:
     """Where each token's text starts in a choice's text, in characters, chunk after chunk: the
     tokens' bytes decoded as the text was, so a character split across tokens counts once."""
@@ -63,6 +65,15 @@ class ServingCompletions:
         max_tokens = 1 if score_only else body.max_tokens if body.max_tokens is not None else 16
         echo_top = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
         prompt_top = max((t for t in (echo_top, body.prompt_logprobs) if t is not None), default=None)
+        # every choice repeats its prompt's logprobs (echo and prompt_logprobs each), top alternatives included: a 48 KB
+        # request could ask for a 249 MB answer; bounded before any work
+        per_token = sum(1 + top for top in (echo_top, body.prompt_logprobs) if top is not None)
+        entries = per_token * body.n * sum(len(ids) for ids in prompts)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise APIError(400, f"the answer would hold {entries:,} prompt logprob entries (prompt tokens x n x (1 + top "
+                                f"alternatives) for echo and prompt_logprobs), more than the {MAX_PROMPT_LOGPROB_ENTRIES:,} a "
+                                "request may ask for: score fewer tokens, choices or alternatives", "prompt_logprobs"
+                                if body.prompt_logprobs is not None else "echo")  # fmt: skip
         groups = [
             PromptGroup(ids, [serving.sampling_params(body, serving.max_tokens(max_tokens, len(ids)), body.logprobs, i, prompt_top)
                               for i in range(body.n)])  # fmt: skip
