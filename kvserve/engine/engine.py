@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence as Seq
 import torch
 import xxhash
 
-from kvserve import kernels
+from kvserve.kernels import library
 from kvserve.attention.backend import create_backend
 from kvserve.cache_dir import file_digest, tree_digest
 from kvserve.config import DTYPES, EngineConfig
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 def resolve_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
     """`--attention-backend auto` takes the native paged kernel wherever it runs (CPU, a compiler present)."""
-    native = kernels.supports(device, kv_dtype)
+    native = library.supports(device, kv_dtype)
     if requested == "cpu_paged" and not native:
         raise ValueError("attention_backend 'cpu_paged' needs a CPU device, a C++ compiler and a float KV cache; use 'torch_sdpa'")
     if requested == "auto":
