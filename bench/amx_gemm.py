@@ -1,4 +1,4 @@
-"""Where a bf16 projection should run on a CPU with AMX: our AMX kernel (kernels.amx_matmul, whose
+"""Where a bf16 projection should run on a CPU with AMX: our AMX kernel (products.amx_matmul, whose
 result for a row never depends on the batch) against torch's oneDNN GEMM (F.linear, AMX tiles too)
 and the packed AVX512-BF16 kernel, on Gemma 3 270M's projection shapes and its lm_head.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve import kernels
+from kvserve.kernels import products
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_call_seconds  # noqa: E402
@@ -33,14 +33,14 @@ def repeats(rows: int, n: int, k: int) -> int:
 
 def time_shape(n: int, k: int, what: str, rows_list: list[int], g: torch.Generator) -> None:
     weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    amx = kernels.amx_pack_weight(weight)
-    packed = kernels.pack_weight(weight) if kernels.bf16_dot_available() else None
+    amx = products.amx_pack_weight(weight)
+    packed = products.pack_weight(weight) if products.bf16_dot_available() else None
     for rows in rows_list:
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         repeat = repeats(rows, n, k)
-        ours = 1000 * best_call_seconds(lambda: kernels.amx_matmul(x, amx), repeat)
+        ours = 1000 * best_call_seconds(lambda: products.amx_matmul(x, amx), repeat)
         onednn = 1000 * best_call_seconds(lambda: F.linear(x, weight), repeat)
-        avx = 1000 * best_call_seconds(lambda: kernels.packed_matmul(x, packed), repeat) if packed is not None else float("nan")
+        avx = 1000 * best_call_seconds(lambda: products.packed_matmul(x, packed), repeat) if packed is not None else float("nan")
         print(f"| {what} {n}x{k} | {rows} | {ours:.3f} | {onednn:.3f} | {avx:.3f} | {onednn / ours:.2f}x | {avx / ours:.2f}x |")
 
 
@@ -49,12 +49,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,64,256,2048")
     parser.add_argument("--lm-head-max-rows", type=int, default=256)
     args = parser.parse_args()
-    if not kernels.amx_available():
-        print(f"AMX is absent here (CPU reports amx_bf16: {kernels.cpu_has_amx_bf16()}; KVSERVE_DISABLE_AMX=1 also "
+    if not products.amx_available():
+        print(f"AMX is absent here (CPU reports amx_bf16: {products.cpu_has_amx_bf16()}; KVSERVE_DISABLE_AMX=1 also "
               "switches it off): nothing to time")  # fmt: skip
         return
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{torch.get_num_threads()} threads; the engine runs every bf16 projection on the AMX kernel (kernels.amx_ready())")
+    print(f"{torch.get_num_threads()} threads; the engine runs every bf16 projection on the AMX kernel (products.amx_ready())")
     print("| product | rows | AMX kernel (ms) | oneDNN (ms) | packed (ms) | AMX kernel vs oneDNN | AMX kernel vs packed |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import attention, library
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KV_FORMATS, KVCacheSpec
 
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    if not kernels.cpu_kernels_available():
+    if not library.cpu_kernels_available():
         raise SystemExit("the native kernels did not build")
     contexts = [int(c) for c in args.contexts.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def main() -> None:
                 cells = []
                 for context in contexts:
                     lens = torch.full((seqs,), context, dtype=torch.int64)
-                    us = 1e6 * best_call_seconds(lambda: kernels.paged_decode_attention(q, layer.view, tables, lens, dim**-0.5, None),
+                    us = 1e6 * best_call_seconds(lambda: attention.paged_decode_attention(q, layer.view, tables, lens, dim**-0.5, None),
                                      args.repeat, args.rounds)  # fmt: skip
                     gbs = seqs * context * spec.bytes_per_token / 1e3 / us
                     cells.append(f"{us:9.1f} ({gbs:4.1f})")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve import kernels
+from kvserve.kernels import products
 
 SHAPES = {"640x2048": (640, 2048), "2048x640": (2048, 640), "lm_head slice 32768x640": (32768, 640)}
 ROWS = (1, 8, 64, 512)
@@ -82,11 +82,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---|---:|")
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, generator=g)
-        packed = kernels.pack_float_weight(weight)
+        packed = products.pack_float_weight(weight)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=g)
             out = torch.empty(rows, n)
-            ours = best_ms(lambda: kernels.float_matmul(x, packed, out=out), args.repeats)
+            ours = best_ms(lambda: products.float_matmul(x, packed, out=out), args.repeats)
             if rows <= SKINNY_MAX_ROWS:
                 theirs, what = best_ms(lambda: skinny(x, weight, out), args.repeats), "skinny"
             else:

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from kvserve import kernels  # noqa: E402
+from kvserve.kernels import gguf, library, products  # noqa: E402
 from test_gguf_weights import random_blocks  # noqa: E402
 
 
@@ -29,33 +29,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4096, help="output rows of the weight")
     parser.add_argument("--k", type=int, default=1024, help="input columns (a multiple of 256 for the K types)")
-    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"], choices=list(kernels.GGUF_BLOCKS))
+    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"], choices=list(gguf.GGUF_BLOCKS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16, 64, 256])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the rows' dtype")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not kernels.cpu_kernels_available():
+    if not library.cpu_kernels_available():
         sys.exit("the native kernels are not built here")
     dtype = getattr(torch, args.dtype)
-    packed_bf16 = dtype == torch.bfloat16 and kernels.bf16_dot_available()
+    packed_bf16 = dtype == torch.bfloat16 and products.bf16_dot_available()
     other = "packed bf16" if packed_bf16 else "float_matmul"
     print(f"{args.n} x {args.k} weight, {args.dtype} rows; G = 1e9 weights x rows per second (best of {args.rounds}); vs {other} on the dequantized weights\n")
     print("| type | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
     print("|---|" + "---:|" * len(args.rows))
     for type_name in args.types:
         blocks = random_blocks(type_name, args.n, args.k)
-        weight = kernels.gguf_weight(torch.from_numpy(blocks), type_name, args.n, args.k)
-        dequantized = kernels.gguf_dequantize(weight).to(dtype)
+        weight = gguf.gguf_weight(torch.from_numpy(blocks), type_name, args.n, args.k)
+        dequantized = gguf.gguf_dequantize(weight).to(dtype)
         if packed_bf16:
-            packed = kernels.pack_weight(dequantized)
-            theirs = lambda x: kernels.packed_matmul(x, packed)  # noqa: E731
+            packed = products.pack_weight(dequantized)
+            theirs = lambda x: products.packed_matmul(x, packed)  # noqa: E731
         else:
-            packed = kernels.pack_float_weight(dequantized)
-            theirs = lambda x: kernels.float_matmul(x, packed)  # noqa: E731
+            packed = products.pack_float_weight(dequantized)
+            theirs = lambda x: products.float_matmul(x, packed)  # noqa: E731
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, args.k).to(dtype)
-            calls = {"gguf": lambda: kernels.gguf_matmul(x, weight), "theirs": lambda: theirs(x)}
+            calls = {"gguf": lambda: gguf.gguf_matmul(x, weight), "theirs": lambda: theirs(x)}
             repeat = max(2, 100 // rows)
             best = dict.fromkeys(calls, float("inf"))
             for _ in range(args.rounds):

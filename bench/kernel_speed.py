@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve import kernels
 from kvserve.attention.torch_sdpa import context_mask
+from kvserve.kernels import attention, fused, library, products, sampling
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KVCacheSpec
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     dtype = getattr(torch, parser.parse_args().dtype)
-    assert kernels.cpu_kernels_available(), "the kernels did not build"
+    assert library.cpu_kernels_available(), "the kernels did not build"
     g = torch.Generator().manual_seed(0)
     print(f"dtype {dtype}, {torch.get_num_threads()} threads\n")
     print("| op | kvserve kernel (ms) | torch (ms) | speed-up |")
@@ -68,7 +68,7 @@ def main() -> None:
         values = values.view(batch, -1, 1, head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(q.view(batch, 1, heads, head_dim), keys, values, attn_mask=mask)
 
-    ours = per_call_ms(lambda: kernels.paged_decode_attention(q, layer.view, tables, lengths, 0.0625, None), 20)
+    ours = per_call_ms(lambda: attention.paged_decode_attention(q, layer.view, tables, lengths, 0.0625, None), 20)
     row("decode attention, 64 seqs, 64..640 tokens", ours, per_call_ms(torch_decode, 20), "block gather + SDPA")
 
     for n in (300, 512, 2048):
@@ -76,38 +76,38 @@ def main() -> None:
         prompt_q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
         keys, values = key_cache[:n].transpose(0, 1)[None], value_cache[:n].transpose(0, 1)[None]
         queries = prompt_q.transpose(0, 1)[None]
-        ours = per_call_ms(lambda: kernels.paged_prefill_attention(prompt_q, layer.view, table, 0, 0.0625, None), 5)
+        ours = per_call_ms(lambda: attention.paged_prefill_attention(prompt_q, layer.view, table, 0, 0.0625, None), 5)
         theirs = per_call_ms(lambda: F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True), 5)
         row(f"prefill attention, {n}-token prompt", ours, theirs, "causal flash SDPA")
 
     lm_head = torch.randn(262144, 640, generator=g).to(dtype)
-    if dtype == torch.float32 or not kernels.bf16_dot_available():
-        float_packed = kernels.pack_float_weight(lm_head)
+    if dtype == torch.float32 or not products.bf16_dot_available():
+        float_packed = products.pack_float_weight(lm_head)
         for rows in (1, 4, 8):
             hidden = torch.randn(rows, 640, generator=g).to(dtype)
-            ours = per_call_ms(lambda: kernels.float_matmul(hidden, float_packed, want_output=False, want_argmax=True), 10)
+            ours = per_call_ms(lambda: products.float_matmul(hidden, float_packed, want_output=False, want_argmax=True), 10)
             theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 10)
             row(f"float_matmul lm_head argmax, {rows} row(s)", ours, theirs, "matmul + argmax")
         del float_packed
 
-    if dtype == torch.bfloat16 and kernels.bf16_dot_available():
+    if dtype == torch.bfloat16 and products.bf16_dot_available():
         # AVX512-BF16 packed GEMM: the projections at decode (64 rows) and prefill (2,048 rows) size
         for rows, n, k, what in ((64, 1536, 640, "QKV"), (64, 4096, 640, "gate/up"), (64, 640, 2048, "down"),
                                  (2048, 1536, 640, "QKV"), (2048, 4096, 640, "gate/up"), (2048, 640, 2048, "down")):
             weight = torch.randn(n, k, generator=g).to(dtype)
             x = torch.randn(rows, k, generator=g).to(dtype)
-            packed = kernels.pack_weight(weight)
-            ours = per_call_ms(lambda: kernels.packed_matmul(x, packed), 10)
+            packed = products.pack_weight(weight)
+            ours = per_call_ms(lambda: products.packed_matmul(x, packed), 10)
             row(f"packed bf16 GEMM, {what} {rows}x{n}x{k}", ours, per_call_ms(lambda: torch.mm(x, weight.t()), 10), "torch.mm")
         # greedy lm_head over a 64-row decode batch: packed bf16 argmax, then the int8-screened one
-        packed = kernels.pack_weight(lm_head)
+        packed = products.pack_weight(lm_head)
         hidden = torch.randn(64, 640, generator=g).to(dtype)
         hidden[:, 7] *= 10  # an outlier channel, as real hidden states have
         theirs = per_call_ms(lambda: (hidden @ lm_head.t()).argmax(dim=1), 5)
-        row("lm_head argmax, 64 rows, packed bf16", per_call_ms(lambda: kernels.packed_matmul(hidden, packed, want_output=False, want_argmax=True), 10), theirs, "matmul + argmax")
-        if kernels.int8_screen_available():
-            screened = kernels.screen_weight(packed, lm_head)
-            ours = per_call_ms(lambda: kernels.screened_argmax(hidden, screened), 10)
+        row("lm_head argmax, 64 rows, packed bf16", per_call_ms(lambda: products.packed_matmul(hidden, packed, want_output=False, want_argmax=True), 10), theirs, "matmul + argmax")
+        if sampling.int8_screen_available():
+            screened = sampling.screen_weight(packed, lm_head)
+            ours = per_call_ms(lambda: sampling.screened_argmax(hidden, screened), 10)
             row("lm_head argmax, 64 rows, int8-screened (exact)", ours, theirs, "matmul + argmax")
 
     for rows in (2048, 64):
@@ -119,10 +119,10 @@ def main() -> None:
             residual = x + (F.rms_norm(addend.float(), (640,), eps=1e-6) * w).to(dtype)
             return (F.rms_norm(residual.float(), (640,), eps=1e-6) * w).to(dtype)
 
-        ours = per_call_ms(lambda: kernels.add_rms_norm(x.clone(), addend, w, w, 1e-6, False), 20)
+        ours = per_call_ms(lambda: fused.add_rms_norm(x.clone(), addend, w, w, 1e-6, False), 20)
         row(f"sandwich norm + residual add + norm, {rows} rows", ours, per_call_ms(torch_add_norm, 20), "torch ops")
         gate_up = torch.randn(rows, 4096, generator=g).to(dtype)
-        ours = per_call_ms(lambda: kernels.gated_activation(gate_up, "gelu_tanh"), 20)
+        ours = per_call_ms(lambda: fused.gated_activation(gate_up, "gelu_tanh"), 20)
         theirs = per_call_ms(lambda: F.gelu(gate_up[:, :2048], approximate="tanh") * gate_up[:, 2048:], 20)
         row(f"GELU gate x up, {rows} rows", ours, theirs, "torch ops")
 

@@ -27,7 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import make_prompts  # noqa: E402
-from kvserve import LLM, SamplingParams, kernels  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kernels import gguf  # noqa: E402
 
 WEIGHTS = ("gguf", "bfloat16")
 
@@ -110,7 +111,7 @@ def main() -> None:
             screen = models["gguf"].gguf_screen
             if screen is not None:
                 normed = models["gguf"].norm(hidden[:rows].contiguous())
-                _, rescored = kernels.gguf_screened_argmax(normed, screen)
+                _, rescored = gguf.gguf_screened_argmax(normed, screen)
                 screened_tiles.append(f"{rows} rows: {rescored / rows:.1f}")
     if screened_tiles:
         print(f"\nthe Q8_0 screen's tiles rescored per row (of {-(-models['gguf'].gguf_lm_head.n // 16)}): " + ", ".join(screened_tiles))

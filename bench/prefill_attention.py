@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve import kernels
 from kvserve.attention.backend import create_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan
 from kvserve.attention.torch_sdpa import cached_prefill_attention
+from kvserve.kernels import attention, products
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KVCacheSpec
 
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,64,512,2048")
     parser.add_argument("--contexts", default="1024,8192", help="slots cached before the chunk")
     args = parser.parse_args()
-    print(f"{torch.get_num_threads()} threads; AMX bf16: {kernels.cpu_has_amx_bf16()}")
+    print(f"{torch.get_num_threads()} threads; AMX bf16: {products.cpu_has_amx_bf16()}")
     print("| model shape | window | cached | rows | native (ms) | SDPA (ms) | SDPA speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ def main() -> None:
                     backend = create_backend("cpu_paged", pool)
                     scale = dim**-0.5
                     repeat = max(3, 200 // rows)
-                    native = 1000 * best_call_seconds(lambda: kernels.paged_prefill_attention(q, kv.view, table, cached, scale, window), repeat)
+                    native = 1000 * best_call_seconds(lambda: attention.paged_prefill_attention(q, kv.view, table, cached, scale, window), repeat)
                     sdpa = 1000 * best_call_seconds(  # a fresh step each call: its mask is built, as the step's first layer builds it
                         lambda: cached_prefill_attention(backend, 0, q, 0, span, AttentionMetadata(torch.arange(rows), [table]), scale, window),
                         repeat,

@@ -1,11 +1,11 @@
 """Sampling from the int8-screened lm_head against the full bf16 product, on real hidden states.
 
 Captures the final hidden states of a few greedy generations (Gemma 3 270M by default), then per
-sampling setting draws each row many times (a seed per draw) with `kernels.screened_sample` and
-with the full product + `kernels.sample`, and prints: the share of draws the screen decides (the
+sampling setting draws each row many times (a seed per draw) with `sampling.screened_sample` and
+with the full product + `sampling.sample`, and prints: the share of draws the screen decides (the
 rest take the full product), that every decided draw equals the full draw, the median tiles
 recomputed exactly (of the lm_head's 16-token tiles), and the median time per row of the screened
-draw, the greedy screen (`kernels.screened_argmax`) and the full product + draw, taken in turns.
+draw, the greedy screen (`sampling.screened_argmax`) and the full product + draw, taken in turns.
 
     .venv/bin/python bench/screened_sampling.py [--model gemma-3-270m] [--seeds 20]
 """
@@ -22,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvserve import LLM, SamplingParams, kernels  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kernels import sampling  # noqa: E402
 
 SETTINGS = {
     "temperature 1.0": dict(temperature=1.0),
@@ -36,7 +37,7 @@ PROMPTS = ["The history of the Roman empire is long and", "def fibonacci(n):\n",
 
 def sampler_rows(count: int, seed: int, position: int, penalties: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
                  repetition=1.0) -> np.ndarray:  # fmt: skip
-    rows = np.zeros(count, dtype=kernels.SAMPLER_ROW_DTYPE)
+    rows = np.zeros(count, dtype=sampling.SAMPLER_ROW_DTYPE)
     rows["temperature"], rows["top_p"], rows["top_k"], rows["min_p"], rows["repetition_penalty"] = temperature, top_p, top_k, min_p, repetition
     rows["num_logprobs"], rows["seed"], rows["position"] = -1, seed, position
     rows["penalty_begin"], rows["penalty_end"] = 0, penalties
@@ -86,14 +87,14 @@ def main() -> None:
                 x = normed[r : r + 1]
                 rows = sampler_rows(1, seed, 100 * seed + r, len(penalties[0]), **setting)
                 start = time.perf_counter()
-                token, tiles_done = kernels.screened_sample(x, model.screened_lm_head, rows, *penalties, scratch)
+                token, tiles_done = sampling.screened_sample(x, model.screened_lm_head, rows, *penalties, scratch)
                 times["screened"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                kernels.screened_argmax(x, model.screened_lm_head)
+                sampling.screened_argmax(x, model.screened_lm_head)
                 times["argmax"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 logits = model._bf16_lm_head(x, out_dtype=torch.float32, out=logits_out)[0]
-                full = kernels.sample(logits, rows, *penalties).tokens
+                full = sampling.sample(logits, rows, *penalties).tokens
                 times["full"].append(time.perf_counter() - start)
                 total += 1
                 rescored.append(int(tiles_done[0]))

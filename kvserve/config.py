@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvserve.kernels import cpu_flags
+from kvserve.kernels.build import cpu_flags
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.spec import KV_FORMATS, MAX_KV_QUANT_RESIDUAL, block_size_for, normalize_kv_dtype

@@ -8,14 +8,14 @@ run on the production build where the CPU has AMX."""
 import pytest
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import products
 from kvserve.kernels.build import build_amx_emulation, cpu_flags
 
 ROWS = [1, 15, 16, 17, 33]
 KS = [40, 64, 72, 640]
 NS = [8, 17, 48, 100]
 
-REAL_AMX = pytest.mark.skipif(not kernels.amx_available(), reason="needs a CPU with AMX-BF16 (and Linux granting tile data)")
+REAL_AMX = pytest.mark.skipif(not products.amx_available(), reason="needs a CPU with AMX-BF16 (and Linux granting tile data)")
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +48,21 @@ def assert_close_to_float64(x, weight, out):
 @pytest.mark.parametrize("n, k", [(1, 1), (17, 40), (48, 72), (100, 640), (33, 33)])
 def test_packing_matches_a_torch_relayout(emulated, n, k):
     weight = random_bf16(n, k)
-    packed = kernels.amx_pack_weight(weight, library=emulated)
+    packed = products.amx_pack_weight(weight, library=emulated)
     assert (packed.n, packed.k) == (n, k)
     assert torch.equal(packed.data, reference_relayout(weight))
     # the production library packs the same bytes (packing needs no AMX)
-    assert torch.equal(kernels.amx_pack_weight(weight).data, packed.data)
+    assert torch.equal(products.amx_pack_weight(weight).data, packed.data)
 
 
 def check_against_float64(library, rows, k, n):
     x, weight = random_bf16(rows, k, seed=1), random_bf16(n, k, seed=2)
-    packed = kernels.amx_pack_weight(weight, library=library)
-    out, argmax = kernels.amx_matmul(x, packed, out_dtype=torch.float32, want_argmax=True, library=library)
+    packed = products.amx_pack_weight(weight, library=library)
+    out, argmax = products.amx_matmul(x, packed, out_dtype=torch.float32, want_argmax=True, library=library)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     assert_close_to_float64(x, weight, out)
     assert torch.equal(argmax, out.argmax(1))
-    rounded, none = kernels.amx_matmul(x, packed, library=library)
+    rounded, none = products.amx_matmul(x, packed, library=library)
     assert none is None and rounded.dtype == torch.bfloat16
     assert torch.equal(rounded, out.to(torch.bfloat16))  # round to nearest even, like torch
     assert_close_to_float64(x, weight, rounded)
@@ -78,9 +78,9 @@ def test_emulated_matches_float64(emulated, rows, k, n):
 def check_ties_go_to_the_lowest_index(library):
     weight = -random_bf16(100, 64).abs() - 1
     weight[[20, 22, 70, 99]] = 1  # ties inside a column block and across blocks
-    packed = kernels.amx_pack_weight(weight, library=library)
+    packed = products.amx_pack_weight(weight, library=library)
     x = torch.ones(17, 64, dtype=torch.bfloat16)
-    out, argmax = kernels.amx_matmul(x, packed, want_output=False, want_argmax=True, library=library)
+    out, argmax = products.amx_matmul(x, packed, want_output=False, want_argmax=True, library=library)
     assert out is None and argmax.tolist() == [20] * 17
 
 
@@ -93,20 +93,20 @@ def check_rows_do_not_depend_on_the_batch(library, k):
     bits. A strided x (row stride > k) and the thread count change nothing either."""
     wide = random_bf16(64, k + 24, seed=3)
     x = wide[:, :k]
-    packed = kernels.amx_pack_weight(random_bf16(100, k, seed=4), library=library)
-    full, full_argmax = kernels.amx_matmul(x, packed, out_dtype=torch.float32, want_argmax=True, library=library)
-    full_bf16, _ = kernels.amx_matmul(x.contiguous(), packed, library=library)
+    packed = products.amx_pack_weight(random_bf16(100, k, seed=4), library=library)
+    full, full_argmax = products.amx_matmul(x, packed, out_dtype=torch.float32, want_argmax=True, library=library)
+    full_bf16, _ = products.amx_matmul(x.contiguous(), packed, library=library)
     for row in range(64):
-        alone, argmax = kernels.amx_matmul(x[row : row + 1], packed, out_dtype=torch.float32, want_argmax=True, library=library)
+        alone, argmax = products.amx_matmul(x[row : row + 1], packed, out_dtype=torch.float32, want_argmax=True, library=library)
         assert torch.equal(alone, full[row : row + 1]) and argmax.item() == full_argmax[row].item()
     for start, count in [(0, 1), (7, 1), (0, 15), (3, 15), (0, 16), (5, 16), (0, 17), (30, 17), (47, 17), (1, 63)]:
         part = slice(start, start + count)
-        assert torch.equal(kernels.amx_matmul(x[part], packed, out_dtype=torch.float32, library=library)[0], full[part])
-        assert torch.equal(kernels.amx_matmul(x[part], packed, library=library)[0], full_bf16[part])
+        assert torch.equal(products.amx_matmul(x[part], packed, out_dtype=torch.float32, library=library)[0], full[part])
+        assert torch.equal(products.amx_matmul(x[part], packed, library=library)[0], full_bf16[part])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.amx_matmul(x, packed, out_dtype=torch.float32, library=library)[0], full)
+        assert torch.equal(products.amx_matmul(x, packed, out_dtype=torch.float32, library=library)[0], full)
     finally:
         torch.set_num_threads(threads)
 
@@ -117,34 +117,34 @@ def test_emulated_rows_do_not_depend_on_the_batch(emulated, k):
 
 
 def test_bad_inputs_are_refused(emulated):
-    packed = kernels.amx_pack_weight(random_bf16(16, 64), library=emulated)
+    packed = products.amx_pack_weight(random_bf16(16, 64), library=emulated)
     with pytest.raises(ValueError, match="amx_matmul"):
-        kernels.amx_matmul(random_bf16(2, 62), packed, library=emulated)
+        products.amx_matmul(random_bf16(2, 62), packed, library=emulated)
     with pytest.raises(ValueError, match="amx_matmul"):
-        kernels.amx_matmul(random_bf16(2, 64).float(), packed, library=emulated)
+        products.amx_matmul(random_bf16(2, 64).float(), packed, library=emulated)
     with pytest.raises(ValueError, match="amx_matmul"):
-        kernels.amx_matmul(random_bf16(2, 64), packed, out_dtype=torch.float16, library=emulated)
+        products.amx_matmul(random_bf16(2, 64), packed, out_dtype=torch.float16, library=emulated)
     with pytest.raises(ValueError, match="amx_matmul"):
-        kernels.amx_matmul(random_bf16(0, 64), packed, library=emulated)
+        products.amx_matmul(random_bf16(0, 64), packed, library=emulated)
     with pytest.raises(ValueError):
-        kernels.amx_matmul(random_bf16(2, 64), packed, out=torch.empty(2, 15), library=emulated)
+        products.amx_matmul(random_bf16(2, 64), packed, out=torch.empty(2, 15), library=emulated)
     with pytest.raises(ValueError, match="amx_pack_weight"):
-        kernels.amx_pack_weight(random_bf16(64), library=emulated)
+        products.amx_pack_weight(random_bf16(64), library=emulated)
     with pytest.raises(ValueError, match="amx_pack_weight"):
-        kernels.amx_pack_weight(random_bf16(4, 64).float(), library=emulated)
+        products.amx_pack_weight(random_bf16(4, 64).float(), library=emulated)
 
 
 def test_the_production_build_reports_amx_as_the_cpu_does(monkeypatch):
-    assert kernels.amx_available() == ("amx_bf16" in cpu_flags())
+    assert products.amx_available() == ("amx_bf16" in cpu_flags())
     monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
-    assert not kernels.amx_available()
+    assert not products.amx_available()
 
 
-@pytest.mark.skipif(kernels.amx_available(), reason="checks the refusal on a CPU without AMX")
+@pytest.mark.skipif(products.amx_available(), reason="checks the refusal on a CPU without AMX")
 def test_without_amx_the_kernel_refuses_instead_of_faulting():
-    packed = kernels.amx_pack_weight(random_bf16(16, 64))
+    packed = products.amx_pack_weight(random_bf16(16, 64))
     with pytest.raises(RuntimeError, match="not available"):
-        kernels.amx_matmul(random_bf16(2, 64), packed)
+        products.amx_matmul(random_bf16(2, 64), packed)
 
 
 @REAL_AMX
@@ -170,6 +170,7 @@ def test_real_amx_argmax_breaks_ties_toward_the_lowest_index():
 def test_real_amx_agrees_with_the_emulation(emulated):
     """The same tiles on hardware and in emulation: equal up to the hardware's internal rounding."""
     x, weight = random_bf16(33, 640, seed=5), random_bf16(100, 640, seed=6)
-    real, _ = kernels.amx_matmul(x, kernels.amx_pack_weight(weight), out_dtype=torch.float32)
-    emul, _ = kernels.amx_matmul(x, kernels.amx_pack_weight(weight, library=emulated), out_dtype=torch.float32, library=emulated)
+    real, _ = products.amx_matmul(x, products.amx_pack_weight(weight), out_dtype=torch.float32)
+    emulated_weight = products.amx_pack_weight(weight, library=emulated)
+    emul, _ = products.amx_matmul(x, emulated_weight, out_dtype=torch.float32, library=emulated)
     assert torch.allclose(real, emul, rtol=1e-4, atol=1e-4)

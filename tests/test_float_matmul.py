@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import products
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (n, k): n off the 16-row tiles, k odd and small, and a layer-sized one
@@ -28,15 +28,15 @@ def test_float_matmul_matches_a_float64_reference(weight_dtype, x_dtype, rows, s
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     weight = torch.randn(n, k, generator=g).to(weight_dtype)
     x = torch.randn(rows, k, generator=g).to(x_dtype)
-    packed = kernels.pack_float_weight(weight)
-    assert packed.dtype == weight_dtype and torch.equal(kernels.unpack_float_weight(packed), weight)
-    out, argmax = kernels.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
+    packed = products.pack_float_weight(weight)
+    assert packed.dtype == weight_dtype and torch.equal(products.unpack_float_weight(packed), weight)
+    out, argmax = products.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
     ref = reference(x, weight)
     assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < 1e-5 * (k**0.5 + 1)
     assert torch.equal(argmax, out.argmax(dim=1))
-    bf16_out, _ = kernels.float_matmul(x, packed, out_dtype=torch.bfloat16)
+    bf16_out, _ = products.float_matmul(x, packed, out_dtype=torch.bfloat16)
     assert torch.equal(bf16_out, out.bfloat16())  # rounded to nearest even, like torch
-    default, _ = kernels.float_matmul(x, packed)
+    default, _ = products.float_matmul(x, packed)
     assert default.dtype == x_dtype
 
 
@@ -45,19 +45,19 @@ def test_float_matmul_reads_strided_rows():
     weight = torch.randn(50, 40, generator=g)
     wide = torch.randn(9, 100, generator=g)
     x = wide[:, 10:50]  # row stride 100
-    packed = kernels.pack_float_weight(weight)
-    out, _ = kernels.float_matmul(x, packed)
-    assert torch.equal(out, kernels.float_matmul(x.contiguous(), packed)[0])
+    packed = products.pack_float_weight(weight)
+    out, _ = products.float_matmul(x, packed)
+    assert torch.equal(out, products.float_matmul(x.contiguous(), packed)[0])
 
 
 def test_float_matmul_argmax_breaks_ties_toward_the_lowest_index():
     weight = torch.zeros(5000, 32)
     weight[[70, 4100, 4999]] = 1.0  # equal logits, in different tiles, blocks and threads' ranges
-    packed = kernels.pack_float_weight(weight)
-    _, argmax = kernels.float_matmul(torch.ones(11, 32), packed, want_output=False, want_argmax=True)
+    packed = products.pack_float_weight(weight)
+    _, argmax = products.float_matmul(torch.ones(11, 32), packed, want_output=False, want_argmax=True)
     assert argmax.tolist() == [70] * 11
     negative = torch.full((37, 8), -1.0)  # every logit < 0: the zero rows padding 37 to 48 must not win
-    _, argmax = kernels.float_matmul(torch.ones(2, 8), kernels.pack_float_weight(negative), want_output=False, want_argmax=True)
+    _, argmax = products.float_matmul(torch.ones(2, 8), products.pack_float_weight(negative), want_output=False, want_argmax=True)
     assert argmax.tolist() == [0, 0]
 
 
@@ -67,36 +67,36 @@ def test_a_rows_result_does_not_depend_on_the_batch(weight_dtype, x_dtype):
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(300, 200, generator=g).to(weight_dtype)
     x = torch.randn(64, 200, generator=g).to(x_dtype)
-    packed = kernels.pack_float_weight(weight)
-    everything, argmax = kernels.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
+    packed = products.pack_float_weight(weight)
+    everything, argmax = products.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
     for size in (1, 7, 8, 9):
         for start in range(0, 64, size):
-            part, part_argmax = kernels.float_matmul(x[start : start + size], packed, out_dtype=torch.float32, want_argmax=True)
+            part, part_argmax = products.float_matmul(x[start : start + size], packed, out_dtype=torch.float32, want_argmax=True)
             assert torch.equal(part, everything[start : start + size]), f"rows {start}..{start + size}"
             assert torch.equal(part_argmax, argmax[start : start + size])
 
 
 def test_float_matmul_rejects_what_it_cannot_take():
-    packed = kernels.pack_float_weight(torch.randn(20, 8))
+    packed = products.pack_float_weight(torch.randn(20, 8))
     for bad in (torch.randn(3, 9), torch.randn(0, 8), torch.randn(3, 8).half(), torch.randn(8, 3).t(), torch.randn(2, 3, 8)):
         with pytest.raises(ValueError, match="float_matmul"):
-            kernels.float_matmul(bad, packed)
+            products.float_matmul(bad, packed)
     with pytest.raises(ValueError, match="output"):
-        kernels.float_matmul(torch.randn(3, 8), packed, out=torch.empty(3, 21))
+        products.float_matmul(torch.randn(3, 8), packed, out=torch.empty(3, 21))
     for bad in (torch.randn(4, 4).half(), torch.randn(4), torch.empty(0, 4)):
         with pytest.raises(ValueError, match="pack_float_weight"):
-            kernels.pack_float_weight(bad)
+            products.pack_float_weight(bad)
 
 
 HASWELL_CHECK = """
 import sys, torch
-from kvserve import kernels
+from kvserve.kernels import products
 g = torch.Generator().manual_seed(3)
 x = torch.randn(19, 83, generator=g)
 out = []
 for dtype in (torch.float32, torch.bfloat16):
-    packed = kernels.pack_float_weight(torch.randn(70, 83, generator=g).to(dtype))
-    logits, argmax = kernels.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
+    packed = products.pack_float_weight(torch.randn(70, 83, generator=g).to(dtype))
+    logits, argmax = products.float_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
     out += [logits, argmax]
 torch.save(out, sys.argv[1])
 """
@@ -125,7 +125,7 @@ def test_linear_runs_every_row_count_on_the_float_kernel(dtype, monkeypatch):
 
     from kvserve.model.layers import Linear
 
-    monkeypatch.setattr(kernels, "bf16_dot_available", lambda: False)
+    monkeypatch.setattr(products, "bf16_dot_available", lambda: False)
     torch.manual_seed(0)
     layer = Linear(40, 70, bias=True).to(dtype)
     x = torch.randn(33, 40).to(dtype)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import library, products
 from kvserve.kernels.program import DecodeProgram
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+pytestmark = pytest.mark.skipif(not library.cpu_kernels_available(), reason="needs the native kernels")
 
 PROMPTS = random_prompts(12, 5, 40, seed=7)
 PARAMS = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2),
@@ -100,12 +101,12 @@ def test_the_avx2_build_runs_the_same_program(tiny_dir, monkeypatch):
 
     monkeypatch.setenv("KVSERVE_MARCH", "haswell")
     load_kernels.cache_clear()
-    kernels.amx_ready.cache_clear()
+    products.amx_ready.cache_clear()
     try:
         llm = LLM(str(tiny_dir("gemma3")), dtype="bfloat16", kv_cache_memory=0.02, max_num_seqs=16, enable_prefix_caching=False)
         fused_against_per_module(llm)
     finally:
         monkeypatch.undo()
         load_kernels.cache_clear()
-        kernels.amx_ready.cache_clear()
-        kernels.amx_ready()
+        products.amx_ready.cache_clear()
+        products.amx_ready()

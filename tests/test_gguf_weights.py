@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import gguf, library
 from kvserve.model.errors import ModelLoadError
 from tiny_models import TINY_GGUF_TYPES, tiny_gguf
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+pytestmark = pytest.mark.skipif(not library.cpu_kernels_available(), reason="needs the native kernels")
 
-TYPES = list(kernels.GGUF_BLOCKS)
+TYPES = list(gguf.GGUF_BLOCKS)
 # byte offsets of each block's fp16 scale fields (random bytes there could be inf or NaN)
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
@@ -27,7 +28,7 @@ HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
 def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """n rows of k values as random blocks of this type (every code and scale bit pattern), with
     finite fp16 scales."""
-    _, values, size = kernels.GGUF_BLOCKS[type_name]
+    _, values, size = gguf.GGUF_BLOCKS[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // values, size), dtype=np.uint8)
     for at in HALF_FIELDS[type_name]:
@@ -42,17 +43,17 @@ def reference(type_name: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
     return dequantize(blocks, GGMLQuantizationType[type_name]).reshape(n, k).astype(np.float32)
 
 
-def weight_of(type_name: str, n: int, k: int, seed: int = 0) -> tuple[kernels.GgufWeight, np.ndarray]:
+def weight_of(type_name: str, n: int, k: int, seed: int = 0) -> tuple[gguf.GgufWeight, np.ndarray]:
     blocks = random_blocks(type_name, n, k, seed)
-    return kernels.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
+    return gguf.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_rows_decode_to_gguf_py_values_exactly(type_name):
     weight, ref = weight_of(type_name, 37, 512)
-    assert np.array_equal(kernels.gguf_dequantize(weight).numpy().view(np.uint32), ref.view(np.uint32))
+    assert np.array_equal(gguf.gguf_dequantize(weight).numpy().view(np.uint32), ref.view(np.uint32))
     ids = torch.tensor([[5, 0], [36, 5]])
-    picked = kernels.gguf_dequantize(weight, ids)
+    picked = gguf.gguf_dequantize(weight, ids)
     assert picked.shape == (2, 2, 512)
     assert np.array_equal(picked.numpy().view(np.uint32), ref[ids.numpy()].view(np.uint32))
 
@@ -62,7 +63,7 @@ def magnitudes(type_name: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray
     terms apart (bf16 rows on the codes: scale * sum(x * code) + min * sum(x))."""
     if type_name not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
         return np.abs(reference(type_name, blocks, n, k))
-    size = kernels.GGUF_BLOCKS[type_name][2]
+    size = gguf.GGUF_BLOCKS[type_name][2]
     scale_only, min_only = (blocks.reshape(-1, size).copy() for _ in range(2))
     scale_only[:, 2:4] = 0  # m (or dmin) = 0
     min_only[:, 0:2] = 0  # d = 0
@@ -79,9 +80,9 @@ def test_the_product_decodes_every_tile_exactly(type_name, dtype):
     decode-a-tile path, one row the fused one."""
     weight, ref = weight_of(type_name, 37, 256, seed=1)
     eye = torch.eye(256, dtype=dtype)
-    assert np.array_equal(kernels.gguf_matmul(eye, weight, out_dtype=torch.float32)[0].numpy().T, ref)
+    assert np.array_equal(gguf.gguf_matmul(eye, weight, out_dtype=torch.float32)[0].numpy().T, ref)
     for column in (0, 17, 255):
-        row = kernels.gguf_matmul(eye[column : column + 1].contiguous(), weight, out_dtype=torch.float32)[0][0]
+        row = gguf.gguf_matmul(eye[column : column + 1].contiguous(), weight, out_dtype=torch.float32)[0][0]
         assert np.array_equal(row.numpy(), ref[:, column])
 
 
@@ -90,17 +91,17 @@ def test_the_product_decodes_every_tile_exactly(type_name, dtype):
 def test_the_product_matches_a_float64_reference(type_name, rows):
     n, k = 37, 512
     blocks = random_blocks(type_name, n, k, seed=rows)
-    weight, ref = kernels.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
+    weight, ref = gguf.gguf_weight(torch.from_numpy(blocks), type_name, n, k), reference(type_name, blocks, n, k)
     w64 = torch.from_numpy(ref).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     for x in (x, x.bfloat16()):
-        out, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+        out, argmax = gguf.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
         exact = x.double() @ w64.T
         magnitude = w64.abs() if x.dtype == torch.float32 else torch.from_numpy(magnitudes(type_name, blocks, n, k)).double()
         bound = k * 2.0**-23 * (x.double().abs() @ magnitude.T)  # float32 accumulation over k terms
         assert ((out.double() - exact).abs() <= bound).all()
         assert torch.equal(argmax, out.argmax(1))
-        bf16 = kernels.gguf_matmul(x, weight, out_dtype=torch.bfloat16)[0]
+        bf16 = gguf.gguf_matmul(x, weight, out_dtype=torch.bfloat16)[0]
         assert torch.equal(bf16, out.bfloat16())
 
 
@@ -116,12 +117,12 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(type_name, dtype):
     operations per output either way."""
     weight, _ = weight_of(type_name, 70, 512, seed=3)
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
-    batched, argmax = kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
+    batched, argmax = gguf.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True)
     for count in (1, 2, 4, 5, 6, 7, 8, 9, 13):
-        part, part_argmax = kernels.gguf_matmul(x[:count], weight, out_dtype=torch.float32, want_argmax=True)
+        part, part_argmax = gguf.gguf_matmul(x[:count], weight, out_dtype=torch.float32, want_argmax=True)
         assert torch.equal(part, batched[:count]) and torch.equal(part_argmax, argmax[:count])
     for i in (0, 33, 63):
-        assert torch.equal(kernels.gguf_matmul(x[i : i + 1], weight, out_dtype=torch.float32)[0], batched[i : i + 1])
+        assert torch.equal(gguf.gguf_matmul(x[i : i + 1], weight, out_dtype=torch.float32)[0], batched[i : i + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -132,16 +133,16 @@ def test_a_fused_projections_parts_in_one_call_give_each_parts_own_bits(dtype):
     shapes = [("Q5_0", 37), ("Q8_0", 16), ("Q4_K", 70), ("Q6_K", 3), ("Q4_1", 20)]
     parts = tuple(weight_of(type_name, n, 256, seed=i)[0] for i, (type_name, n) in enumerate(shapes))
     width = sum(n for _, n in shapes)
-    product = kernels.GgufProduct(parts)
+    product = gguf.GgufProduct(parts)
     for rows in (1, 3, 8, 9, 20):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        alone = torch.cat([kernels.gguf_matmul(x, part, out_dtype=torch.float32)[0] for part in parts], dim=1)
+        alone = torch.cat([gguf.gguf_matmul(x, part, out_dtype=torch.float32)[0] for part in parts], dim=1)
         assert torch.equal(product(x, out_dtype=torch.float32), alone)
         wide = torch.zeros(rows, width + 10, dtype=dtype)
         product(x, out=wide[:, 4 : 4 + width])
         assert torch.equal(wide[:, 4 : 4 + width], alone.to(dtype)) and not wide[:, :4].any() and not wide[:, 4 + width :].any()
     with pytest.raises(ValueError, match="sharing k"):
-        kernels.GgufProduct((parts[0], weight_of("Q8_0", 16, 64)[0]))
+        gguf.GgufProduct((parts[0], weight_of("Q8_0", 16, 64)[0]))
     with pytest.raises(ValueError, match="out must be"):
         product(x, out=torch.empty(20, width - 1, dtype=dtype))
     with pytest.raises(ValueError, match="x must be"):
@@ -151,43 +152,43 @@ def test_a_fused_projections_parts_in_one_call_give_each_parts_own_bits(dtype):
 def test_outputs_go_into_a_column_slice_and_argmax_alone():
     weight, _ = weight_of("Q4_1", 40, 96, seed=4)
     x = torch.randn(9, 96)
-    full = kernels.gguf_matmul(x, weight)[0]
+    full = gguf.gguf_matmul(x, weight)[0]
     wide = torch.zeros(9, 100)
-    kernels.gguf_matmul(x, weight, out=wide[:, 30:70])
+    gguf.gguf_matmul(x, weight, out=wide[:, 30:70])
     assert torch.equal(wide[:, 30:70], full) and not wide[:, :30].any() and not wide[:, 70:].any()
-    out, argmax = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)
+    out, argmax = gguf.gguf_matmul(x, weight, want_output=False, want_argmax=True)
     assert out is None and torch.equal(argmax, full.argmax(1))
 
 
 def test_bad_inputs_are_refused():
     blocks = torch.from_numpy(random_blocks("Q8_0", 4, 64))
     with pytest.raises(ValueError, match="not one the kernels read"):
-        kernels.gguf_weight(blocks, "Q2_K", 4, 64)
+        gguf.gguf_weight(blocks, "Q2_K", 4, 64)
     with pytest.raises(ValueError, match="bytes"):
-        kernels.gguf_weight(blocks[:3], "Q8_0", 4, 64)
+        gguf.gguf_weight(blocks[:3], "Q8_0", 4, 64)
     with pytest.raises(ValueError, match="multiple"):
-        kernels.gguf_weight(blocks, "Q8_0", 4, 48)
-    weight = kernels.gguf_weight(blocks, "Q8_0", 4, 64)
+        gguf.gguf_weight(blocks, "Q8_0", 4, 48)
+    weight = gguf.gguf_weight(blocks, "Q8_0", 4, 64)
     with pytest.raises(IndexError):
-        kernels.gguf_dequantize(weight, torch.tensor([4]))
+        gguf.gguf_dequantize(weight, torch.tensor([4]))
     with pytest.raises(ValueError):
-        kernels.gguf_matmul(torch.randn(2, 63), weight)
+        gguf.gguf_matmul(torch.randn(2, 63), weight)
     with pytest.raises(ValueError):
-        kernels.gguf_matmul(torch.randn(2, 64), weight, out=torch.empty(2, 3))
+        gguf.gguf_matmul(torch.randn(2, 64), weight, out=torch.empty(2, 3))
 
 
 AVX2_CHECK = """
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[2])
 from test_gguf_weights import TYPES, weight_of
-from kvserve import kernels
+from kvserve.kernels import gguf
 out = []
 for type_name in TYPES:
     weight, _ = weight_of(type_name, 35, 256, seed=5)
     for rows in (1, 6, 8, 40):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        out += list(kernels.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True))
-    out.append(kernels.gguf_dequantize(weight))
+        out += list(gguf.gguf_matmul(x, weight, out_dtype=torch.float32, want_argmax=True))
+    out.append(gguf.gguf_dequantize(weight))
 torch.save(out, sys.argv[1])
 """
 
@@ -236,7 +237,7 @@ def test_a_gguf_model_is_held_in_its_blocks_at_the_files_size(tiny_root):
     held = {id(p.data): p.nbytes for m in model.modules() for p in getattr(m, "gguf", None) or ()}
     held |= {id(model.embed_tokens.blocks.data): model.embed_tokens.blocks.nbytes, id(model.gguf_lm_head.data): model.gguf_lm_head.nbytes}
     index = gguf_index(tiny_gguf(tiny_root, quantized=True))
-    quantized = sum(t["bytes"] for t in index["tensors"] if t["type"] in kernels.GGUF_BLOCKS)
+    quantized = sum(t["bytes"] for t in index["tensors"] if t["type"] in gguf.GGUF_BLOCKS)
     assert sum(held.values()) == quantized  # every quantized tensor once, at its size in the file
     assert set(TINY_GGUF_TYPES.values()) <= {t["type"] for t in index["tensors"]}
 
@@ -312,10 +313,10 @@ def test_a_quantized_norm_is_dequantized_beside_the_blocks(tmp_path):
 
 
 # --------------------------------------------------------------------------- the int8 screen of a Q8_0 lm_head
-needs_screen = pytest.mark.skipif(not kernels.gguf_screen_available(), reason="the Q8_0 screen needs AVX512-BF16, VNNI and VBMI")
+needs_screen = pytest.mark.skipif(not gguf.gguf_screen_available(), reason="the Q8_0 screen needs AVX512-BF16, VNNI and VBMI")
 
 
-def near_tie_weight(n: int, k: int, seed: int = 0) -> kernels.GgufWeight:
+def near_tie_weight(n: int, k: int, seed: int = 0) -> gguf.GgufWeight:
     """Q8_0 rows that differ from one base row by a code or two (logits closer together than the
     screen's error bound, so the exact rescoring decides), with exact duplicates (ties)."""
     rng = np.random.default_rng(seed)
@@ -332,7 +333,7 @@ def near_tie_weight(n: int, k: int, seed: int = 0) -> kernels.GgufWeight:
         rows[i, :, 2:] = codes.astype(np.int8).view(np.uint8)
     rows[n // 2] = rows[3]  # a tie: the lower index must win
     rows[n - 1] = rows[3]
-    return kernels.gguf_weight(torch.from_numpy(rows.reshape(n, -1).copy()), "Q8_0", n, k)
+    return gguf.gguf_weight(torch.from_numpy(rows.reshape(n, -1).copy()), "Q8_0", n, k)
 
 
 @needs_screen
@@ -340,14 +341,14 @@ def near_tie_weight(n: int, k: int, seed: int = 0) -> kernels.GgufWeight:
 def test_the_screened_argmax_is_the_full_products(rows):
     g = torch.Generator().manual_seed(rows)
     for weight, screens in ((weight_of("Q8_0", 1000, 256, seed=rows)[0], True), (near_tie_weight(301, 128, seed=rows), False)):
-        screen = kernels.gguf_screen(weight)
+        screen = gguf.gguf_screen(weight)
         x = torch.randn(rows, weight.k, generator=g)
         x[:, 5] *= 40  # an outlier dim: its block's scale is coarse
         if rows > 2:
             x[1] = x[0]  # the same row twice
         x = x.to(torch.bfloat16)
-        full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
-        got, rescored = kernels.gguf_screened_argmax(x, screen)
+        full = gguf.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+        got, rescored = gguf.gguf_screened_argmax(x, screen)
         assert torch.equal(got, full)
         tiles = -(-weight.n // 16)
         assert rows <= rescored < rows * tiles if screens else rescored <= rows * tiles  # random rows: most tiles screened out
@@ -357,34 +358,34 @@ def test_the_screened_argmax_is_the_full_products(rows):
 def test_the_near_ties_are_decided_by_the_exact_rescoring():
     weight = near_tie_weight(301, 128, seed=5)
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
-    got, rescored = kernels.gguf_screened_argmax(x, kernels.gguf_screen(weight))
+    full = gguf.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+    got, rescored = gguf.gguf_screened_argmax(x, gguf.gguf_screen(weight))
     assert torch.equal(got, full) and rescored >= 16 * 10  # most tiles stay candidates
     tied = torch.zeros(1, 128, dtype=torch.bfloat16)  # every logit 0: the lowest index
-    assert kernels.gguf_screened_argmax(tied, kernels.gguf_screen(weight))[0].tolist() == [0]
+    assert gguf.gguf_screened_argmax(tied, gguf.gguf_screen(weight))[0].tolist() == [0]
 
 
 @needs_screen
 def test_the_screen_refuses_what_it_does_not_cover():
     weight, _ = weight_of("Q8_0", 64, 64)
-    screen = kernels.gguf_screen(weight)
+    screen = gguf.gguf_screen(weight)
     bad = torch.randn(2, 64).to(torch.bfloat16)
     bad[1, 3] = float("nan")
-    assert kernels.gguf_screened_argmax(bad, screen) == (None, 0)  # the caller takes the full product
+    assert gguf.gguf_screened_argmax(bad, screen) == (None, 0)  # the caller takes the full product
     # where float32 over- or underflows (vdpbf16ps flushes subnormals) the screen hands rows back too (found by QA)
     g = torch.Generator().manual_seed(9)
     for scale in (1e36, 1e30, 1e20, 1e-20, 1e-31, 1e-38, 1e-39):
         x = (torch.randn(9, 64, generator=g) * scale).to(torch.bfloat16)
-        got = kernels.gguf_screened_argmax(x, screen)[0]
-        full = kernels.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
+        got = gguf.gguf_screened_argmax(x, screen)[0]
+        full = gguf.gguf_matmul(x, weight, want_output=False, want_argmax=True)[1]
         assert got is None if scale > 2.0**64 or scale < 2.0**-90 else torch.equal(got, full), scale
     one_hot = torch.zeros(1, 64)
     one_hot[0, 5] = 1e-40
-    assert kernels.gguf_screened_argmax(one_hot.to(torch.bfloat16), screen) == (None, 0)
+    assert gguf.gguf_screened_argmax(one_hot.to(torch.bfloat16), screen) == (None, 0)
     with pytest.raises(ValueError, match="bf16"):
-        kernels.gguf_screened_argmax(torch.randn(2, 64), screen)
+        gguf.gguf_screened_argmax(torch.randn(2, 64), screen)
     with pytest.raises(ValueError, match="Q8_0"):
-        kernels.gguf_screen(weight_of("Q4_0", 64, 64)[0])
+        gguf.gguf_screen(weight_of("Q4_0", 64, 64)[0])
 
 
 @needs_screen
@@ -398,12 +399,12 @@ def test_greedy_rows_on_a_q8_0_lm_head_take_the_screen_with_the_same_tokens(tmp_
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [p[i:] + [i] for p in PROMPTS for i in range(4)]  # 12 requests: steps of 9 rows or more take the screen
     calls = []
-    screened = kernels.gguf_screened_argmax
+    screened = gguf.gguf_screened_argmax
     try:
-        transformer.kernels.gguf_screened_argmax = lambda *a: calls.append(1) or screened(*a)
+        transformer.gguf.gguf_screened_argmax = lambda *a: calls.append(1) or screened(*a)
         with_screen = traces(llm, prompts, params)
     finally:
-        transformer.kernels.gguf_screened_argmax = screened
+        transformer.gguf.gguf_screened_argmax = screened
     assert calls, "greedy rows took the screen"
     model.gguf_screen = None
     assert traces(llm, prompts, params) == with_screen

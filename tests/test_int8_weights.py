@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import library
+from kvserve.kernels.gguf import gguf_dequantize
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+pytestmark = pytest.mark.skipif(not library.cpu_kernels_available(), reason="needs the native kernels")
 
 PROMPTS = [[1, 5, 9, 20, 33, 7, 7, 100], [3, 4, 5], list(range(40, 90))]
 
@@ -52,15 +54,15 @@ def test_each_weight_is_held_once_as_gguf_py_q8_0_blocks(tiny_dir, family):
     tensors = hf_tensors(directory)
     model = int8_llm(directory).engine.model
     assert isinstance(model.embed_tokens, GgufEmbedding) and model.gguf_lm_head is not None
-    embed = kernels.gguf_dequantize(model.embed_tokens.blocks).numpy()
+    embed = gguf_dequantize(model.embed_tokens.blocks).numpy()
     assert np.array_equal(embed, q8_0_values(tensors["model.embed_tokens.weight"]))
     lm_head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-    assert np.array_equal(kernels.gguf_dequantize(model.gguf_lm_head).numpy(), q8_0_values(lm_head))
+    assert np.array_equal(gguf_dequantize(model.gguf_lm_head).numpy(), q8_0_values(lm_head))
     layer = model.layers[1]
     qkv = layer.self_attn.qkv_proj
     assert [p.type_name for p in qkv.gguf] == ["Q8_0"] * 3 and qkv.weight.numel() == 0
     for part, name in zip(qkv.gguf, "qkv"):
-        assert np.array_equal(kernels.gguf_dequantize(part).numpy(), q8_0_values(tensors[f"model.layers.1.self_attn.{name}_proj.weight"]))
+        assert np.array_equal(gguf_dequantize(part).numpy(), q8_0_values(tensors[f"model.layers.1.self_attn.{name}_proj.weight"]))
     gate_up = layer.mlp.gate_up_proj
     assert len(gate_up.gguf) == 2 and gate_up.weight.numel() == 0 and layer.mlp.down_proj.gguf is not None
     o_proj = layer.self_attn.o_proj

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from conftest import random_prompts
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import library, products
 from kvserve.kernels.build import load_kernels
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
@@ -21,7 +22,7 @@ SHARED = random_prompts(1, 37, 37, seed=41)[0]  # 37 tokens: a prefix hit ends m
 PROMPTS = [SHARED + tail for tail in random_prompts(PROMPT_COUNT, 5, 30, seed=42)]
 OTHERS = random_prompts(63, 5, 60, seed=43)
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs the native kernels")
+pytestmark = pytest.mark.skipif(not library.cpu_kernels_available(), reason="needs the native kernels")
 
 
 def seeded(i: int) -> SamplingParams:
@@ -58,13 +59,13 @@ def isa(request, monkeypatch):
     if request.param == "no-amx":
         monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
     load_kernels.cache_clear()
-    kernels.amx_ready.cache_clear()
-    kernels.amx_ready()
+    products.amx_ready.cache_clear()
+    products.amx_ready()
     yield request.param
     monkeypatch.undo()
     load_kernels.cache_clear()
-    kernels.amx_ready.cache_clear()
-    kernels.amx_ready()
+    products.amx_ready.cache_clear()
+    products.amx_ready()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

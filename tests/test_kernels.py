@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve import kernels
 from kvserve.engine.engine import resolve_attention_backend
 from kvserve.attention.torch_sdpa import context_mask
+from kvserve.kernels import attention, fused, library, products, sampling
 from kvserve.kernels.args import STRUCTS, KVView
+from kvserve.kernels.build import cpu_flags, load_kernels
 from kvserve.kv.spec import KVCacheSpec
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -21,7 +22,7 @@ SHAPES = [(4, 1, 256), (6, 2, 24), (9, 3, 64), (8, 8, 32)]
 
 
 def test_kernels_build_here():
-    assert kernels.cpu_kernels_available(), "g++ should be present on every machine this project runs on"
+    assert library.cpu_kernels_available(), "g++ should be present on every machine this project runs on"
 
 
 def reference_attention(q, key_cache, value_cache, table, block_size, query_positions, window):
@@ -55,8 +56,9 @@ def test_paged_decode_attention_matches_sdpa(dtype, shape, block_size, window):
     g = torch.Generator().manual_seed(2)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths])
     q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
-    view = kernels.kv_view(KVCacheSpec(1, key_cache.shape[1], key_cache.shape[2], "float32", block_size), key_cache, value_cache)
-    out = kernels.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, window)
+    spec = KVCacheSpec(1, key_cache.shape[1], key_cache.shape[2], "float32", block_size)
+    view = attention.kv_view(spec, key_cache, value_cache)
+    out = attention.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, window)
     for row, length in enumerate(lengths.tolist()):
         ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), window)
         err = (out[row].float() - ref[0]).abs().max().item()
@@ -73,8 +75,8 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
     g = torch.Generator().manual_seed(4)
     table = torch.randperm(num_blocks, generator=g)[: -(-(start + count) // block_size)]
     q = torch.randn(count, heads, head_dim, generator=g).to(dtype)
-    view = kernels.kv_view(KVCacheSpec(1, kv_heads, head_dim, "float32", block_size), key_cache, value_cache)
-    out = kernels.paged_prefill_attention(q, view, table, start, head_dim**-0.5, window)
+    view = attention.kv_view(KVCacheSpec(1, kv_heads, head_dim, "float32", block_size), key_cache, value_cache)
+    out = attention.paged_prefill_attention(q, view, table, start, head_dim**-0.5, window)
     ref = reference_attention(q, key_cache, value_cache, table.tolist(), block_size, torch.arange(start, start + count), window)
     err = (out.float() - ref).abs().max().item()
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
@@ -83,11 +85,11 @@ def test_paged_prefill_attention_matches_sdpa(dtype, shape, start, count, window
 def test_kernels_reject_a_table_that_does_not_cover_the_context():
     key_cache, value_cache = random_pool(4, 16, 1, 32, torch.float32, seed=0)
     q = torch.randn(1, 2, 32)
-    view = kernels.kv_view(KVCacheSpec(1, 1, 32, "float32", 16), key_cache, value_cache)
+    view = attention.kv_view(KVCacheSpec(1, 1, 32, "float32", 16), key_cache, value_cache)
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_decode_attention(q, view, torch.tensor([[0]]), torch.tensor([17]), 0.1, None)
+        attention.paged_decode_attention(q, view, torch.tensor([[0]]), torch.tensor([17]), 0.1, None)
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_prefill_attention(torch.randn(17, 2, 32), view, torch.tensor([0]), 0, 0.1, None)
+        attention.paged_prefill_attention(torch.randn(17, 2, 32), view, torch.tensor([0]), 0, 0.1, None)
 
 
 def test_argument_structs_match_the_c_layout():
@@ -108,17 +110,17 @@ def test_kernels_read_any_layout_the_view_describes(dtype):
     key_cache = blocks[:, 0].reshape(-1, kv_heads, head_dim)  # copies, in the plain layout, for the reference
     value_cache = blocks[:, 1].reshape(-1, kv_heads, head_dim)
     view = KVView(blocks[:, 0].data_ptr(), blocks[:, 1].data_ptr(), None, None, 2 * block_size * kv_heads * head_dim,
-                  kv_heads * head_dim, 0, 0, kernels.NO_RESIDUAL, kernels._DTYPE_CODES[dtype], kernels._DTYPE_CODES[dtype],
+                  kv_heads * head_dim, 0, 0, attention.NO_RESIDUAL, library._DTYPE_CODES[dtype], library._DTYPE_CODES[dtype],
                   block_size, kv_heads, head_dim, 32, 32)  # fmt: skip
     lengths = torch.tensor([5, 40, 61])
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lengths])
     q = torch.randn(3, heads, head_dim, generator=g).to(dtype)
-    out = kernels.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, None)
+    out = attention.paged_decode_attention(q, view, tables, lengths, head_dim**-0.5, None)
     for row, length in enumerate(lengths.tolist()):
         ref = reference_attention(q[row : row + 1], key_cache, value_cache, tables[row].tolist(), block_size, torch.tensor([length - 1]), None)
         assert (out[row].float() - ref[0]).abs().max().item() < TOLERANCE[dtype]
     chunk = torch.randn(20, heads, head_dim, generator=g).to(dtype)
-    out = kernels.paged_prefill_attention(chunk, view, tables[1], 25, head_dim**-0.5, 16)
+    out = attention.paged_prefill_attention(chunk, view, tables[1], 25, head_dim**-0.5, 16)
     ref = reference_attention(chunk, key_cache, value_cache, tables[1].tolist(), block_size, torch.arange(25, 45), 16)
     assert (out.float() - ref).abs().max().item() < TOLERANCE[dtype]
 
@@ -150,17 +152,17 @@ def test_rms_norm_and_residual_add_match_torch(dtype, scale_after_cast):
     x = torch.randn(37, 96, generator=g).to(dtype)
     addend = torch.randn(37, 96, generator=g).to(dtype)
     w1, w2 = torch.rand(96, generator=g) + 0.5, torch.rand(96, generator=g) + 0.5
-    assert close(kernels.rms_norm(x, w1, 1e-6, scale_after_cast), torch_norm(x, w1, 1e-6, scale_after_cast), dtype)
+    assert close(fused.rms_norm(x, w1, 1e-6, scale_after_cast), torch_norm(x, w1, 1e-6, scale_after_cast), dtype)
     strided = torch.randn(37, 3, 96, generator=g).to(dtype)[:, 1]  # rows 3 * 96 apart
-    assert close(kernels.rms_norm(strided, w1, 1e-6, scale_after_cast), torch_norm(strided, w1, 1e-6, scale_after_cast), dtype)
+    assert close(fused.rms_norm(strided, w1, 1e-6, scale_after_cast), torch_norm(strided, w1, 1e-6, scale_after_cast), dtype)
     for addend_weight in (None, w2):
         residual = x.clone()
-        out = kernels.add_rms_norm(residual, addend, addend_weight, w1, 1e-6, scale_after_cast)
+        out = fused.add_rms_norm(residual, addend, addend_weight, w1, 1e-6, scale_after_cast)
         expected = x + (torch_norm(addend, addend_weight, 1e-6, scale_after_cast) if addend_weight is not None else addend)
         assert close(residual, expected, dtype)
         assert close(out, torch_norm(expected, w1, 1e-6, scale_after_cast), dtype)
     residual = x.clone()
-    assert kernels.add_rms_norm(residual, addend, None, None, 1e-6, scale_after_cast) is None
+    assert fused.add_rms_norm(residual, addend, None, None, 1e-6, scale_after_cast) is None
     assert close(residual, x + addend, dtype)
 
 
@@ -184,14 +186,14 @@ def test_qk_norm_rope_matches_the_torch_layers(dtype, qk_norm):
     if qk_norm:
         q, k = q_norm(q), k_norm(k)
     ref_q, ref_k = rotary(positions, q, k)
-    got_q, got_k = kernels.qk_norm_rope(
+    got_q, got_k = fused.qk_norm_rope(
         qkv, heads, kv_heads, head_dim, q_norm.weight.data if qk_norm else None, k_norm.weight.data if qk_norm else None,
         1e-6, positions, rotary.cos, rotary.sin,
     )  # fmt: skip
     assert close(got_q, ref_q, dtype) and close(got_k, ref_k, dtype)
     assert rotary.cos.shape == rotary.sin.shape == (64, head_dim // 2)  # one angle per rotated pair, not repeated per half
     with pytest.raises(ValueError, match="head_dim / 2"):
-        kernels.qk_norm_rope(qkv, heads, kv_heads, head_dim, None, None, 1e-6, positions, rotary.cos.repeat(1, 2), rotary.sin.repeat(1, 2))
+        fused.qk_norm_rope(qkv, heads, kv_heads, head_dim, None, None, 1e-6, positions, rotary.cos.repeat(1, 2), rotary.sin.repeat(1, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,21 +203,21 @@ def test_gated_activation_matches_torch(dtype, activation):
     gate_up = (4 * torch.randn(13, 2 * 160, generator=g)).to(dtype)
     gate, up = gate_up.split(160, dim=-1)
     act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
-    assert close(kernels.gated_activation(gate_up, activation), act * up, dtype)
+    assert close(fused.gated_activation(gate_up, activation), act * up, dtype)
 
 
 def test_disabling_the_kernels_falls_back_to_torch_ops():
     code = (
-        "import torch; from kvserve import kernels; from kvserve.engine.engine import resolve_attention_backend; "
-        "print(kernels.cpu_kernels_available(), resolve_attention_backend('auto', torch.device('cpu'), torch.float32))"
+        "import torch; from kvserve.kernels import library; from kvserve.engine.engine import resolve_attention_backend; "
+        "print(library.cpu_kernels_available(), resolve_attention_backend('auto', torch.device('cpu'), torch.float32))"
     )
     env = {**os.environ, "KVSERVE_DISABLE_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "torch_sdpa"]
 
 
-needs_bf16_dot = pytest.mark.skipif(not kernels.bf16_dot_available(), reason="this CPU has no AVX512-BF16")
-needs_int8_screen = pytest.mark.skipif(not kernels.int8_screen_available(), reason="this CPU has no AVX512-VNNI/BF16")
+needs_bf16_dot = pytest.mark.skipif(not products.bf16_dot_available(), reason="this CPU has no AVX512-BF16")
+needs_int8_screen = pytest.mark.skipif(not sampling.int8_screen_available(), reason="this CPU has no AVX512-VNNI/BF16")
 
 
 @needs_bf16_dot
@@ -225,18 +227,18 @@ def test_packed_matmul_matches_torch(rows, n, k):
     g = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    packed = kernels.pack_weight(weight)
-    out, argmax = kernels.packed_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
+    packed = products.pack_weight(weight)
+    out, argmax = products.packed_matmul(x, packed, out_dtype=torch.float32, want_argmax=True)
     ref = x.double() @ weight.double().t()
     # products of bf16 are exact in float; only the float32 accumulation differs from the float64 reference
     assert (out.double() - ref).abs().max().item() < 1e-4 * k
     assert torch.equal(argmax, out.argmax(dim=1))
-    same_dtype, _ = kernels.packed_matmul(x, packed)
+    same_dtype, _ = products.packed_matmul(x, packed)
     assert same_dtype.dtype == torch.bfloat16 and torch.equal(same_dtype, out.bfloat16())
     # a strided view of rows (inner stride 1) reads the same values
     wide = torch.zeros(rows, k + 6, dtype=torch.bfloat16)
     wide[:, :k] = x
-    assert torch.equal(kernels.packed_matmul(wide[:, :k], packed, out_dtype=torch.float32)[0], out)
+    assert torch.equal(products.packed_matmul(wide[:, :k], packed, out_dtype=torch.float32)[0], out)
 
 
 @needs_bf16_dot
@@ -244,22 +246,22 @@ def test_packed_argmax_breaks_ties_toward_the_lowest_index():
     weight = torch.zeros(5000, 32, dtype=torch.bfloat16)
     weight[[70, 71, 4100, 4999]] = 1.0  # equal logits, in one tile and in different threads' blocks
     weight[4998] = -1.0
-    _, argmax = kernels.packed_matmul(torch.ones(9, 32, dtype=torch.bfloat16), kernels.pack_weight(weight), want_output=False, want_argmax=True)
+    _, argmax = products.packed_matmul(torch.ones(9, 32, dtype=torch.bfloat16), products.pack_weight(weight), want_output=False, want_argmax=True)
     assert argmax.tolist() == [70] * 9
     # all logits negative: the zero rows padding the last tile (n = 4999 is not a multiple of 16) never win
-    _, argmax = kernels.packed_matmul(torch.ones(2, 32, dtype=torch.bfloat16), kernels.pack_weight(-weight[:4999].abs() - 1), want_output=False, want_argmax=True)
+    _, argmax = products.packed_matmul(torch.ones(2, 32, dtype=torch.bfloat16), products.pack_weight(-weight[:4999].abs() - 1), want_output=False, want_argmax=True)
     assert argmax.tolist() == [0, 0]
 
 
 @needs_bf16_dot
 def test_packed_weights_reject_what_they_cannot_take():
-    assert not kernels.can_pack(torch.zeros(16, 33, dtype=torch.bfloat16))  # odd inner size
-    assert not kernels.can_pack(torch.zeros(16, 32))  # float32
+    assert not products.can_pack(torch.zeros(16, 33, dtype=torch.bfloat16))  # odd inner size
+    assert not products.can_pack(torch.zeros(16, 32))  # float32
     with pytest.raises(ValueError, match="bf16"):
-        kernels.pack_weight(torch.zeros(16, 32))
-    packed = kernels.pack_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+        products.pack_weight(torch.zeros(16, 32))
+    packed = products.pack_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="packed_matmul"):
-        kernels.packed_matmul(torch.zeros(2, 30, dtype=torch.bfloat16), packed)
+        products.packed_matmul(torch.zeros(2, 30, dtype=torch.bfloat16), packed)
 
 
 def lm_head_like(n: int, k: int, seed: int) -> torch.Tensor:
@@ -274,12 +276,12 @@ def lm_head_product(weight: torch.Tensor, layout: str):
     """The weight the full logits are computed with, and its argmax product: packed_matmul's, or
     amx_matmul's (skipped without AMX tiles)."""
     if layout == "amx":
-        if not kernels.amx_ready():
+        if not products.amx_ready():
             pytest.skip("no AMX tiles on this CPU (the packed cases cover the screen)")
-        packed = kernels.amx_pack_weight(weight)
-        return packed, lambda x: kernels.amx_matmul(x, packed, want_output=False, want_argmax=True)[1]
-    packed = kernels.pack_weight(weight)
-    return packed, lambda x: kernels.packed_matmul(x, packed, want_output=False, want_argmax=True)[1]
+        packed = products.amx_pack_weight(weight)
+        return packed, lambda x: products.amx_matmul(x, packed, want_output=False, want_argmax=True)[1]
+    packed = products.pack_weight(weight)
+    return packed, lambda x: products.packed_matmul(x, packed, want_output=False, want_argmax=True)[1]
 
 
 @needs_int8_screen
@@ -294,11 +296,11 @@ def test_screened_argmax_is_bit_identical_to_the_full_product(rows, n, k, layout
     x = x.bfloat16()
     if layout == "amx" and k % 32:
         with pytest.raises(ValueError, match="k % 32"):
-            kernels.screen_weight(kernels.amx_pack_weight(weight), weight)
+            sampling.screen_weight(products.amx_pack_weight(weight), weight)
         return
     packed, full_argmax = lm_head_product(weight, layout)
-    screened = kernels.screen_weight(packed, weight)
-    argmax, rescored = kernels.screened_argmax(x, screened)
+    screened = sampling.screen_weight(packed, weight)
+    argmax, rescored = sampling.screened_argmax(x, screened)
     assert torch.equal(argmax, full_argmax(x))
     tiles = -(-n // 16)
     assert (rescored >= 1).all() and rescored.float().mean() < tiles / 4, f"screening kept {rescored.tolist()} of {tiles} tiles"
@@ -317,7 +319,7 @@ def test_screened_argmax_on_near_ties_and_exact_ties(layout):
     weight[5000] = weight[winner]
     weight[5000, 0] = torch.nextafter(weight[5000, 0].float(), torch.tensor(float("inf"))).bfloat16()
     packed, full_argmax = lm_head_product(weight, layout)
-    argmax, _ = kernels.screened_argmax(x, kernels.screen_weight(packed, weight))
+    argmax, _ = sampling.screened_argmax(x, sampling.screen_weight(packed, weight))
     assert torch.equal(argmax, full_argmax(x))
 
 
@@ -325,9 +327,9 @@ def test_kernels_built_for_an_older_cpu_fall_back_where_it_lacks_instructions():
     """KVSERVE_MARCH=haswell builds the AVX2 kernels (what a CPU without AVX-512 gets): the bf16-dot
     and int8 paths report themselves absent and bf16 generation still runs on the native backend."""
     code = (
-        "import torch; from kvserve import kernels; "
-        "print(kernels.cpu_kernels_available(), kernels.bf16_dot_available(), kernels.int8_screen_available(), "
-        "kernels.can_pack(torch.zeros(16, 32, dtype=torch.bfloat16)))"
+        "import torch; from kvserve.kernels import library, products, sampling; "
+        "print(library.cpu_kernels_available(), products.bf16_dot_available(), sampling.int8_screen_available(), "
+        "products.can_pack(torch.zeros(16, 32, dtype=torch.bfloat16)))"
     )
     env = {**os.environ, "KVSERVE_MARCH": "haswell"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
@@ -341,10 +343,10 @@ def test_linear_on_packed_weights_matches_f_linear(rows, monkeypatch):
     row-major copy freed); what it does not take unpacks on demand."""
     from kvserve.model.layers import Linear
 
-    monkeypatch.setattr(kernels, "amx_ready", lambda: False)
+    monkeypatch.setattr(products, "amx_ready", lambda: False)
     packed_calls = []
-    real_packed_matmul = kernels.packed_matmul
-    monkeypatch.setattr(kernels, "packed_matmul", lambda *a, **k: packed_calls.append(a[0].shape) or real_packed_matmul(*a, **k))
+    real_packed_matmul = products.packed_matmul
+    monkeypatch.setattr(products, "packed_matmul", lambda *a, **k: packed_calls.append(a[0].shape) or real_packed_matmul(*a, **k))
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=True).to(torch.bfloat16)
     x = torch.randn(rows, 96).bfloat16()
@@ -353,7 +355,7 @@ def test_linear_on_packed_weights_matches_f_linear(rows, monkeypatch):
         weight = layer.weight.clone()
         layer.enable_native()
         assert layer.packed is not None and layer.amx is None and layer.weight.numel() == 0
-        assert torch.equal(kernels.unpack_weight(layer.packed), weight)
+        assert torch.equal(products.unpack_weight(layer.packed), weight)
         out = layer(x)
         assert packed_calls == [x.shape]
         fallback = layer(x.float()[None])[0]  # what the packed kernel does not take unpacks on demand
@@ -369,12 +371,12 @@ def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows
     from kvserve.model.layers import Linear
 
     emulated = build_amx_emulation()
-    real_pack, real_matmul = kernels.amx_pack_weight, kernels.amx_matmul
+    real_pack, real_matmul = products.amx_pack_weight, products.amx_matmul
     calls = []
-    monkeypatch.setattr(kernels, "amx_ready", lambda: True)
-    monkeypatch.setattr(kernels, "bf16_dot_available", lambda: True)  # every AMX CPU has AVX512-BF16 (this one may not)
-    monkeypatch.setattr(kernels, "amx_pack_weight", lambda w: real_pack(w, library=emulated))
-    monkeypatch.setattr(kernels, "amx_matmul", lambda x, w, **k: calls.append(x.shape[0]) or real_matmul(x, w, library=emulated, **k))
+    monkeypatch.setattr(products, "amx_ready", lambda: True)
+    monkeypatch.setattr(products, "bf16_dot_available", lambda: True)  # every AMX CPU has AVX512-BF16 (this one may not)
+    monkeypatch.setattr(products, "amx_pack_weight", lambda w: real_pack(w, library=emulated))
+    monkeypatch.setattr(products, "amx_matmul", lambda x, w, **k: calls.append(x.shape[0]) or real_matmul(x, w, library=emulated, **k))
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=False).to(torch.bfloat16)
     x = torch.randn(rows, 96).bfloat16()
@@ -383,7 +385,7 @@ def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows
         weight = layer.weight.clone()
         layer.enable_native()
         assert layer.amx is not None and layer.packed is None and layer.weight.numel() == 0
-        assert torch.equal(kernels.amx_unpack_weight(layer.amx), weight)
+        assert torch.equal(products.amx_unpack_weight(layer.amx), weight)
         out = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert calls == [rows] + [1] * rows
@@ -393,9 +395,9 @@ def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows
 
 def test_the_amx_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
-    assert not kernels.amx_available()
+    assert not products.amx_available()
     monkeypatch.delenv("KVSERVE_DISABLE_AMX")
-    assert kernels.amx_available() == (kernels.cpu_has_amx_bf16() and kernels.load_kernels().kvserve_amx_available() == 1)
+    assert products.amx_available() == (products.cpu_has_amx_bf16() and load_kernels().kvserve_amx_available() == 1)
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -420,7 +422,7 @@ def test_dtype_auto_follows_the_x86_flags_not_a_timing(monkeypatch, flags, expec
 
 
 def test_the_cpu_flags_are_read_from_cpuinfo():
-    flags = kernels.cpu_flags()
+    flags = cpu_flags()
     assert isinstance(flags, frozenset)
     if os.path.exists("/proc/cpuinfo") and platform.machine() in ("x86_64", "AMD64"):
         assert "sse2" in flags

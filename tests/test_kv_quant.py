@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import attention, kv_formats, library, products
+from kvserve.kernels.build import load_kernels
 from kvserve.kv import quant
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.rotation import Rotation, hadamard_rotation
@@ -76,7 +78,7 @@ def test_record_bytes_equal_the_formula(kv_dtype):
     assert packed.shape[1] == spec.record_bytes
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_native_store_writes_the_torch_codecs_bytes(kv_dtype, dtype):
@@ -93,7 +95,7 @@ def test_native_store_writes_the_torch_codecs_bytes(kv_dtype, dtype):
     calibrated = [None] if kv_dtype == "int8" else [None, torch.tensor([0.02, 3.0])]
     for scales in calibrated:
         records = torch.full((6, spec.record_bytes), 0xAB, dtype=torch.uint8)
-        kernels.kv_store(spec, records, slots, x, scales)
+        kv_formats.kv_store(spec, records, slots, x, scales)
         data, meta = quant.encode_tokens(spec, x.float(), scales)
         blocks, within = slots // 16, slots % 16
         assert torch.equal(quant.data_rows(spec, records)[blocks, within], data)
@@ -101,10 +103,10 @@ def test_native_store_writes_the_torch_codecs_bytes(kv_dtype, dtype):
     # a view with a row stride (K split from a fused QKV projection) is read in place
     fused = torch.randn(5, 3 * 128, generator=g).to(dtype)
     records = torch.zeros(6, spec.record_bytes, dtype=torch.uint8)
-    kernels.kv_store(spec, records, torch.arange(5), fused[:, 128:256].view(5, 2, 64))
+    kv_formats.kv_store(spec, records, torch.arange(5), fused[:, 128:256].view(5, 2, 64))
     assert torch.equal(quant.data_rows(spec, records)[0, :5], quant.encode_tokens(spec, fused[:, 128:256].float().view(5, 2, 64))[0])
     with pytest.raises(ValueError, match="kv_store"):
-        kernels.kv_store(spec, records, torch.tensor([6 * 16]), x[:1])
+        kv_formats.kv_store(spec, records, torch.tensor([6 * 16]), x[:1])
 
 
 def fill(pool: PagedKVPool, k: torch.Tensor, v: torch.Tensor, residual_blocks: int) -> torch.Tensor:
@@ -123,7 +125,7 @@ def fill(pool: PagedKVPool, k: torch.Tensor, v: torch.Tensor, residual_blocks: i
     return torch.tensor(list(range(quantized)) + [first + b for b in range(quantized, blocks)])
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("dim", [64, 24])
 def test_kernels_read_every_format_like_the_torch_path(kv_dtype, dim):
@@ -143,17 +145,17 @@ def test_kernels_read_every_format_like_the_torch_path(kv_dtype, dim):
     for window in (None, 40):
         length = 8 * bs - 5
         q = torch.randn(3, 6, dim, generator=g)
-        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor([length, 7, bs + 1]), dim**-0.5, window)
+        out = attention.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor([length, 7, bs + 1]), dim**-0.5, window)
         for row, n in enumerate((length, 7, bs + 1)):
             ref = reference_attention(q[row : row + 1], keys, values, blocks, bs, torch.tensor([n - 1]), window)
             assert (out[row] - ref[0]).abs().max() < 1e-5
         chunk = torch.randn(30, 6, dim, generator=g)
-        out = kernels.paged_prefill_attention(chunk, pool.layers[0].view, table, length - 30, dim**-0.5, window)
+        out = attention.paged_prefill_attention(chunk, pool.layers[0].view, table, length - 30, dim**-0.5, window)
         ref = reference_attention(chunk, keys, values, blocks, bs, torch.arange(length - 30, length), window)
         assert (out - ref).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("group", [1, 3])
 def test_bf16_queries_read_scaled_formats_like_the_torch_path(kv_dtype, group):
@@ -172,13 +174,13 @@ def test_bf16_queries_read_scaled_formats_like_the_torch_path(kv_dtype, group):
     keys, values = pool.layers[0].gather(table[None])
     q = (torch.randn(2, 2 * group, 64, generator=g) * 0.3).bfloat16()
     for window in (None, 100):
-        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(2, 1), torch.tensor([length, 40]), 0.125, window)
+        out = attention.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(2, 1), torch.tensor([length, 40]), 0.125, window)
         for row, n in enumerate((length, 40)):
             ref = reference_attention(q[row : row + 1].float(), keys[0], values[0], list(range(37)), 16, torch.tensor([n - 1]), window)
             assert (out[row].float() - ref[0]).abs().max() < 0.03, (kv_dtype, window, row)
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
 @pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (2, 128)])
 def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim):
@@ -197,14 +199,14 @@ def test_bf16_queries_read_kivi_records_like_the_torch_path(kv_dtype, group, dim
     q = (torch.randn(3, 2 * group, dim, generator=g) * 0.3).bfloat16()
     lengths = (blocks * 32 - 5, 9 * 32 + 1, 41)
     for window in (None, 101):
-        out = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor(lengths), dim**-0.5, window)
+        out = attention.paged_decode_attention(q, pool.layers[0].view, table[None].repeat(3, 1), torch.tensor(lengths), dim**-0.5, window)
         for row, n in enumerate(lengths):
             ref = reference_attention(q[row : row + 1].float(), keys[0], values[0], list(range(blocks)), 32, torch.tensor([n - 1]), window)
             # bf16 output, bf16 scaled queries and weights: a few 2^-9 roundings
             assert (out[row].float() - ref[0]).abs().max() < 8e-3 * ref[0].abs().max(), (kv_dtype, window, row)
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3", "int4", "int2"])
 @pytest.mark.parametrize(("query_dtype", "dim"), [(torch.float32, 64), (torch.float32, 24), (torch.bfloat16, 64)])
 def test_a_long_context_split_across_threads_decodes_like_one_pass(kv_dtype, query_dtype, dim):
@@ -232,9 +234,9 @@ def test_a_long_context_split_across_threads_decodes_like_one_pass(kv_dtype, que
     q = (torch.randn(2, 4, dim, generator=g) * 0.5).to(query_dtype)
     lengths = (blocks * bs - 7, 1100)
     for window in (None, 1500):
-        out = kernels.paged_decode_attention(q[:1], pool.layers[0].view, table[None], torch.tensor(lengths[:1]), dim**-0.5, window)
-        out2 = kernels.paged_decode_attention(q[1:], pool.layers[0].view, table[None], torch.tensor(lengths[1:]), dim**-0.5, window)
-        both = kernels.paged_decode_attention(q, pool.layers[0].view, table[None].expand(2, -1).contiguous(), torch.tensor(lengths),
+        out = attention.paged_decode_attention(q[:1], pool.layers[0].view, table[None], torch.tensor(lengths[:1]), dim**-0.5, window)
+        out2 = attention.paged_decode_attention(q[1:], pool.layers[0].view, table[None], torch.tensor(lengths[1:]), dim**-0.5, window)
+        both = attention.paged_decode_attention(q, pool.layers[0].view, table[None].expand(2, -1).contiguous(), torch.tensor(lengths),
                                               dim**-0.5, window)
         assert torch.equal(both[0], out[0]) and torch.equal(both[1], out2[0]), (kv_dtype, query_dtype, dim, window)
         for row, (n, got) in enumerate(zip(lengths, (out[0], out2[0]))):
@@ -503,10 +505,10 @@ def test_key_centering_is_only_for_per_token_scales(tiny_dir, tmp_path):
 def test_a_centered_store_writes_the_bytes_of_the_shifted_keys(kv_dtype, native, monkeypatch):
     """What a centered layer stores for k is what a plain one stores for k - c (native store and
     torch codec), and the center never touches the values."""
-    if native and not kernels.cpu_kernels_available():
+    if native and not library.cpu_kernels_available():
         pytest.skip("no native kernels")
     if not native:
-        monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
+        monkeypatch.setattr(library, "cpu_kernels_available", lambda: False)
     spec = spec_for(kv_dtype)
     k, v = (tensors(seed, 1, 16, 2, 64, outliers=True)[0] for seed in (1, 2))
     center = 5 * torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
@@ -534,7 +536,7 @@ def test_hadamard_rotation_is_orthonormal_and_the_transform_computes_it():
         hadamard_rotation(24)
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no C++ compiler")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [16, 64, 256])
 def test_native_rotation_gives_the_torch_butterflies_bits(dtype, dim):
@@ -624,16 +626,16 @@ def test_rotation_is_asked_for_and_joins_the_cache_identity(tiny_dir, tmp_path):
 @pytest.fixture(params=["amx", "vector"])
 def attention_tiles(request):
     """bf16 attention on AMX tiles (skipped on a CPU without them), or on the vector paths."""
-    library = kernels.load_kernels()
+    library = load_kernels()
     if request.param == "amx" and not library.kvserve_set_attention_amx(1):
         pytest.skip("no AMX tiles on this CPU (the vector paths are the 'vector' cases)")
     if request.param == "vector":
         library.kvserve_set_attention_amx(0)
     yield request.param
-    library.kvserve_set_attention_amx(int(kernels.amx_ready()))
+    library.kvserve_set_attention_amx(int(products.amx_ready()))
 
 
-@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no native kernels")
+@pytest.mark.skipif(not library.cpu_kernels_available(), reason="no native kernels")
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", *QUANTIZED])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40, 700])
@@ -654,11 +656,11 @@ def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, wind
     length = blocks * bs - 3
     start = 1000  # the chunk's rows see 1,001 .. length slots: unsplit, then split into parts
     q = torch.randn(length - start, 6, dim, generator=g).to(query_dtype)
-    decoded = kernels.paged_decode_attention(q, view, table[None].repeat(len(q), 1), torch.arange(start + 1, length + 1), dim**-0.5, window)
+    decoded = attention.paged_decode_attention(q, view, table[None].repeat(len(q), 1), torch.arange(start + 1, length + 1), dim**-0.5, window)
     for chunk in (len(q), 17, 1):
         for first in range(0, len(q), chunk):
             rows = slice(first, min(len(q), first + chunk))
-            out = kernels.paged_prefill_attention(q[rows], view, table, start + first, dim**-0.5, window)
+            out = attention.paged_prefill_attention(q[rows], view, table, start + first, dim**-0.5, window)
             assert torch.equal(out, decoded[rows]), (chunk, first)
     if not kivi and kv_dtype in ("float32", "bfloat16"):
         keys, values = k.to(query_dtype).double(), v.to(query_dtype).double()

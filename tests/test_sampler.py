@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy.stats import chi2, chisquare, kstest
 
-from kvserve import kernels
+from kvserve.kernels import library, sampling
 from kvserve.engine.torch_sampler import gumbel_noise, philox4x32, sample_torch, token_uniforms
 
-needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="the native CPU kernels are not built here")
+needs_kernels = pytest.mark.skipif(not library.cpu_kernels_available(), reason="the native CPU kernels are not built here")
 
 # Each check fails a correct sampler with probability below 1e-7; with ~70 checks a run of this
 # file fails by chance less than once in 10^5 runs.
@@ -25,7 +25,7 @@ NO_PENALTY = (np.empty(0, np.int64), np.empty(0, np.int32))
 
 def sampler_rows(count: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition=1.0, presence=0.0, frequency=0.0,
                  logprobs=-1, seed=1234, first_position=0, penalties: int = 0) -> np.ndarray:  # fmt: skip
-    rows = np.zeros(count, dtype=kernels.SAMPLER_ROW_DTYPE)
+    rows = np.zeros(count, dtype=sampling.SAMPLER_ROW_DTYPE)
     rows["temperature"], rows["top_p"], rows["top_k"], rows["min_p"] = temperature, top_p, top_k, min_p
     rows["repetition_penalty"], rows["presence_penalty"], rows["frequency_penalty"] = repetition, presence, frequency
     rows["num_logprobs"], rows["seed"] = logprobs, seed
@@ -72,7 +72,7 @@ def reference(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0
 
 def draw_counts(row: np.ndarray, draws: int, sample=None, rows_per_call: int | None = None, penalty=NO_PENALTY, **params) -> np.ndarray:
     """Token counts of `draws` draws from one row of logits, each draw at its own position."""
-    sample = sample or kernels.sample
+    sample = sample or sampling.sample
     vocab = len(row)
     rows_per_call = rows_per_call or max(1, min(draws, (64 << 20) // (4 * vocab)))
     ids, counts = penalty
@@ -226,16 +226,16 @@ def test_native_and_torch_draw_the_same_tokens(kind):
         logits = torch.from_numpy(row).repeat(n, 1)
         rows = sampler_rows(n, penalties=3, **config)
         pen_ids, pen_counts = np.tile(ids, n), np.tile(counts, n)
-        native = kernels.sample(logits.clone(), rows, pen_ids, pen_counts)
+        native = sampling.sample(logits.clone(), rows, pen_ids, pen_counts)
         fallback = sample_torch(logits.clone(), rows, pen_ids, pen_counts)
         assert torch.equal(native.tokens, fallback.tokens), config
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_logprobs_are_log_softmax_of_the_raw_logits(backend):
-    if backend == "native" and not kernels.cpu_kernels_available():
+    if backend == "native" and not library.cpu_kernels_available():
         pytest.skip("no native kernels")
-    sample = kernels.sample if backend == "native" else sample_torch
+    sample = sampling.sample if backend == "native" else sample_torch
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 5000, generator=g) * 3
     logits[2, ::7] = float("-inf")
@@ -287,7 +287,7 @@ def test_philox_known_answers():
 def test_native_token_uniforms_equal_torch_samplers(n):
     """Whole chunks (16 Philox blocks side by side) and single tokens both give torch_sampler's uniforms."""
     for seed, position in [(0, 0), (1234, 7), (2**64 - 1, 2**40 + 3)]:
-        assert np.array_equal(kernels.token_uniforms(seed, position, n), token_uniforms(seed, position, n))
+        assert np.array_equal(sampling.token_uniforms(seed, position, n), token_uniforms(seed, position, n))
 
 
 @needs_kernels
@@ -296,7 +296,7 @@ def test_bad_rows_are_refused():
     rows = sampler_rows(2)
     rows["top_p"] = 0.0
     with pytest.raises(ValueError):
-        kernels.sample(logits, rows, *NO_PENALTY)
+        sampling.sample(logits, rows, *NO_PENALTY)
     rows = sampler_rows(2, penalties=1)
     with pytest.raises(ValueError):
-        kernels.sample(logits, rows, np.array([10, 3], dtype=np.int64), np.array([1, 1], dtype=np.int32))
+        sampling.sample(logits, rows, np.array([10, 3], dtype=np.int64), np.array([1, 1], dtype=np.int32))

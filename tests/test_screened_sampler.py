@@ -1,4 +1,4 @@
-"""Sampling from the int8-screened lm_head (kernels.screened_sample): every token it draws is the
+"""Sampling from the int8-screened lm_head (sampling.screened_sample): every token it draws is the
 token the full-logits sampler draws from the exact bf16 product, and the engine gives a seeded
 request the same tokens whichever path its rows take."""
 
@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from kvserve import LLM, SamplingParams, kernels
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import library, products, sampling
 from kvserve.engine import runner as runner_module
 from test_sampler import CONFIGS, sampler_rows
 
 needs_screen = pytest.mark.skipif(
-    not (kernels.cpu_kernels_available() and kernels.int8_screen_available()), reason="the int8 screen needs AVX512-VNNI and BF16"
+    not (library.cpu_kernels_available() and sampling.int8_screen_available()),
+    reason="the int8 screen needs AVX512-VNNI and BF16",
 )
 
 N, K = 5000, 128  # a vocabulary that does not fill its last tile of 16
@@ -25,7 +27,7 @@ def lm_head(request):
     """(kind, screened weight, the weight the full logits are computed with): packed_matmul's layout,
     or AMX tiles (what the engine holds on a CPU with them; the rescoring then runs on tiles too)."""
     kind, layout = request.param.split("-")
-    if layout == "amx" and not kernels.amx_ready():
+    if layout == "amx" and not products.amx_ready():
         pytest.skip("no AMX tiles on this CPU (the packed cases cover the screen)")
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(N, K, generator=g) * 0.05
@@ -37,14 +39,14 @@ def lm_head(request):
         # proven bounds keep the draw exact
         weight[:, 5] = 2.0
     weight = weight.bfloat16()
-    packed = kernels.amx_pack_weight(weight) if layout == "amx" else kernels.pack_weight(weight)
-    return kind, kernels.screen_weight(packed, weight), packed
+    packed = products.amx_pack_weight(weight) if layout == "amx" else products.pack_weight(weight)
+    return kind, sampling.screen_weight(packed, weight), packed
 
 
 def full_logits(x, packed) -> torch.Tensor:
-    if isinstance(packed, kernels.AmxWeight):
-        return kernels.amx_matmul(x, packed, out_dtype=torch.float32)[0]
-    return kernels.packed_matmul(x, packed, out_dtype=torch.float32)[0]
+    if isinstance(packed, products.AmxWeight):
+        return products.amx_matmul(x, packed, out_dtype=torch.float32)[0]
+    return products.packed_matmul(x, packed, out_dtype=torch.float32)[0]
 
 
 def hidden_rows(count: int, seed: int) -> torch.Tensor:
@@ -57,7 +59,7 @@ def hidden_rows(count: int, seed: int) -> torch.Tensor:
 
 def full_draw(x, packed, rows, ids, counts):
     logits = full_logits(x, packed)
-    return kernels.sample(logits.contiguous(), rows, ids, counts).tokens
+    return sampling.sample(logits.contiguous(), rows, ids, counts).tokens
 
 
 def penalties_on_top_tokens(x, packed, count: int, per_row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +94,7 @@ def test_every_screened_draw_is_the_full_logits_draw(lm_head, config):
             ids, counts = penalties_on_top_tokens(x, packed, rows_per_call, penalties)
         else:
             ids, counts = np.empty(0, np.int64), np.empty(0, np.int32)
-        tokens, rescored = kernels.screened_sample(x, screened, rows, ids, counts)
+        tokens, rescored = sampling.screened_sample(x, screened, rows, ids, counts)
         expected = full_draw(x, packed, rows, ids, counts)
         drawn = tokens >= 0
         assert torch.equal(tokens[drawn], expected[drawn]), (call, tokens, expected)
@@ -112,9 +114,9 @@ def test_one_row_and_many_rows_draw_alike(lm_head):
     _, screened, packed = lm_head
     x = hidden_rows(6, seed=99)
     rows = sampler_rows(6, seed=3, temperature=0.9, top_p=0.95)
-    together, _ = kernels.screened_sample(x, screened, rows, np.empty(0, np.int64), np.empty(0, np.int32))
-    alone = [int(kernels.screened_sample(x[i : i + 1], screened, rows[i : i + 1], np.empty(0, np.int64), np.empty(0, np.int32))[0][0])
-             for i in range(6)]  # fmt: skip
+    no_penalty = np.empty(0, np.int64), np.empty(0, np.int32)
+    together, _ = sampling.screened_sample(x, screened, rows, *no_penalty)
+    alone = [int(sampling.screened_sample(x[i : i + 1], screened, rows[i : i + 1], *no_penalty)[0][0]) for i in range(6)]
     assert together.tolist() == alone
 
 
@@ -124,7 +126,7 @@ def test_bad_rows_are_refused(lm_head):
     x = hidden_rows(1, seed=0)
     for bad in (dict(temperature=0.0), dict(temperature=1.0, logprobs=2)):
         with pytest.raises(ValueError):
-            kernels.screened_sample(x, screened, sampler_rows(1, **bad), np.empty(0, np.int64), np.empty(0, np.int32))
+            sampling.screened_sample(x, screened, sampler_rows(1, **bad), np.empty(0, np.int64), np.empty(0, np.int32))
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +149,14 @@ def test_seeded_requests_sample_the_same_screened_or_not(bf16_llm, monkeypatch):
     """Alone, a request's rows draw from the screen; batched with 31 others, or with the screen
     off, from the full logits: the same tokens every way."""
     screened_calls = []
-    real = kernels.screened_sample
+    real = sampling.screened_sample
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         screened_calls.append(int((out[0] >= 0).sum()))
         return out
 
-    monkeypatch.setattr(kernels, "screened_sample", spy)
+    monkeypatch.setattr(sampling, "screened_sample", spy)
     prompts = random_prompts(len(SEEDED), 8, 40, seed=21)
     alone = [bf16_llm.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, SEEDED)]
     assert sum(screened_calls) >= 0.5 * len(SEEDED) * 24  # most tokens came from the screen

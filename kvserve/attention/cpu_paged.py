@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, register
 from kvserve.attention.kivi_reads import PREFILL_ROWS, KiviReads
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention
 
 
 @register
@@ -34,18 +34,18 @@ class CpuPagedBackend(AttentionBackend):
             rows = group_reads.decode if group_reads is not None else None
             tables = rows.tables if rows is not None else meta.decode_block_tables[kv.group]
             lens = rows.kv_lens if rows is not None else meta.decode_kv_lens[kv.group]
-            kernels.paged_decode_attention(q[:num_decode], kv.view, tables, lens, scale, window, out=out[:num_decode])
+            paged_decode_attention(q[:num_decode], kv.view, tables, lens, scale, window, out=out[:num_decode])
         for i, span in enumerate(meta.prefills):
             rows = group_reads.spans[i] if group_reads is not None else None
             if rows is None:
-                kernels.paged_prefill_attention(
+                paged_prefill_attention(
                     q[span.start : span.end], kv.view, span.block_tables[kv.group], span.kv_starts[kv.group], scale, window,
                     out=out[span.start : span.end],
                 )  # fmt: skip
                 continue
             for first in range(0, span.num_tokens, PREFILL_ROWS):  # the same per-row code, each row its own table
                 end = min(span.num_tokens, first + PREFILL_ROWS)
-                kernels.paged_decode_attention(q[span.start + first : span.start + end], kv.view, rows.tables[first:end],
+                paged_decode_attention(q[span.start + first : span.start + end], kv.view, rows.tables[first:end],
                                                rows.kv_lens[first:end], scale, window, out=out[span.start + first : span.start + end])  # fmt: skip
         if meta.window_scores:
             self.score_windows(layer, q, meta, scale, window)

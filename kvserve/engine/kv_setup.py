@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import library
 from kvserve.config import EngineConfig
 from kvserve.device_memory import device_memory_bytes
 from kvserve.kv.spec import GIB, KVCacheSpec
@@ -18,7 +18,7 @@ from kvserve.model.config import ModelConfig
 
 def resolve_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
     """`--attention-backend auto` takes the native paged kernel wherever it runs (CPU, a compiler present)."""
-    native = kernels.supports(device, kv_dtype)
+    native = library.supports(device, kv_dtype)
     if requested == "cpu_paged" and not native:
         raise ValueError("attention_backend 'cpu_paged' needs a CPU device, a C++ compiler and a float KV cache; use 'torch_sdpa'")
     if requested == "auto":

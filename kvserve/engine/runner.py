@@ -13,7 +13,7 @@ from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.transformer import CausalLM
 
-# Up to this many sampled rows draw from the int8 screen (kernels.screened_sample): each row
+# Up to this many sampled rows draw from the int8 screen (kernels.sampling.screened_sample): each row
 # recomputes its own tiles in bf16 and scans the vocabulary on its own, where a larger batch shares
 # one full product (on Gemma 3 270M, one row 7.2 ms against 12.0, three 10.1 against 12.8, four
 # 12.6 against 13.6 before the top-p rows the screen leaves to the full product).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import sampling
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.engine.torch_sampler import sample_torch
 from kvserve.sampling_params import MIN_TOP_P
@@ -35,7 +35,7 @@ class Sampler:
     @staticmethod
     def rows(seqs: list[Sequence], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kernels' per-row parameters (SAMPLER_ROW_DTYPE) and the flat penalty ids and counts."""
-        rows = np.zeros(len(seqs), dtype=kernels.SAMPLER_ROW_DTYPE)
+        rows = np.zeros(len(seqs), dtype=sampling.SAMPLER_ROW_DTYPE)
         id_parts: list[np.ndarray] = []
         count_parts: list[np.ndarray] = []
         begin = 0
@@ -68,7 +68,7 @@ class Sampler:
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         exhausted = set(self.grammar_mask.apply(logits, constrained, [seqs[i].grammar for i in constrained])) if constrained else set()
         if self.native and logits.device.type == "cpu":
-            out = kernels.sample(logits.contiguous(), rows, penalty_ids, penalty_counts)
+            out = sampling.sample(logits.contiguous(), rows, penalty_ids, penalty_counts)
         else:
             out = sample_torch(logits, rows, penalty_ids, penalty_counts)
         tokens = out.tokens.tolist()

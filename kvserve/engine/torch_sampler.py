@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.kernels import MAX_LOGPROBS, SampledRows
+from kvserve.kernels.sampling import MAX_LOGPROBS, SampledRows
 
 MASS_FLOOR = -88.0
 _M32 = np.uint64(0xFFFFFFFF)
@@ -79,7 +79,7 @@ def _column(rows: np.ndarray, name: str, device: torch.device) -> torch.Tensor:
 
 
 def sample_torch(logits: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> SampledRows:
-    """kernels.sample in torch ops: logits float32 [R, V] (modified in place), rows a
+    """kernels.sampling.sample in torch ops: logits float32 [R, V] (modified in place), rows a
     SAMPLER_ROW_DTYPE array, penalties as (begin, end) ranges of the flat id/count arrays."""
     device = logits.device
     count, vocab = logits.shape

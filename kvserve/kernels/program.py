@@ -1,9 +1,10 @@
 """A decode step's kernel calls recorded once and replayed in one call (decode_program.cpp).
 
-Each op is the argument struct of a kernel the per-op wrappers in kernels/__init__.py call, built
-once over fixed buffers [capacity, width]; a step writes only its rows, positions and each KV cache
-group's slots, block tables and lengths. The kernels are the same, so are the bits; what goes is
-the Python around ~10 kernel calls per layer (about 1 ms of a one-row Gemma 3 270M step).
+Each op is the argument struct of a kernel the per-op wrappers (kernels/attention.py, products.py,
+fused.py, ...) call, built once over fixed buffers [capacity, width]; a step writes only its rows,
+positions and each KV cache group's slots, block tables and lengths. The kernels are the same, so
+are the bits; what goes is the Python around ~10 kernel calls per layer (about 1 ms of a one-row
+Gemma 3 270M step).
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import ctypes
 
 import torch
 
-from kvserve import kernels
 from kvserve.kernels import args
+from kvserve.kernels.fused import ACTIVATIONS, _float_weight
+from kvserve.kernels.gguf import GgufProduct
+from kvserve.kernels.hadamard import Hadamard
+from kvserve.kernels.kv_formats import KV_FORMAT_CODES, SCALED_KV_FORMATS
+from kvserve.kernels.library import _DTYPE_CODES, _require
+from kvserve.kernels.products import AmxWeight, FloatPackedWeight, PackedWeight
 
 OP_KINDS = {
     "gguf": 0, "amx": 1, "packed": 2, "float": 3, "qk_norm_rope": 4, "kv_copy": 5, "kv_store": 6, "decode_attention": 7,
     "add_rms_norm": 8, "gated_activation": 9, "hadamard": 10, "bias_add": 11,
 }  # fmt: skip
-Product = kernels.GgufProduct | kernels.AmxWeight | kernels.PackedWeight | kernels.FloatPackedWeight
+Product = GgufProduct | AmxWeight | PackedWeight | FloatPackedWeight
 
 
 class DecodeProgram:
@@ -28,7 +34,7 @@ class DecodeProgram:
     tensor and struct its ops point into alive. One step at a time (the engine's loop)."""
 
     def __init__(self, capacity: int) -> None:
-        self._library = kernels._require()
+        self._library = _require()
         self.capacity = capacity
         self._ops: list[tuple[ctypes.Structure, int, int, int, int]] = []  # (args, parts address, kind, group, part count)
         self._keep: list[object] = []
@@ -54,22 +60,22 @@ class DecodeProgram:
 
     def product(self, weight: Product, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = x @ W^T on the kernel that holds W, in x's dtype (as Linear's native product)."""
-        dtype = kernels._DTYPE_CODES[x.dtype]
+        dtype = _DTYPE_CODES[x.dtype]
         x_ptr = self._buffer(x, weight.k)
         out_ptr = self._buffer(out, weight.n, x.dtype)
         self._keep.append(weight)
-        if isinstance(weight, kernels.GgufProduct):
+        if isinstance(weight, GgufProduct):
             call = args.GgufMatmulArgs(None, x_ptr, out_ptr, None, weight.n, weight.k, weight.n, weight.k, 0, 0, dtype, dtype, 0)
             self._add(call, "gguf", parts=ctypes.addressof(weight._parts), count=len(weight.parts))
-        elif isinstance(weight, kernels.AmxWeight):
+        elif isinstance(weight, AmxWeight):
             self._require_bf16(x)
             self._add(args.AmxMatmulArgs(weight.data.data_ptr(), x_ptr, out_ptr, None, weight.n, weight.k, weight.k, 0, dtype, 0), "amx")
-        elif isinstance(weight, kernels.PackedWeight):
+        elif isinstance(weight, PackedWeight):
             self._require_bf16(x)
             self._add(args.PackedMatmulArgs(weight.data.data_ptr(), x_ptr, out_ptr, None, weight.n, weight.k, weight.k, 0, dtype, 0), "packed")
-        elif isinstance(weight, kernels.FloatPackedWeight):
+        elif isinstance(weight, FloatPackedWeight):
             call = args.FloatMatmulArgs(
-                weight.data.data_ptr(), x_ptr, out_ptr, None, weight.n, weight.k, weight.k, 0, kernels._DTYPE_CODES[weight.dtype], dtype, dtype, 0
+                weight.data.data_ptr(), x_ptr, out_ptr, None, weight.n, weight.k, weight.k, 0, _DTYPE_CODES[weight.dtype], dtype, dtype, 0
             )  # fmt: skip
             self._add(call, "float")
         else:
@@ -81,7 +87,7 @@ class DecodeProgram:
         if bias.dtype != out.dtype or tuple(bias.shape) != (width,) or not bias.is_contiguous() or not bias.is_cpu:
             raise ValueError(f"decode program: a contiguous {out.dtype} bias [{width}]")
         self._keep.append(bias)
-        self._add(args.BiasAddArgs(self._buffer(out, width), bias.data_ptr(), 0, width, width, kernels._DTYPE_CODES[out.dtype], 0), "bias_add")
+        self._add(args.BiasAddArgs(self._buffer(out, width), bias.data_ptr(), 0, width, width, _DTYPE_CODES[out.dtype], 0), "bias_add")
 
     @staticmethod
     def _require_bf16(x: torch.Tensor) -> None:
@@ -92,16 +98,16 @@ class DecodeProgram:
         self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
         q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
     ) -> None:  # fmt: skip
-        """q, k [capacity, heads * head_dim] from qkv [capacity, width] as kernels.qk_norm_rope makes them."""
+        """q, k [capacity, heads * head_dim] from qkv [capacity, width] as fused.qk_norm_rope makes them."""
         if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.shape[-1] != head_dim // 2:
             raise ValueError("decode program: the rotary tables are contiguous float32 [positions, head_dim / 2]")
-        weights = [kernels._float_weight(w) for w in (q_weight, k_weight) if w is not None]
+        weights = [_float_weight(w) for w in (q_weight, k_weight) if w is not None]
         self._keep.extend([cos, sin, *weights])
         call = args.QkNormRopeArgs(
             self._buffer(q, num_heads * head_dim, qkv.dtype), self._buffer(k, num_kv_heads * head_dim, qkv.dtype),
             self._buffer(qkv, qkv.shape[1]), q_weight.data_ptr() if q_weight is not None else None,
             k_weight.data_ptr() if k_weight is not None else None, None, cos.data_ptr(), sin.data_ptr(), 0, qkv.shape[1],
-            kernels._DTYPE_CODES[qkv.dtype], num_heads, num_kv_heads, head_dim, eps, 0,
+            _DTYPE_CODES[qkv.dtype], num_heads, num_kv_heads, head_dim, eps, 0,
         )  # fmt: skip
         self._add(call, "qk_norm_rope")
 
@@ -123,9 +129,9 @@ class DecodeProgram:
     def kv_store(
         self, group: int, spec, records: torch.Tensor, x: torch.Tensor, head_scales: torch.Tensor | None, center: torch.Tensor | None
     ) -> None:
-        """kernels.kv_store of rows x ([capacity, kv_heads * head_dim], unit inner stride) at the group's slots."""
+        """kv_formats.kv_store of rows x ([capacity, kv_heads * head_dim], unit inner stride) at the group's slots."""
         heads, dim = spec.num_kv_heads, spec.head_dim
-        if spec.kv_dtype not in kernels.SCALED_KV_FORMATS or x.shape != (self.capacity, heads * dim) or x.stride(1) != 1:
+        if spec.kv_dtype not in SCALED_KV_FORMATS or x.shape != (self.capacity, heads * dim) or x.stride(1) != 1:
             raise ValueError("decode program: an int8 or fp8 cache and K or V rows [capacity, kv_heads * head_dim]")
         if records.dtype != torch.uint8 or not records.is_contiguous():
             raise ValueError("decode program: contiguous uint8 records")
@@ -136,7 +142,7 @@ class DecodeProgram:
         call = args.KVStoreArgs(
             x.data_ptr(), None, records.data_ptr(), scales.data_ptr() if scales is not None else None,
             center.data_ptr() if center is not None else None, 0, x.stride(0), records.shape[0], records.shape[1], heads * dim,
-            kernels._DTYPE_CODES[x.dtype], kernels.KV_FORMAT_CODES[spec.kv_dtype], spec.block_size, heads, dim, 0,
+            _DTYPE_CODES[x.dtype], KV_FORMAT_CODES[spec.kv_dtype], spec.block_size, heads, dim, 0,
         )  # fmt: skip
         self._add(call, "kv_store", group=self._group(group))
 
@@ -148,7 +154,7 @@ class DecodeProgram:
         self._keep.append(view)
         call = args.DecodeAttentionArgs(
             self._buffer(out, width, q.dtype), self._buffer(q, width), ctypes.addressof(view), None, None, 0, 0,
-            kernels._DTYPE_CODES[q.dtype], num_heads, window or 0, scale,
+            _DTYPE_CODES[q.dtype], num_heads, window or 0, scale,
         )  # fmt: skip
         self._add(call, "decode_attention", group=self._group(group))
 
@@ -156,32 +162,32 @@ class DecodeProgram:
         self, residual: torch.Tensor, addend: torch.Tensor, out: torch.Tensor | None, addend_weight: torch.Tensor | None,
         weight: torch.Tensor | None, eps: float, scale_after_cast: bool,
     ) -> None:  # fmt: skip
-        """kernels.add_rms_norm: residual += (norm(addend) * addend_weight or addend); out = norm(residual) * weight."""
+        """fused.add_rms_norm: residual += (norm(addend) * addend_weight or addend); out = norm(residual) * weight."""
         dim = residual.shape[1]
         if (out is None) != (weight is None):
             raise ValueError("decode program: add_rms_norm writes out exactly when it has a weight")
         for w in (addend_weight, weight):
             if w is not None:
-                self._keep.append(kernels._float_weight(w))
+                self._keep.append(_float_weight(w))
         residual_ptr = self._buffer(residual, dim)
         call = args.AddRmsNormArgs(
             self._buffer(out, dim, residual.dtype) if out is not None else residual_ptr, residual_ptr,
             self._buffer(addend, dim, residual.dtype), addend_weight.data_ptr() if addend_weight is not None else None,
-            weight.data_ptr() if weight is not None else None, 0, kernels._DTYPE_CODES[residual.dtype], dim, eps, int(scale_after_cast),
+            weight.data_ptr() if weight is not None else None, 0, _DTYPE_CODES[residual.dtype], dim, eps, int(scale_after_cast),
         )  # fmt: skip
         self._add(call, "add_rms_norm")
 
     def gated_activation(self, gate_up: torch.Tensor, out: torch.Tensor, activation: str) -> None:
         inter = gate_up.shape[1] // 2
         call = args.GatedActivationArgs(
-            self._buffer(out, inter, gate_up.dtype), self._buffer(gate_up, 2 * inter), 0, inter, kernels._DTYPE_CODES[gate_up.dtype],
-            kernels.ACTIVATIONS[activation],
+            self._buffer(out, inter, gate_up.dtype), self._buffer(gate_up, 2 * inter), 0, inter, _DTYPE_CODES[gate_up.dtype],
+            ACTIVATIONS[activation],
         )  # fmt: skip
         self._add(call, "gated_activation")
 
-    def hadamard(self, rotation: kernels.Hadamard, xs: tuple[torch.Tensor, ...], inverse: bool) -> None:
+    def hadamard(self, rotation: Hadamard, xs: tuple[torch.Tensor, ...], inverse: bool) -> None:
         """Rotate 1-3 row buffers ([capacity, heads * head_dim] views, unit inner stride) in place, as
-        kernels.Hadamard does a layer's q, k, v (and R^T its attention output)."""
+        Hadamard does a layer's q, k, v (and R^T its attention output)."""
         dim = rotation.dim
         if not 0 < len(xs) <= 3 or any(x.dim() != 2 or x.shape[0] != self.capacity or x.shape[1] % dim or x.stride(1) != 1 for x in xs):
             raise ValueError(f"decode program: 1-3 buffers [{self.capacity}, heads * {dim}] to rotate")
@@ -194,7 +200,7 @@ class DecodeProgram:
             call.out[i] = call.x[i] = x.data_ptr()
             call.x_stride[i] = call.out_stride[i] = x.stride(0)
             call.heads[i] = x.shape[1] // dim
-        call.count, call.dtype, call.inverse = len(xs), kernels._DTYPE_CODES[xs[0].dtype], int(inverse)
+        call.count, call.dtype, call.inverse = len(xs), _DTYPE_CODES[xs[0].dtype], int(inverse)
         self._add(call, "hadamard")
 
     def _group(self, group: int) -> int:

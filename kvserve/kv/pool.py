@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import attention, kv_formats, library
 from kvserve.kernels.args import KVView
 from kvserve.kv import quant
 from kvserve.kv.rotation import Rotation
@@ -100,9 +100,9 @@ class LayerKV:
             self.value[blocks, within] = v.to(self.value.dtype)
             return
         spec = self.spec
-        if self.key_records.device.type == "cpu" and kernels.cpu_kernels_available():
+        if self.key_records.device.type == "cpu" and library.cpu_kernels_available():
             for w, (records, x) in enumerate(((self.key_records, k), (self.value_records, v))):
-                kernels.kv_store(spec, records, slots, x, self.scales[w] if self.scales is not None else None, self.key_center if w == 0 else None)
+                kv_formats.kv_store(spec, records, slots, x, self.scales[w] if self.scales is not None else None, self.key_center if w == 0 else None)
             return
         if self.key_center is not None:
             k = k.float() - self.key_center
@@ -179,8 +179,8 @@ class PagedKVPool:
             key_records, value_records = self.records[index, 0], self.records[index, 1]
         view = KVView()
         device = (key if key is not None else key_records).device
-        if kernels.cpu_kernels_available() and device.type == "cpu":
-            view = kernels.kv_view(self.spec, key, value, key_records, value_records, self.first_residual if key_records is not None else kernels.NO_RESIDUAL)
+        if library.cpu_kernels_available() and device.type == "cpu":
+            view = attention.kv_view(self.spec, key, value, key_records, value_records, self.first_residual if key_records is not None else attention.NO_RESIDUAL)
         return LayerKV(self.spec, group, self.block_size, key, value, key_records, value_records, self.first_residual, view, scales, key_center)
 
     def residual_view(self) -> torch.Tensor:

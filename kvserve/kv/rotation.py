@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve import kernels
+from kvserve.kernels import hadamard, library
 
 ROTATION_SEED = 0x4B56  # part of the cache identity through the flag: change it and stored K/V change meaning
 
@@ -51,8 +51,8 @@ class Rotation:
         self.head_dim = head_dim
         self.signs = rotation_signs(head_dim).to(device)
         self.scale = torch.tensor(head_dim**-0.5, dtype=torch.float32)
-        native = device.type == "cpu" and kernels.cpu_kernels_available()
-        self.native = kernels.Hadamard(self.signs, float(self.scale)) if native else None
+        native = device.type == "cpu" and library.cpu_kernels_available()
+        self.native = hadamard.Hadamard(self.signs, float(self.scale)) if native else None
 
     def forward(self, *xs: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """Each x [..., heads, head_dim] @ R (one tensor in, one out). in_place: the native kernel may

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels import args, kv_formats, products
 from kvserve.kernels.program import DecodeProgram
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class FusedDecode:
         """Every layer runs on kernels the program has: native modules, a bias on QKV only, a cpu_paged
         backend over a pool of float K/V in the activations' dtype or int8/fp8 records (rotated or not)."""
         rotation = attention.pool.rotation
-        if type(attention) is not CpuPagedBackend or dtype not in kernels.FLOAT_PACK_DTYPES:
+        if type(attention) is not CpuPagedBackend or dtype not in products.FLOAT_PACK_DTYPES:
             return False
         if rotation is not None and (rotation.native is None or model.config.head_dim > 1024):
             return False
@@ -109,9 +109,9 @@ class FusedDecode:
             if kv.key_records is None:
                 if kv.key.dtype != dtype or not kv.key.is_cpu:
                     return False
-            elif kv.spec.kv_dtype not in kernels.SCALED_KV_FORMATS or kv.key is not None or not kv.key_records.is_cpu:
+            elif kv.spec.kv_dtype not in kv_formats.SCALED_KV_FORMATS or kv.key is not None or not kv.key_records.is_cpu:
                 return False
-            if kv.group >= kernels.args.DECODE_GROUPS:
+            if kv.group >= args.DECODE_GROUPS:
                 return False
         return True
 

@@ -8,20 +8,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import kernels
+from kvserve.kernels import fused, products
+from kvserve.kernels.gguf import GgufProduct, GgufWeight, gguf_dequantize
 from kvserve.model.config import RopeConfig
 
 
 def packs_as_float(weight: torch.Tensor) -> bool:
     """The native kernels run this weight through float_matmul: float32, or bf16 where the CPU has no
     AVX512-BF16 dot products (those take the packed bf16 kernel instead)."""
-    if weight.dtype == torch.bfloat16 and kernels.bf16_dot_available():
+    if weight.dtype == torch.bfloat16 and products.bf16_dot_available():
         return False
-    return kernels.can_pack_float(weight)
+    return products.can_pack_float(weight)
 
 
-def fits_float_matmul(x: torch.Tensor, weight: kernels.FloatPackedWeight) -> bool:
-    if x.dim() != 2 or x.dtype not in kernels.FLOAT_PACK_DTYPES:
+def fits_float_matmul(x: torch.Tensor, weight: products.FloatPackedWeight) -> bool:
+    if x.dim() != 2 or x.dtype not in products.FLOAT_PACK_DTYPES:
         return False
     return x.shape[0] > 0 and x.shape[1] == weight.k and x.stride(1) == 1
 
@@ -35,30 +36,30 @@ class Linear(nn.Linear):
     (packed_matmul); a float32 weight, or bf16 without AVX512-BF16, for float_matmul."""
 
     native = False
-    amx: kernels.AmxWeight | None = None
-    packed: kernels.PackedWeight | None = None
-    float_packed: kernels.FloatPackedWeight | None = None
-    gguf: tuple[kernels.GgufWeight, ...] | None = None  # the fused projection's parts, stacked on the output axis
-    gguf_product: kernels.GgufProduct | None = None
+    amx: products.AmxWeight | None = None
+    packed: products.PackedWeight | None = None
+    float_packed: products.FloatPackedWeight | None = None
+    gguf: tuple[GgufWeight, ...] | None = None  # the fused projection's parts, stacked on the output axis
+    gguf_product: GgufProduct | None = None
 
-    def hold_gguf(self, parts: tuple[kernels.GgufWeight, ...]) -> None:
+    def hold_gguf(self, parts: tuple[GgufWeight, ...]) -> None:
         """Keep the weight as these GGUF tensors (their outputs side by side) instead of a float copy."""
         if sum(p.n for p in parts) != self.out_features or any(p.k != self.in_features for p in parts):
             raise ValueError(f"GGUF parts {[(p.n, p.k) for p in parts]} do not make a [{self.out_features}, {self.in_features}] weight")
         self.gguf = parts
-        self.gguf_product = kernels.GgufProduct(parts)
+        self.gguf_product = GgufProduct(parts)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="cpu"), requires_grad=False)
 
     def enable_native(self) -> None:
         self.native = True
         if self.gguf is not None:
             return
-        if kernels.can_pack(self.weight) and kernels.amx_ready():
-            self.amx = kernels.amx_pack_weight(self.weight)
-        elif kernels.can_pack(self.weight):
-            self.packed = kernels.pack_weight(self.weight)
+        if products.can_pack(self.weight) and products.amx_ready():
+            self.amx = products.amx_pack_weight(self.weight)
+        elif products.can_pack(self.weight):
+            self.packed = products.pack_weight(self.weight)
         elif packs_as_float(self.weight):
-            self.float_packed = kernels.pack_float_weight(self.weight)
+            self.float_packed = products.pack_float_weight(self.weight)
         else:
             return
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
@@ -70,15 +71,15 @@ class Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.dense_weight().to(x.dtype), bias)
 
-    def native_weight(self, dtype: torch.dtype) -> kernels.GgufProduct | kernels.AmxWeight | kernels.PackedWeight | kernels.FloatPackedWeight | None:
+    def native_weight(self, dtype: torch.dtype) -> GgufProduct | products.AmxWeight | products.PackedWeight | products.FloatPackedWeight | None:
         """What the native product of rows in `dtype` computes on (None: F.linear's fallback)."""
-        if self.gguf_product is not None and dtype in kernels.FLOAT_PACK_DTYPES:
+        if self.gguf_product is not None and dtype in products.FLOAT_PACK_DTYPES:
             return self.gguf_product
         if self.amx is not None and dtype == torch.bfloat16:
             return self.amx
         if self.packed is not None and dtype == torch.bfloat16:
             return self.packed
-        if self.float_packed is not None and dtype in kernels.FLOAT_PACK_DTYPES:
+        if self.float_packed is not None and dtype in products.FLOAT_PACK_DTYPES:
             return self.float_packed
         return None
 
@@ -89,21 +90,21 @@ class Linear(nn.Linear):
         if weight is self.gguf_product:
             return weight(x)
         if weight is self.amx:
-            return kernels.amx_matmul(x, weight)[0]
+            return products.amx_matmul(x, weight)[0]
         if weight is self.packed:
-            return kernels.packed_matmul(x, weight)[0]
-        return kernels.float_matmul(x, weight)[0]
+            return products.packed_matmul(x, weight)[0]
+        return products.float_matmul(x, weight)[0]
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, rebuilt from its packed copy where the row-major one was freed."""
         if self.gguf is not None:
-            return torch.cat([kernels.gguf_dequantize(part) for part in self.gguf])
+            return torch.cat([gguf_dequantize(part) for part in self.gguf])
         if self.amx is not None:
-            return kernels.amx_unpack_weight(self.amx)
+            return products.amx_unpack_weight(self.amx)
         if self.packed is not None:
-            return kernels.unpack_weight(self.packed)
+            return products.unpack_weight(self.packed)
         if self.float_packed is not None:
-            return kernels.unpack_float_weight(self.float_packed)
+            return products.unpack_float_weight(self.float_packed)
         return self.weight
 
 
@@ -111,7 +112,7 @@ class GgufEmbedding(nn.Module):
     """The token embedding read from its GGUF blocks: the looked-up rows are dequantized (exactly
     gguf-py's values) and cast to the activations' dtype. The same blocks may serve as the lm_head."""
 
-    def __init__(self, weight: kernels.GgufWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: GgufWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.blocks = weight
         self.dtype = dtype
@@ -121,7 +122,7 @@ class GgufEmbedding(nn.Module):
         return self.blocks.n
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return kernels.gguf_dequantize(self.blocks, ids.cpu()).to(device=ids.device, dtype=self.dtype)
+        return gguf_dequantize(self.blocks, ids.cpu()).to(device=ids.device, dtype=self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +142,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return kernels.rms_norm(x, self.weight, self.eps, scale_after_cast=not self.scale_in_float)
+            return fused.rms_norm(x, self.weight, self.eps, scale_after_cast=not self.scale_in_float)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.scale_in_float:
             return (normed * self.weight.float()).to(x.dtype)
@@ -157,7 +158,7 @@ def residual_add_norm(
     """
     either = norm or addend_norm
     if either is not None and either.native and residual.is_contiguous() and addend.is_contiguous():
-        out = kernels.add_rms_norm(
+        out = fused.add_rms_norm(
             residual, addend, addend_norm.weight if addend_norm is not None else None,
             norm.weight if norm is not None else None, either.eps, scale_after_cast=not either.scale_in_float,
         )  # fmt: skip
@@ -221,7 +222,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return self.down_proj.forward(kernels.gated_activation(self.gate_up_proj.forward(x), self.activation))
+            return self.down_proj.forward(fused.gated_activation(self.gate_up_proj.forward(x), self.activation))
         gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         if self.activation == "gelu_tanh":
             act = F.gelu(gate, approximate="tanh")

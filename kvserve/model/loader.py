@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kvserve import kernels
+from kvserve.kernels import library
+from kvserve.kernels.gguf import GGUF_BLOCKS, GgufWeight, gguf_dequantize, gguf_weight
 from kvserve.cache_dir import cache_root, file_digest, replaced_atomically
 from kvserve.model.config import ModelConfig, RopeConfig
 from kvserve.model.errors import ModelLoadError, describe
@@ -312,7 +313,7 @@ def model_config_from_index(index: dict) -> ModelConfig:
 def gguf_unreadable_types(path: Path) -> list[str]:
     """The quantized tensor types in a GGUF file that the GGUF kernels do not read ([] when all are)."""
     types = {t["type"] for t in gguf_index(path)["tensors"]}
-    return sorted(types - set(kernels.GGUF_BLOCKS) - set(FLOAT_GGUF_TYPES))
+    return sorted(types - set(GGUF_BLOCKS) - set(FLOAT_GGUF_TYPES))
 
 
 def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str) -> str:
@@ -325,7 +326,7 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
     if weight_dtype in ("bfloat16", "float32"):  # EngineConfig checked it equals --dtype
         return "float"
     is_gguf = path.is_file()
-    on_cpu = torch.device(device).type == "cpu" and kernels.cpu_kernels_available()
+    on_cpu = torch.device(device).type == "cpu" and library.cpu_kernels_available()
     if weight_dtype == "int8":
         if not on_cpu:
             raise ValueError("--weight-dtype int8 computes on int8 blocks with the CPU kernels: it needs --device cpu and a C++ compiler")
@@ -349,7 +350,7 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
         raise ValueError(f"--weight-dtype gguf takes float32 or bfloat16 activations; --dtype is {dtype}")
     unreadable = gguf_unreadable_types(path)
     if unreadable:
-        raise ModelLoadError(path, f"holds {', '.join(unreadable)} tensors; the GGUF kernels read {', '.join(kernels.GGUF_BLOCKS)} "
+        raise ModelLoadError(path, f"holds {', '.join(unreadable)} tensors; the GGUF kernels read {', '.join(GGUF_BLOCKS)} "
                              "(start with --weight-dtype float32 or bfloat16 to dequantize them)")  # fmt: skip
     return "gguf"
 
@@ -378,12 +379,12 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         raise ModelLoadError(where, f"the model config does not match the weights: {describe(exc)}") from None
 
 
-def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, kernels.GgufWeight]]:
+def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, GgufWeight]]:
     """The file's float tensors (as float32, HF-named) and its quantized ones kept in their blocks."""
     tensors = gguf_index(path)["tensors"]
     data = np.memmap(path, dtype=np.uint8, mode="r")
     floats: dict[str, torch.Tensor] = {}
-    blocks: dict[str, kernels.GgufWeight] = {}
+    blocks: dict[str, GgufWeight] = {}
     for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         name = gguf_to_hf_name(tensor["name"], config.architecture)
         shape, type_name = tuple(tensor["shape"]), tensor["type"]
@@ -397,14 +398,14 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
             if type_name in FLOAT_GGUF_TYPES:
                 floats[name] = _hf_conventions(name, _float_tensor(raw_tensor, type_name).reshape(shape), config)
                 continue
-            if len(shape) != 2 or shape[-1] % kernels.GGUF_BLOCKS[type_name][1]:
+            if len(shape) != 2 or shape[-1] % GGUF_BLOCKS[type_name][1]:
                 # a quantized norm or a row that is no whole number of blocks: not a product's weight, dequantized
                 floats[name] = _hf_conventions(name, _dequantized(np.asarray(raw), type_name, shape), config)
                 continue
             rows = raw_tensor.reshape(shape[0], -1)
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 rows = _unpermute_rope(rows, config.num_heads if "q_proj" in name else config.num_kv_heads)
-            blocks[name] = kernels.gguf_weight(rows, type_name, shape[0], shape[-1])
+            blocks[name] = gguf_weight(rows, type_name, shape[0], shape[-1])
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(path, f"tensor {tensor['name']!r} ({type_name}, shape {shape}) cannot be read: {describe(exc)}") from None
     return floats, blocks
@@ -439,13 +440,13 @@ def _gguf_groups(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[kernels.GgufWeight, ...]]:
+def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[GgufWeight, ...]]:
     """--weight-dtype int8: every projection, the embedding and the lm_head quantized to int8 with
     a scale per 32 weights of a row (GGUF's Q8_0 blocks), computed by the GGUF kernels."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    held: dict[str, tuple[kernels.GgufWeight, ...]] = {}
+    held: dict[str, tuple[GgufWeight, ...]] = {}
     kept: list[str] = []  # weights whose rows are no whole number of blocks
     groups = _gguf_groups(config)
     for param, names in tqdm(groups.items(), desc="quantizing weights to int8", unit="weight", leave=False):
@@ -466,7 +467,7 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
                 raise ValueError(f"weight {name} holds {largest:g}, beyond what Q8_0's fp16 scale reaches ({Q8_0_LARGEST:g}); "
                                  "load it with --weight-dtype float32 or bfloat16")  # fmt: skip
             rows = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
-            parts.append(kernels.gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
+            parts.append(gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
         else:
             held[param] = tuple(parts)
     if kept:
@@ -478,7 +479,7 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
 Q8_0_LARGEST = 65504.0 * 127  # the fp16 scale's largest value times the largest code
 
 
-def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kernels.GgufWeight, ...]], dtype: torch.dtype) -> None:
+def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[GgufWeight, ...]], dtype: torch.dtype) -> None:
     """Give the projections, the embedding and the lm_head whose tensors are all quantized their
     GGUF blocks (the tied lm_head reads the embedding's)."""
     modules = dict(model.named_modules())
@@ -499,7 +500,7 @@ def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[kerne
 
 def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
     config = checkpoint.config
-    held: dict[str, tuple[kernels.GgufWeight, ...]] = {}
+    held: dict[str, tuple[GgufWeight, ...]] = {}
     if checkpoint.weight_format == "gguf":
         floats, blocks = _read_gguf_tensors(checkpoint.path, config)
         groups = {param: names for param, names in _gguf_groups(config).items() if all(n in blocks for n in names)}
@@ -507,7 +508,7 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
         # a weight made of float and quantized tensors (or a quantized tensor that is no projection) is dequantized
         kept = {n for names in groups.values() for n in names}
         loose = {name: weight for name, weight in blocks.items() if name not in kept}
-        floats.update({name: kernels.gguf_dequantize(weight) for name, weight in loose.items()})
+        floats.update({name: gguf_dequantize(weight) for name, weight in loose.items()})
         state = _internal_state(config, floats.get, frozenset(held))
     else:
         getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve.kernels import gguf, products, sampling
+from kvserve.kernels.fused import qk_norm_rope
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.native:
-            q, k = kernels.qk_norm_rope(
+            q, k = qk_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
@@ -137,12 +138,12 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
-        self.packed_lm_head: kernels.PackedWeight | None = None
-        self.amx_lm_head: kernels.AmxWeight | None = None  # instead of packed_lm_head where AMX tiles run
-        self.float_lm_head: kernels.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
-        self.screened_lm_head: kernels.ScreenedWeight | None = None
-        self.gguf_lm_head: kernels.GgufWeight | None = None  # the lm_head (or tied embedding) in its GGUF blocks
-        self.gguf_screen: kernels.GgufScreen | None = None  # a Q8_0 lm_head's int8 screen for greedy rows (its bounds only)
+        self.packed_lm_head: products.PackedWeight | None = None
+        self.amx_lm_head: products.AmxWeight | None = None  # instead of packed_lm_head where AMX tiles run
+        self.float_lm_head: products.FloatPackedWeight | None = None  # float32 (or bf16 without AVX512-BF16)
+        self.screened_lm_head: sampling.ScreenedWeight | None = None
+        self.gguf_lm_head: gguf.GgufWeight | None = None  # the lm_head (or tied embedding) in its GGUF blocks
+        self.gguf_screen: gguf.GgufScreen | None = None  # a Q8_0 lm_head's int8 screen for greedy rows (its bounds only)
         self._logits_key: tuple | None = None
         self._slice_buffer = self._logits_buffer = None
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
@@ -153,31 +154,31 @@ class CausalLM(nn.Module):
         self._fused_dtype: torch.dtype | None = None
         self._fused_supported = False
 
-    def hold_gguf_lm_head(self, weight: kernels.GgufWeight) -> None:
+    def hold_gguf_lm_head(self, weight: gguf.GgufWeight) -> None:
         """Compute the logits on these GGUF blocks (the tied embedding's, or the file's output tensor)."""
         if (weight.n, weight.k) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"lm_head is [{weight.n}, {weight.k}], expected [{self.config.vocab_size}, {self.config.hidden_size}]")
         self.gguf_lm_head = weight
         self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        if weight.type_name == "Q8_0" and kernels.gguf_screen_available():
-            self.gguf_screen = kernels.gguf_screen(weight)
+        if weight.type_name == "Q8_0" and gguf.gguf_screen_available():
+            self.gguf_screen = gguf.gguf_screen(weight)
 
     def enable_native_kernels(self) -> None:
         """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
         row-major weight stays: it may be the tied embedding, and the torch fallbacks read it."""
         if self.gguf_lm_head is not None:
             pass
-        elif kernels.can_pack(self.lm_head.weight):
+        elif products.can_pack(self.lm_head.weight):
             # one bf16 copy: AMX tiles for every row count where they run (the screen's exact
             # rescoring takes the same tiles, so screened and full logits agree bit for bit)
-            if kernels.amx_ready() and self.config.hidden_size % 32 == 0:
-                self.amx_lm_head = kernels.amx_pack_weight(self.lm_head.weight)
+            if products.amx_ready() and self.config.hidden_size % 32 == 0:
+                self.amx_lm_head = products.amx_pack_weight(self.lm_head.weight)
             else:
-                self.packed_lm_head = kernels.pack_weight(self.lm_head.weight)
-            if kernels.int8_screen_available() and kernels.screen_group(self.config.hidden_size):
-                self.screened_lm_head = kernels.screen_weight(self.amx_lm_head or self.packed_lm_head, self.lm_head.weight)
+                self.packed_lm_head = products.pack_weight(self.lm_head.weight)
+            if sampling.int8_screen_available() and sampling.screen_group(self.config.hidden_size):
+                self.screened_lm_head = sampling.screen_weight(self.amx_lm_head or self.packed_lm_head, self.lm_head.weight)
         elif packs_as_float(self.lm_head.weight):
-            self.float_lm_head = kernels.pack_float_weight(self.lm_head.weight)
+            self.float_lm_head = products.pack_float_weight(self.lm_head.weight)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.enable_native()
@@ -227,13 +228,13 @@ class CausalLM(nn.Module):
         normed = self.norm(hidden)
         if self.gguf_lm_head is not None:
             out = self._native_logits_buffer(normed.shape[0])
-            return self._softcap(kernels.gguf_matmul(self._gguf_rows(normed), self.gguf_lm_head, out_dtype=torch.float32, out=out)[0])
+            return self._softcap(gguf.gguf_matmul(self._gguf_rows(normed), self.gguf_lm_head, out_dtype=torch.float32, out=out)[0])
         if self._use_bf16_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(self._bf16_lm_head(normed, out_dtype=torch.float32, out=out)[0])
         if self._use_float_lm_head(normed):
             out = self._native_logits_buffer(normed.shape[0])
-            return self._softcap(kernels.float_matmul(normed, self.float_lm_head, out_dtype=torch.float32, out=out)[0])
+            return self._softcap(products.float_matmul(normed, self.float_lm_head, out_dtype=torch.float32, out=out)[0])
         hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]
@@ -261,7 +262,7 @@ class CausalLM(nn.Module):
     @staticmethod
     def _gguf_rows(normed: torch.Tensor) -> torch.Tensor:
         """The rows as gguf_matmul takes them: float32 or bf16, unit inner stride."""
-        if normed.dtype not in kernels.FLOAT_PACK_DTYPES:
+        if normed.dtype not in products.FLOAT_PACK_DTYPES:
             normed = normed.float()
         return normed if normed.stride(-1) == 1 else normed.contiguous()
 
@@ -278,8 +279,8 @@ class CausalLM(nn.Module):
     def _bf16_lm_head(self, normed: torch.Tensor, **kwargs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The lm_head product on its packed bf16 copy: AMX tiles, or the packed AVX512-BF16 kernel."""
         if self.amx_lm_head is not None:
-            return kernels.amx_matmul(normed, self.amx_lm_head, **kwargs)
-        return kernels.packed_matmul(normed, self.packed_lm_head, **kwargs)
+            return products.amx_matmul(normed, self.amx_lm_head, **kwargs)
+        return products.packed_matmul(normed, self.packed_lm_head, **kwargs)
 
     def _use_float_lm_head(self, normed: torch.Tensor) -> bool:
         """Every number of rows takes float_matmul, so a row's logits do not depend on its batch."""
@@ -287,7 +288,7 @@ class CausalLM(nn.Module):
 
     def screened_sample(self, hidden: torch.Tensor, rows: np.ndarray, penalty_ids: np.ndarray, penalty_counts: np.ndarray) -> torch.Tensor | None:
         """The tokens the sampler would draw from these rows' full logits, drawn from the int8-screened
-        lm_head instead (kernels.screened_sample; -1 where a row needs the full logits), or None where
+        lm_head instead (sampling.screened_sample; -1 where a row needs the full logits), or None where
         the screen does not apply (no screened lm_head, final-logit softcapping, a non-finite row)."""
         if self.screened_lm_head is None or self.config.final_logit_softcapping:
             return None
@@ -297,7 +298,7 @@ class CausalLM(nn.Module):
         width = 2 * -(-self.screened_lm_head.bf16.n // 16) * 16
         if self._screen_scratch is None or self._screen_scratch.shape[0] < normed.shape[0]:
             self._screen_scratch = torch.empty(normed.shape[0], width)
-        return kernels.screened_sample(normed, self.screened_lm_head, rows, penalty_ids, penalty_counts, self._screen_scratch)[0]
+        return sampling.screened_sample(normed, self.screened_lm_head, rows, penalty_ids, penalty_counts, self._screen_scratch)[0]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of the logits [S] without materializing them: each cache-sized slice of the lm_head
@@ -307,16 +308,16 @@ class CausalLM(nn.Module):
         if self.gguf_lm_head is not None:
             rows = self._gguf_rows(normed)
             if self.gguf_screen is not None and rows.dtype == torch.bfloat16 and rows.shape[0] >= GGUF_SCREEN_MIN_ROWS:
-                screened = kernels.gguf_screened_argmax(rows, self.gguf_screen)[0]
+                screened = gguf.gguf_screened_argmax(rows, self.gguf_screen)[0]
                 if screened is not None:
                     return screened
-            return kernels.gguf_matmul(rows, self.gguf_lm_head, want_output=False, want_argmax=True)[1]
+            return gguf.gguf_matmul(rows, self.gguf_lm_head, want_output=False, want_argmax=True)[1]
         if self._use_bf16_lm_head(normed):
             if self.screened_lm_head is not None and bool(torch.isfinite(normed).all()):
-                return kernels.screened_argmax(normed, self.screened_lm_head)[0]
+                return sampling.screened_argmax(normed, self.screened_lm_head)[0]
             return self._bf16_lm_head(normed, want_output=False, want_argmax=True)[1]
         if self._use_float_lm_head(normed):
-            return kernels.float_matmul(normed, self.float_lm_head, want_output=False, want_argmax=True)[1]
+            return products.float_matmul(normed, self.float_lm_head, want_output=False, want_argmax=True)[1]
         hidden_t = normed.t().contiguous()
         weight = self.lm_head.weight
         vocab, rows = weight.shape[0], hidden_t.shape[1]
