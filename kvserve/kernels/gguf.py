@@ -12,7 +12,7 @@ import torch
 from kvserve.kernels import args
 from kvserve.kernels.build import load_kernels
 from kvserve.kernels.library import _DTYPE_CODES, _check, _require
-from kvserve.kernels.products import FLOAT_PACK_DTYPES
+from kvserve.kernels.products import FLOAT_PACK_DTYPES, check_rows
 
 # ggml's type codes the GGUF kernel reads, with (values, bytes) per block
 GGUF_BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
@@ -91,10 +91,7 @@ def gguf_matmul(
     rows): (output [R, n] in out_dtype (x's by default), or None; row-wise argmax [R] or None).
     `out` may be a column slice of a wider contiguous-row matrix (its row stride is kept)."""
     library = _require()
-    if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
-        raise ValueError(f"gguf_matmul: x must be float32 or bf16 [rows > 0, {weight.k}] with unit inner stride")
-    if x.device.type != "cpu":
-        raise ValueError("gguf_matmul: x must be on the CPU")
+    check_rows(x, weight.k, "gguf_matmul")
     rows = x.shape[0]
     dtype = out_dtype or x.dtype
     if out is not None:

@@ -56,6 +56,14 @@ def unpack_float_weight(weight: FloatPackedWeight) -> torch.Tensor:
     return weight.data.view(tiles, weight.k, 16).transpose(1, 2).reshape(tiles * 16, weight.k)[: weight.n]
 
 
+def check_rows(x: torch.Tensor, k: int, name: str) -> None:
+    """A product's input rows: float32 or bf16 [rows > 0, k] on the CPU with unit inner stride."""
+    if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != k or x.stride(1) != 1 or x.shape[0] == 0:
+        raise ValueError(f"{name}: x must be float32 or bf16 [rows > 0, {k}] with unit inner stride")
+    if x.device.type != "cpu":
+        raise ValueError(f"{name}: x must be on the CPU")
+
+
 def float_matmul(
     x: torch.Tensor, weight: FloatPackedWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
     out: torch.Tensor | None = None,
@@ -64,10 +72,7 @@ def float_matmul(
     row's result does not depend on the other rows: (output [R, n] in out_dtype (x's by default),
     written into `out` when given, or None; row-wise argmax [R] or None)."""
     library = _require()
-    if x.dim() != 2 or x.dtype not in FLOAT_PACK_DTYPES or x.shape[1] != weight.k or x.stride(1) != 1 or x.shape[0] == 0:
-        raise ValueError(f"float_matmul: x must be float32 or bf16 [rows > 0, {weight.k}] with unit inner stride")
-    if x.device.type != "cpu":
-        raise ValueError("float_matmul: x must be on the CPU")
+    check_rows(x, weight.k, "float_matmul")
     rows = x.shape[0]
     out, argmax, out_args, out_dtype_code = _product_outputs(rows, weight.n, out_dtype or x.dtype, want_output, want_argmax, out)
     ldx = x.stride(0) if rows > 1 else weight.k  # a single row's stride can be anything
