@@ -4,6 +4,7 @@ prompt_logprobs, stop_reason)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import reprlib
 import time
@@ -55,8 +56,8 @@ class ServingChat:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         params = [serving.sampling_params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)]
         if calling:  # the calls' grammar is compiled under auto too: a tool whose parameters are no schema is a 400 either way
-            try:
-                spec = call_grammar(tools, tool_choice, body.parallel_tool_calls is not False)
+            try:  # the calls' schema as EBNF can take seconds to build: off the event loop, as every grammar's compile
+                spec = await asyncio.to_thread(call_grammar, tools, tool_choice, body.parallel_tool_calls is not False)
             except GrammarError as exc:
                 raise APIError(400, f"tools: {exc}", "tools") from None
             await serving.compile_grammar(spec, "tools")
