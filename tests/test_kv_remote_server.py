@@ -23,8 +23,11 @@ CHAT_TEMPLATE = (
 
 
 def start(model_dir, *extra: str):
+    # a generous deadline for Redis calls: a busy machine can hold one past the default 200 ms, and the tier would then
+    # be down for a second and the hand-over a recompute (the deadline itself is tests/test_kv_remote.py's)
     return launch_server(["--model", str(model_dir), "--port", "0", "--dtype", "float32", "--kv-cache-memory", "0.05",
-                          "--max-model-len", "512", "--chat-template", CHAT_TEMPLATE, "--served-model-name", "m", *extra])  # fmt: skip
+                          "--max-model-len", "512", "--chat-template", CHAT_TEMPLATE, "--served-model-name", "m",
+                          "--kv-remote-timeout-ms", "10000", *extra])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,8 @@ def test_a_second_server_reuses_the_first_servers_prefix_and_salts_stay_apart(mo
 def pd(model_dir, redis_server):
     producer, producer_url = start(model_dir, "--kv-remote-url", redis_server.url, "--kv-role", "producer")
     consumer, consumer_url = start(model_dir, "--kv-remote-url", redis_server.url, "--kv-role", "consumer")
-    proxy, proxy_url = launch_server(["--prefill", producer_url, "--decode", consumer_url, "--port", "0"], subcommand="pd-proxy")
+    proxy, proxy_url = launch_server(["--prefill", producer_url, "--decode", consumer_url, "--port", "0", "--prefill-timeout", "300"],
+                                     subcommand="pd-proxy")  # fmt: skip
     yield proxy_url, producer_url, consumer_url
     for proc in (proxy, producer, consumer):
         stop_server(proc)
