@@ -86,7 +86,9 @@ def test_the_secret_comes_from_a_file_or_the_environment_never_both(tmp_path, ke
     short = tmp_path / "short.key"
     short.write_text("tooshort")
     for key_file, environ, message in [(keys["ours"], {KEY_ENV: "x" * 32}, "both"), (str(short), {}, "at least 16 bytes"),
-                                       (str(tmp_path / "missing"), {}, "cannot read"), (None, {KEY_ENV: "short"}, KEY_ENV)]:  # fmt: skip
+                                       (str(tmp_path / "missing"), {}, "cannot read"), (None, {KEY_ENV: "short"}, KEY_ENV),
+                                       (None, {KEY_ENV: ""}, "at least 16 bytes"), ("/dev/zero", {}, "not a regular file"),
+                                       (str(tmp_path), {}, "not a regular file")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             load_signer(key_file, environ)
     assert "secret" not in repr(load_signer(keys["ours"], {})).replace("<secret>", "")

@@ -194,7 +194,7 @@ class Cluster:
         self.threads = threads
         self.api_key = api_key
         # the replicas share one KV record key (kv/tiers/signing.py): the operator's, else one drawn here
-        given = "--kv-remote-key-file" in replica_argv or bool(os.environ.get(KV_KEY_ENV))
+        given = "--kv-remote-key-file" in replica_argv or KV_KEY_ENV in os.environ
         self.record_key = None if given else secrets.token_hex(32)
         self.replicas: list[_Child] = []
         self.router: _Child | None = None

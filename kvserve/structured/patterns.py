@@ -114,6 +114,7 @@ def _needs_json_escape(pattern: str) -> bool:
 
 # a character class that holds only NUL: xgrammar drops it, and "a[\x00]b" generates "ab"
 _NUL_CLASS = re.compile(r"\[(?:\\(?:x0+|x\{0+\}|u0000|U00000000|0)|\x00)\]")
+_OCTAL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\0[0-7]")  # Python's "\01" is U+0001
 # xgrammar's EBNF lookahead assertion: a hint it does not enforce where the rule ends ('root ::= [a-z]+ (="x")' gave "simpletext")
 _EBNF_LOOKAHEAD = re.compile(r"\(\s*=")
 _EBNF_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -159,6 +160,8 @@ def regex_refusal(pattern: str, what: str = "regex") -> str | None:
         return f"a ^ or $ inside the pattern {reprlib.repr(pattern)} is not enforced (only at its ends and its alternatives')"
     if _NUL_CLASS.search(pattern):
         return "a character class in the pattern holds only NUL, which cannot be generated as text"
+    if _OCTAL_ESCAPE.search(pattern):
+        return f"the pattern {reprlib.repr(pattern)} has an octal escape (\\0 followed by digits), which the grammar compiler reads as NUL and a digit"
     return None
 
 

@@ -80,7 +80,9 @@ def rebase_refs(schema: dict, base: str) -> dict:
     return schema
 
 
-_MAX_MULTIPLE_OF = 1024  # xgrammar 0.2.9 compiles an integer's multipleOf up to this, unbounded or bounded on both sides
+# xgrammar 0.2.9 compiles an integer's multipleOf up to this, and only unbounded: beside a range it keeps it for ranges
+# of a few thousand and drops it past them (its matcher took 201845 as a multiple of 3 in 0..1,000,000)
+_MAX_MULTIPLE_OF = 1024
 _COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"), ("minContains", "maxContains"))
 
 
@@ -100,9 +102,10 @@ def _refusal(node: dict) -> str | None:
         lower = {"minimum", "exclusiveMinimum"} & set(node)
         upper = {"maximum", "exclusiveMaximum"} & set(node)
         whole = isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer()
-        if not whole or not 1 <= step <= _MAX_MULTIPLE_OF or bool(lower) != bool(upper):
-            return (f"'multipleOf' on an integer is enforced only as a whole number in 1..{_MAX_MULTIPLE_OF} with both a lower and "
-                    "an upper bound or neither (the compiler drops it otherwise, and the output would not follow it)")  # fmt: skip
+        if not whole or not 1 <= step <= _MAX_MULTIPLE_OF or lower or upper:
+            return (f"'multipleOf' on an integer is enforced only as a whole number in 1..{_MAX_MULTIPLE_OF} without minimum or "
+                    "maximum (the compiler drops it otherwise, and the output would not follow it); list a bounded range's "
+                    "multiples as an enum")  # fmt: skip
     for low, high in _COUNTS:
         for key in (low, high):
             value = node.get(key)

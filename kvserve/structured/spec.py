@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import reprlib
 from dataclasses import dataclass
 
@@ -104,6 +105,11 @@ class StructuredOutputs:
                 raise GrammarError("the regex holds NUL, which cannot be generated as text")
             if value is not None and len(value) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the {name} is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+            if name == "regex" and value is not None:
+                try:  # what Python's re refuses ("[\d-z]", "\Q") xgrammar would read some way of its own
+                    re.compile(value)
+                except (re.error, RecursionError, OverflowError) as error:
+                    raise GrammarError(f"the regex is not one Python's re reads: {error}") from None
             if value is not None:  # one check for a regex and a schema's pattern: forms xgrammar reads otherwise
                 reason = regex_refusal(value) if name == "regex" else grammar_refusal(value)
                 if reason is not None:

@@ -320,7 +320,12 @@ class KVOffloader:
                 counters.corrupt_records += 1
                 counters.rejected[getattr(error, "reason", "damaged")] += 1
                 store.delete(key)
-                if store.shared:  # the rest of the chain is recomputed and sent again: stale copies must not stand in its way
+                # the rest of the chain is recomputed and stored again: stale copies (signed with an old key, say) must
+                # not stand in its way, since a writer skips a key a tier holds
+                for later, where in zip(keys[i + 1 :], local[i + 1 :]):
+                    if where is not None:
+                        where.delete(later)
+                if store.shared:
                     store.delete_many([k for k, where in zip(keys[i + 1 :], local[i + 1 :]) if where is None])
                 if not self._warned_corrupt:
                     logger.warning("the %s tier held an unusable KV record (%s); its prefix is recomputed from there", store.name, error)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,18 +68,21 @@ def load_signer(key_file: str | None, environ: Mapping[str, str] = os.environ) -
     """The signer of --kv-remote-key-file or of KVSERVE_KV_REMOTE_KEY (not both), or None without a
     secret. The file's bytes, surrounding whitespace stripped, are the secret; ValueError names the flag."""
     from_env = environ.get(KEY_ENV)
-    if key_file is not None and from_env:
+    if key_file is not None and from_env is not None:
         raise ValueError(f"--kv-remote-key-file and {KEY_ENV} are both set: give the KV record key one way")
     if key_file is not None:
-        path = Path(key_file)
-        try:
-            if path.stat().st_size > MAX_SECRET_BYTES + 64:
-                raise ValueError(f"--kv-remote-key-file {key_file}: larger than a key ({MAX_SECRET_BYTES} bytes at most)")
-            secret = path.read_bytes().strip()
-        except OSError as error:
-            raise ValueError(f"--kv-remote-key-file {key_file}: cannot read it ({error.strerror or error})") from None
         where = f"--kv-remote-key-file {key_file}"
-    elif from_env:
+        try:
+            if not stat.S_ISREG(os.stat(key_file).st_mode):  # a device or a pipe could be endless, or never end
+                raise ValueError(f"{where}: not a regular file")
+            with Path(key_file).open("rb") as file:
+                secret = file.read(MAX_SECRET_BYTES + 65)
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read it ({error.strerror or error})") from None
+        if len(secret) > MAX_SECRET_BYTES + 64:
+            raise ValueError(f"{where}: larger than a key ({MAX_SECRET_BYTES} bytes at most)")
+        secret = secret.strip()
+    elif from_env is not None:  # set, even empty: an empty key is a mistake, not "no key"
         secret, where = from_env.strip().encode(), KEY_ENV
     else:
         return None
