@@ -28,7 +28,11 @@ SOURCES = [
     "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp",
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
-HEADERS = ["simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_screen.h"]
+HEADERS = [
+    "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_screen.h",
+    # paged_attention.cpp's paths, included into its one translation unit
+    "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
+]  # fmt: skip
 # test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
 AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]
 AMX_EMULATION_FLAGS = ["-DKVSERVE_AMX_EMULATE", "-ffp-contract=off"]
