@@ -479,7 +479,7 @@ def test_json_object_choice_regex_and_grammar_through_the_api(server, client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}}, "response_format",
      "strict must be a boolean"),
     ({"guided_choice": ["a\u0000b"]}, "guided_choice", "NUL"),
-    ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
+    ({"guided_regex": "(a"}, "guided_regex", "unterminated subpattern"),
     ({"guided_regex": "a" * 70000}, "guided_regex", "at most"),
     ({"guided_json": json.loads('{"items":' * 100 + "{}" + "}" * 100)}, "guided_json", "deeper than"),
     ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}, "guided_json", "at most"),
