@@ -91,13 +91,17 @@ def decode_record(data: bytes, identity: int, key: str, signer: RecordSigner | N
     if len(data) != end + _CHECKSUM.size + tag:
         raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + _CHECKSUM.size + tag}")
     (checksum,) = _CHECKSUM.unpack_from(data, end)
-    if xxhash.xxh3_64_intdigest(memoryview(data)[:end]) != checksum:
-        raise CorruptRecord(f"record {key}: checksum mismatch")
-    if signer is not None:
-        if not tag:
+    body = memoryview(data)[:end]
+    if signer is None or not tag:
+        if xxhash.xxh3_64_intdigest(body) != checksum:
+            raise CorruptRecord(f"record {key}: checksum mismatch")
+        if signer is not None:
             raise CorruptRecord(f"record {key}: unsigned, and this engine has a KV record key", "unsigned")
-        if not signer.verify(key, memoryview(data)[:end], memoryview(data)[end + _CHECKSUM.size :]):
-            raise CorruptRecord(f"record {key}: its signature does not match this engine's KV record key", "bad_signature")
+    # a signature covers every byte the checksum does: the checksum is read only to name a failure
+    elif not signer.verify(key, body, memoryview(data)[end + _CHECKSUM.size :]):
+        if xxhash.xxh3_64_intdigest(body) != checksum:
+            raise CorruptRecord(f"record {key}: checksum mismatch")
+        raise CorruptRecord(f"record {key}: its signature does not match this engine's KV record key", "bad_signature")
     if int.from_bytes(ident, "little") != identity:
         raise CorruptRecord(f"record {key}: written by another cache identity", "foreign")
     block_hash = int.from_bytes(block, "little")
