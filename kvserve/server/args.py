@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.server.config import API_KEY_ENV, MIGRATION_KEY_ENV, ServerConfig
+from kvserve.structured.worker import MAX_PENDING_PER_CLIENT
 
 _DEFAULTS = ServerConfig()
 
@@ -52,6 +53,13 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--grammar-compile-timeout", type=float, default=_DEFAULTS.grammar_compile_timeout,
          help="seconds a structured-outputs grammar (response_format, structured_outputs, guided_*) may take to compile, "
          "in a child process killed past it; the request then gets a 400. Compiled grammars are cached")
+    flag("--grammar-compile-workers", type=int, default=_DEFAULTS.grammar_compile_workers, metavar="N",
+         help="grammar compile processes. Clients (by address) take turns, and one client's compiles run on all "
+         f"workers but one, so another client's never waits behind them; each client has at most "
+         f"{MAX_PENDING_PER_CLIENT} compiles queued (then a 429). Requests without a constraint never wait for a compile")
+    flag("--grammar-compile-memory-mb", type=int, default=_DEFAULTS.grammar_compile_memory_mb, metavar="MIB",
+         help="memory one grammar compile may take (above what a compile process holds at start); past it the "
+         "process is restarted and the request gets a 400")
     flag("--dashboard-show-tokens", action="store_true",
          help="the KV page (GET /dashboard) and GET /v1/kv/snapshot show the text of cached prefixes; off by default "
          "(the page then shows shapes, counts and salt digests, never prompt text). Both need --api-key when one is set")

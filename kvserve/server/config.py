@@ -40,6 +40,8 @@ class ServerConfig:
     migration_targets: tuple[str, ...] = ()  # base URLs POST /v1/kv/migrate may move a request to (none: migration off)
     migration_key: str | None = None  # the secret servers of a migration group share: /v1/kv/import takes a request only with it
     grammar_compile_timeout: float = 10.0  # seconds one structured-outputs grammar may take to compile (then a 400)
+    grammar_compile_workers: int = 2  # compile processes; one client's compiles use all but one of them
+    grammar_compile_memory_mb: int = 1024  # memory one compile may take (then a 400)
     dashboard_show_tokens: bool = False  # the KV page's prefix tree shows the cached tokens' text
     disable_fastapi_docs: bool = False  # serve no /docs, /redoc, /openapi.json (vLLM's flag)
 
@@ -52,6 +54,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive (seconds), got {self.request_timeout}")
+        if not isinstance(self.grammar_compile_workers, int) or not 1 <= self.grammar_compile_workers <= 64:
+            raise ValueError(f"grammar_compile_workers must be an integer in [1, 64], got {self.grammar_compile_workers!r}")
+        if not isinstance(self.grammar_compile_memory_mb, int) or not 64 <= self.grammar_compile_memory_mb <= 1 << 20:
+            raise ValueError(f"grammar_compile_memory_mb must be an integer of at least 64 (MiB), got {self.grammar_compile_memory_mb!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive (seconds), got {self.grammar_compile_timeout}")
         if not self.shutdown_timeout >= 0:

@@ -106,6 +106,10 @@ class ServerMetrics:
         self._cache_config = Gauge("kvserve:cache_config_info", "The KV cache's configuration (labels; value 1)",
                                    self._config_labels, registry=r)  # fmt: skip
         self._cache_config_set = False
+        self.grammar_compiles_pending = gauge("grammar_compiles_pending", "Grammar compiles (structured outputs, tools) queued or running")
+        self._grammar_compiles = Counter("kvserve:grammar_compiles", "Grammar compiles ended, by outcome: compiled, refused (a 400), "
+                                         "timeout, out_of_memory, dropped (its clients left), rejected (the client's queue was full: "
+                                         "a 429)", labels + ["outcome"], registry=r)  # fmt: skip
 
     def update_from_stats(self, stats: dict) -> None:
         """Refresh gauges and move counters by what the engine counted since the last call."""
@@ -138,6 +142,11 @@ class ServerMetrics:
         for reason, total in stats["prefix_cache_misses_total"].items():
             self._advance(f"miss:{reason}", total, self._misses.labels(self._model_name, reason))
         self._update_tiers(stats)
+
+    def update_grammar_compiles(self, pending: int, outcomes: dict[str, int]) -> None:
+        self.grammar_compiles_pending.set(pending)
+        for outcome, total in outcomes.items():
+            self._advance(f"grammar:{outcome}", total, self._grammar_compiles.labels(self._model_name, outcome))
 
     def _update_tiers(self, stats: dict) -> None:
         name = self._model_name

@@ -56,15 +56,15 @@ class ServingChat:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         params = [serving.sampling_params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)]
         if calling:  # the calls' grammar is compiled under auto too: a tool whose parameters are no schema is a 400 either way
-            try:  # the calls' schema as EBNF can take seconds to build: off the event loop, as every grammar's compile
+            try:  # the calls' schema (bounded, but a deep copy and walks of every tool's): off the event loop; its grammar is written where it compiles
                 spec = await asyncio.to_thread(call_grammar, tools, tool_choice, body.parallel_tool_calls is not False)
             except GrammarError as exc:
                 raise APIError(400, f"tools: {exc}", "tools") from None
-            await serving.compile_grammar(spec, "tools")
+            await serving.compile_grammar(spec, "tools", request)
             if tool_choice.mode == "required":
                 params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
         if tool_choice.mode != "required":
-            await serving.compile_grammar(params[0].structured_outputs, body.structured_field)
+            await serving.compile_grammar(params[0].structured_outputs, body.structured_field, request)
         groups = [PromptGroup(ids, params)]
         sub = serving.submit(request, groups, body.cache_salt, body.stream)
         request_id = f"chatcmpl-{sub.request_id}"

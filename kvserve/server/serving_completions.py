@@ -79,7 +79,7 @@ class ServingCompletions:
                               for i in range(body.n)])  # fmt: skip
             for ids in prompts
         ]
-        await serving.compile_grammar(groups[0].params[0].structured_outputs, body.structured_field)
+        await serving.compile_grammar(groups[0].params[0].structured_outputs, body.structured_field, request)
         echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
         sub = serving.submit(request, groups, body.cache_salt, body.stream)
         request_id = f"cmpl-{sub.request_id}"

@@ -39,9 +39,9 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import Migrator
 from kvserve.server.protocol import ChatCompletionRequest, StreamOptions, TokenizeRequest
 from kvserve.server.templates import TemplateRenderer
-from kvserve.server.tool_calls import Tool, ToolChoice, parse_tool_choice, parse_tools, template_takes_tools
-from kvserve.structured.spec import GrammarError, StructuredOutputs
-from kvserve.structured.worker import IsolatedGrammarCompiler
+from kvserve.server.tool_calls import MAX_TOOLS_CHARS, Tool, ToolChoice, parse_tool_choice, parse_tools, template_takes_tools
+from kvserve.structured.spec import GrammarError, StructuredOutputs, exceeds_chars
+from kvserve.structured.worker import CompileQueueFull, IsolatedGrammarCompiler
 
 # one logger for the whole HTTP layer (app.py, serving_*.py), under the name its lines have always carried:
 # the server's one request log, whichever endpoint family writes it (bench/soak.py reads its "kvserve.server: rejected" lines)
@@ -103,7 +103,8 @@ class OpenAIServing:
         # a text longer than this is more than max_model_len tokens, whatever the tokenizer makes of it
         self.max_prompt_chars = engine.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer is not None else 1)
         self.migrator = Migrator(self, config.migration_targets)
-        self.grammar_compiler = IsolatedGrammarCompiler(engine.grammars, config.grammar_compile_timeout) if engine.grammars else None
+        self.grammar_compiler = None if engine.grammars is None else IsolatedGrammarCompiler(
+            engine.grammars, config.grammar_compile_timeout, config.grammar_compile_workers, config.grammar_compile_memory_mb << 20)
         self._unknown_fields: set[str] = set()
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
@@ -231,7 +232,16 @@ class OpenAIServing:
         return params
 
     def request_tools(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[Tool], ToolChoice]:
-        """The request's tools and tool_choice; tools need a chat template that renders them."""
+        """The request's tools and tool_choice; tools need a chat template that renders them. What
+        is cheap to refuse (no template for tools, a list too large) is refused before any is parsed."""
+        if body.tools and body.tool_choice != "none":
+            if self.tokenizer is None:
+                raise APIError(400, NO_TOKENIZER, "tools")
+            if not template_takes_tools(self._chat_template_for(body.chat_template)):
+                raise APIError(400, f"model {self.model_name!r} does not take tools: its chat template does not render them "
+                               "(Qwen2.5 instruct models do; or set --chat-template)", "tools")  # fmt: skip
+            if exceeds_chars(body.tools, MAX_TOOLS_CHARS):
+                raise APIError(400, f"tools hold more than {MAX_TOOLS_CHARS} characters of JSON; at most that many are taken", "tools")
         try:
             tools = parse_tools(body.tools or [])
             choice = parse_tool_choice(body.tool_choice, tools)
@@ -250,14 +260,35 @@ class OpenAIServing:
                                body.structured_field)  # fmt: skip
         return tools, choice
 
-    async def compile_grammar(self, spec: StructuredOutputs | None, field: str | None) -> None:
-        """Compiles a request's output constraint (off the event loop, within --grammar-compile-timeout) before it is admitted."""
+    async def compile_grammar(self, spec: StructuredOutputs | None, field: str | None, request: Request) -> None:
+        """Compiles a request's output constraint before it is admitted: in a compile worker, within
+        --grammar-compile-timeout and --grammar-compile-memory-mb, the client's turn shared fairly with
+        other clients'; a client that leaves stops waiting (and its compile is dropped)."""
         if spec is None:
             return
         if self.grammar_compiler is None:
             raise APIError(400, f"{field} needs the model's tokenizer; " + NO_TOKENIZER.split(": ", 1)[0], field)
+        if self.grammar_compiler.grammars.cached(spec) is not None:
+            return
+        client = request.client.host if request.client is not None else ""
+        compiling = asyncio.ensure_future(self.grammar_compiler.compile(spec, client))
+
+        async def left() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(left())
         try:
-            await self.grammar_compiler.compile(spec)
+            await asyncio.wait((compiling, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not compiling.done():
+            compiling.cancel()
+            raise APIError(499, "the client disconnected", None, "client_disconnected", "client_disconnected")
+        try:
+            compiling.result()
+        except CompileQueueFull as exc:
+            raise APIError(429, f"{field}: {exc}", field, "rate_limit_exceeded", "too_many_compiles", {"Retry-After": "1"}) from None
         except GrammarError as exc:
             raise APIError(400, f"{field}: {exc}", field) from None
 

@@ -27,4 +27,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/metrics")
     async def metrics():
+        compiler = serving.grammar_compiler
+        if compiler is not None:
+            serving.metrics.update_grammar_compiles(compiler.pending, dict(compiler.outcomes))
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -13,13 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.server.json_limits import TooDeep, loads_bounded
-from kvserve.structured.compiler import grammar_text, rename_rule
+from kvserve.structured.compiler import CALL_CLOSE, CALL_OPEN
 from kvserve.structured.schema_rules import rebase_refs
 from kvserve.structured.spec import GrammarError, StructuredOutputs, schema_text
 
 MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 512 * 1024  # the tools list as JSON: what the chat template renders and the calls' schema is built from
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAMES_TOOLS = re.compile(r"\btools\b")
 
 
@@ -115,9 +115,7 @@ def call_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Struc
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": rebase_refs(t.parameters, at)},
               "required": ["name", "arguments"], "additionalProperties": False} for t, at in zip(allowed, where)]  # fmt: skip
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = rename_rule(grammar_text(StructuredOutputs(json=schema)), "root", "tool_call_json")
-    repeat = ' ("\\n" call)*' if parallel and choice.name is None else ""
-    return StructuredOutputs(grammar=f'root ::= call{repeat}\ncall ::= "{CALL_OPEN}\\n" tool_call_json "\\n{CALL_CLOSE}"\n{body}')
+    return StructuredOutputs(tool_calls=schema, parallel_tool_calls=parallel and choice.name is None)
 
 
 def _call(body: str | dict, names: frozenset[str] | None = None) -> dict | None:

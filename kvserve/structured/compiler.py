@@ -158,6 +158,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
             literals = []
         if any(holds_nul(text[1:-1]) for text in literals):
             raise GrammarError("cannot compile the grammar: a literal holds NUL, which cannot be generated as text")
+    if spec.tool_calls is not None:
+        return tool_calls_grammar(spec.tool_calls, spec.parallel_tool_calls)
     try:
         if spec.json is not None:
             text = str(grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True))
@@ -173,6 +175,20 @@ def grammar_text(spec: StructuredOutputs) -> str:
         return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object)
     except GrammarError as exc:
         raise GrammarError(f"cannot compile the {spec.description}: {exc}") from None
+
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_calls_grammar(call_schema: str, parallel: bool) -> str:
+    """EBNF of output that is one `<tool_call>` block holding JSON of the call's schema (with
+    parallel calls, one or more blocks, a newline apart)."""
+    try:
+        body = rename_rule(grammar_text(StructuredOutputs(json=call_schema)), "root", "tool_call_json")
+    except GrammarError as exc:
+        raise GrammarError(str(exc).replace("the JSON schema", "the tools' parameters")) from None
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return f'root ::= call{repeat}\ncall ::= "{CALL_OPEN}\\n" tool_call_json "\\n{CALL_CLOSE}"\n{body}'
 
 
 def compile_spec(compiler: "xgrammar.GrammarCompiler", spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":

@@ -198,10 +198,16 @@ def schema_refusal(schema: dict) -> str | None:
     """Why the compiled grammar would not make output follow this schema, with the JSON pointer
     (an assertion xgrammar does not compile, an empty choice, an unresolvable $ref, a required
     property no output could have), or None."""
+    steps = 0
     for node, pointer in schema_nodes(schema):
         reason = _refusal(node)
         if reason is not None:
             return f"the JSON schema at {pointer or '/'}: {reason}"
+        if "multipleOf" in node:
+            steps += int(node["multipleOf"])
+            if steps > _MAX_MULTIPLE_OF:  # the grammar grows by about 400 characters per unit of every step
+                return (f"the JSON schema's integer multipleOf values add up to more than {_MAX_MULTIPLE_OF} (at {pointer or '/'}): "
+                        "each step k writes a grammar of about 400·k characters, so a schema's steps together are bounded")  # fmt: skip
     return None
 
 

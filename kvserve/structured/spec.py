@@ -17,6 +17,7 @@ from kvserve.structured.schema_rules import schema_refusal, text_only_patterns
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 MAX_SCHEMA_DEPTH = 64  # nesting of the schema's JSON itself
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 class GrammarError(ValueError):
@@ -39,8 +40,36 @@ def _depth(value: object) -> int:
     return deepest
 
 
+def exceeds_chars(value: object, limit: int) -> bool:
+    """Whether parsed JSON's compact text would be longer than `limit` characters, found by a walk
+    that stops once it has seen that many: a 500,000-property object is refused in microseconds,
+    not walked (or copied, or serialized) first."""
+    size, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            size += 1 + 3 * len(node)  # braces and each entry's quotes, colon and comma
+            for key, child in node.items():
+                size += len(key) if isinstance(key, str) else 8
+                stack.append(child)
+                if size > limit:
+                    return True
+        elif isinstance(node, (list, tuple)):
+            size += 1 + len(node)
+            stack.extend(node)
+        elif isinstance(node, str):
+            size += 2 + len(node)
+        else:
+            size += 4 if node is None or isinstance(node, bool) else len(repr(node)) if isinstance(node, (int, float)) else 8
+        if size > limit:
+            return True
+    return False
+
+
 def schema_text(schema: object) -> str:
     """A JSON schema (dict, or its JSON text) as canonical JSON text, refused past the bounds."""
+    if not isinstance(schema, str) and exceeds_chars(schema, MAX_GRAMMAR_CHARS):
+        raise GrammarError(f"the JSON schema is over {MAX_GRAMMAR_CHARS} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
     if isinstance(schema, str):
         if len(schema) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the JSON schema is {len(schema)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
@@ -73,18 +102,26 @@ def schema_text(schema: object) -> str:
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: json (a JSON schema as JSON text; a dict is accepted and made canonical),
-    json_object (any JSON object), regex, choice (the output is one of these strings) or grammar
-    (EBNF in xgrammar's dialect, root rule `root`)."""
+    json_object (any JSON object), regex, choice (the output is one of these strings), grammar
+    (EBNF in xgrammar's dialect, root rule `root`) or tool_calls (the JSON schema of one tool call's
+    object, each call written in a `<tool_call>` block; several of them with parallel_tool_calls).
+    A tool call's grammar is written from its schema where it is compiled (the compile worker), since
+    writing it can take as long as compiling it."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    tool_calls: str | None = None
+    parallel_tool_calls: bool = False
 
     def __post_init__(self) -> None:
-        if self.json is not None:
-            object.__setattr__(self, "json", schema_text(self.json))
+        for name in ("json", "tool_calls"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, schema_text(getattr(self, name)))
+        if not isinstance(self.parallel_tool_calls, bool) or (self.parallel_tool_calls and self.tool_calls is None):
+            raise GrammarError(f"parallel_tool_calls is a boolean that goes with tool_calls, got {reprlib.repr(self.parallel_tool_calls)}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
                 raise GrammarError(f"choice is a list of strings, got {reprlib.repr(self.choice)}")
@@ -116,15 +153,16 @@ class StructuredOutputs:
                     raise GrammarError(reason.replace("the pattern", f"the {name}").replace("a pattern", f"a {name}"))
         if not isinstance(self.json_object, bool):
             raise GrammarError(f"json_object must be a boolean, got {reprlib.repr(self.json_object)}")
-        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
+        given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise GrammarError(f"give exactly one of json, json_object, regex, choice or grammar; got {', '.join(given) or 'none'}")
 
     @property
     def kind(self) -> str:
-        return next(name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False))
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
     @property
     def description(self) -> str:
         """What the constraint is, for messages: "JSON schema", "regex", ..."""
-        return {"json": "JSON schema", "json_object": "JSON object constraint", "choice": "choices"}.get(self.kind, self.kind)
+        return {"json": "JSON schema", "json_object": "JSON object constraint", "choice": "choices",
+                "tool_calls": "tools' call grammar"}.get(self.kind, self.kind)  # fmt: skip
