@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ def _address_space_bytes() -> int:
 
 
 def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> None:
+    os.nice(10)  # a compile takes a core the step loop wants: the step loop goes first where both want one
     xgr = xgrammar_module()
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1, cache_enabled=False)
     if memory_bytes:
