@@ -5,6 +5,7 @@ no 5xx, every 4xx carries an OpenAI-style error body, every 200 stream ends with
 normal request succeeds afterwards."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -34,6 +35,11 @@ def server(tiny_dir):
 
 def check_response(resp: httpx.Response, body) -> None:
     assert resp.status_code < 500, (resp.status_code, resp.text[:500], body)
+    if resp.status_code == 200 and isinstance(body, dict) and not body.get("stream") and isinstance(body.get("guided_regex"), str):
+        for choice in resp.json()["choices"]:  # a 200 means the constraint held
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            if choice["finish_reason"] == "stop" and not body.get("echo"):
+                assert re.fullmatch(body["guided_regex"], text), (body["guided_regex"], text)
     if 400 <= resp.status_code < 500:
         error = resp.json()["error"]
         assert isinstance(error["message"], str) and error["message"] and error["type"] and error["code"], resp.text
@@ -93,6 +99,20 @@ MESSAGE = st.fixed_dictionaries(
 )
 TEMPLATES = st.sampled_from([CHAT_TEMPLATE, "{{ 'ab' * 100000000 }}", "{% for %}", "{{ raise_exception('no') }}", "{{ messages }}",
                              "{{ 10 ** 100000000 }}", "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}"])  # fmt: skip
+# constraints QA found to stall the server, answer 500s or break their constraint: each must be a 400, or a 200 that holds
+SCHEMAS = st.sampled_from([
+    {"type": "integer", "multipleOf": 7, "minimum": 1}, {"type": "integer", "multipleOf": 1021}, {"type": "integer", "multipleOf": 5},
+    {"type": "object", "properties": {f"p{i}": {"type": "integer", "multipleOf": 1021} for i in range(35)}},
+    {"type": "array", "minItems": -5}, {"type": "string", "maxLength": -1}, {"type": "string", "minLength": -3},
+    {"type": "object", "properties": {f"p{i}": {} for i in range(40_000)}}, {"type": "string", "maxLength": 3},
+])  # fmt: skip
+REGEXES = st.sampled_from(["a$b", "a\\Z", "\\x41BC", "a[\\x00]b", "[a-c]{1,3}", "(ab|c)d?", "a\\01", ".{2}"])
+GRAMMARS = st.sampled_from(['root ::= "a" [\\0] "b"', 'root ::= [a-z]+ (="x")', 'root ::= "ok" | "no"'])
+TOOLS = st.sampled_from([
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer", "multipleOf": 1021} for i in range(35)}}}}],
+    [{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}],
+])  # fmt: skip
 SAMPLING = {  # values a client may well send; test_fuzz_the_request_models swaps some for HOSTILE ones
     "model": st.sampled_from(["tiny", "gpt-4"]),
     "n": st.integers(min_value=1, max_value=3),
@@ -112,13 +132,16 @@ SAMPLING = {  # values a client may well send; test_fuzz_the_request_models swap
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": TEXT,
+    "guided_json": SCHEMAS,
+    "guided_regex": REGEXES,
+    "guided_grammar": GRAMMARS,
 }
 COMPLETION = {"prompt": st.one_of(PROMPT, st.lists(PROMPT, min_size=1, max_size=3)), **SAMPLING,
               "logprobs": st.one_of(st.none(), st.integers(min_value=0, max_value=5)), "echo": st.booleans(),
               "prompt_logprobs": st.one_of(st.none(), st.integers(min_value=0, max_value=5))}  # fmt: skip
 CHAT = {"messages": st.lists(MESSAGE, min_size=1, max_size=3), **SAMPLING, "logprobs": st.booleans(),
         "top_logprobs": st.integers(min_value=0, max_value=5), "max_completion_tokens": st.integers(min_value=1, max_value=16),
-        "chat_template": TEMPLATES}  # fmt: skip
+        "chat_template": TEMPLATES, "tools": TOOLS}  # fmt: skip
 
 
 @st.composite
