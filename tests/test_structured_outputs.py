@@ -528,3 +528,10 @@ def test_a_schema_too_slow_to_compile_is_a_400_in_bounded_time_and_the_server_st
     assert len(pings) >= 5 and max(pings) < 1.0, pings  # the event loop never waited on the compile
     ok = post(server, "/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]})  # a fresh compiler process
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("a", "b")
+
+
+def test_a_regex_dot_is_any_character_but_a_newline_as_in_python(smollm):
+    """xgrammar writes `.` as every code point; Python's re (and the fullmatch checks) leave out the newline."""
+    for text, allowed in (("a\nb", False), ("a-b", True), ("aéb", True)):
+        matcher = smollm.engine.grammars.matcher(StructuredOutputs(regex="a.b"))
+        assert matcher.accept_string(text) == allowed == bool(re.fullmatch("a.b", text)), text

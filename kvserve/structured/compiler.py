@@ -121,12 +121,14 @@ def _without_surrogates(body: str) -> str:
     return "".join(f"\\U{a:08x}" + (f"-\\U{b:08x}" if b > a else "") for a, b in kept)
 
 
-def _valid_text_class(body: str, json_strings: bool) -> str:
-    """A character class (without its brackets) kept to valid Unicode text, and for JSON to valid string characters."""
+def _valid_text_class(body: str, json_strings: bool, regex: bool = False) -> str:
+    """A character class (without its brackets) kept to valid Unicode text, and for JSON to valid
+    string characters; a regex's `.` (which xgrammar writes as every code point) without the newline,
+    as Python's re reads it."""
     if json_strings and body == _BOUNDED_STRING_CHARS:
         body = _JSON_STRING_CHARS
     if body == _ANY_CHARACTER:
-        body = "^"
+        body = "^\\n" if regex else "^"
     if not body.startswith("^"):
         return _without_surrogates(body)
     return "^" + _NO_SURROGATE + body[1:] if not body.startswith("^" + _NO_SURROGATE) else body
@@ -135,12 +137,12 @@ def _valid_text_class(body: str, json_strings: bool) -> str:
 _SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\(u|U0000)[dD][89abAB][0-9a-fA-F]{2}")  # an unescaped backslash's \uD800-\uDFFF
 
 
-def _valid_text_classes(ebnf: str, json_strings: bool) -> str:
+def _valid_text_classes(ebnf: str, json_strings: bool, regex: bool = False) -> str:
     """The grammar with its classes kept to text (above); a literal holding a surrogate is refused."""
     out = []
     for kind, text in ebnf_segments(ebnf):
         if kind == "class":
-            text = "[" + _valid_text_class(text[1:-1], json_strings) + "]"
+            text = "[" + _valid_text_class(text[1:-1], json_strings, regex) + "]"
         elif kind == "literal" and _SURROGATE_ESCAPE.search(text):
             raise GrammarError(f"{text[:40]} holds a UTF-16 surrogate (U+D800-U+DFFF), which is not text and cannot be generated")
         out.append(text)
@@ -172,7 +174,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
     except Exception as exc:  # noqa: BLE001 - xgrammar reports every malformed input as a RuntimeError
         raise GrammarError(f"cannot compile the {spec.description}: {error_message(exc)}") from None
     try:
-        return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object)
+        return _valid_text_classes(text, json_strings=spec.json is not None or spec.json_object, regex=spec.regex is not None)
     except GrammarError as exc:
         raise GrammarError(f"cannot compile the {spec.description}: {exc}") from None
 
