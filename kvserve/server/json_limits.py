@@ -45,9 +45,41 @@ class TooDeep(ValueError):
         self.path = path
 
 
+def _holds_a_fault(value: object) -> bool:
+    """Whether a JSON value nests past MAX_JSON_DEPTH or holds a string UTF-8 cannot encode: the
+    walk every body takes, a level at a time and without the paths that only a fault needs."""
+    if isinstance(value, str):
+        return _unencodable(value)
+    level, depth = [value], 0
+    while level:
+        deeper = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+            for child in children:
+                if isinstance(child, str):
+                    if not child.isascii() and _unencodable(child):
+                        return True
+                elif isinstance(child, (dict, list)):
+                    deeper.append(child)
+        if any(isinstance(item, (dict, list)) for item in level) and depth >= MAX_JSON_DEPTH:
+            return True
+        level, depth = deeper, depth + 1
+    return False
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def first_unpaired_surrogate(value: object) -> str | None:
     """The path of the first string in a JSON value that UTF-8 cannot encode (JSON's "\\ud800"), after
     checking, on the same walk, that it nests at most MAX_JSON_DEPTH levels (TooDeep). Iterative."""
+    if not _holds_a_fault(value):
+        return None
     stack: list[tuple[object, str, int]] = [(value, "", 0)]
     while stack:
         item, path, depth = stack.pop()

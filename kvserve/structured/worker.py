@@ -100,7 +100,10 @@ class _Child:
         if self._process is not None and self._process.is_alive():
             return self._conn
         self.stop()
-        context = multiprocessing.get_context("spawn")
+        # forked from a server process that imported xgrammar (and torch) once: a child killed past
+        # its limit is replaced in a fraction of a second, not the seconds that import takes
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["xgrammar", __name__])
         parent, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, self._info, self._memory), name="kvserve-grammar", daemon=True)
         self._process.start()
@@ -245,6 +248,11 @@ class IsolatedGrammarCompiler:
             self.outcomes["dropped"] += 1
             return GrammarError("nobody waits for this grammar any more")
         conn = child.connection()
+        with self._cond:
+            abandoned = not job.waiters
+        if abandoned:  # its clients left while the child started
+            self.outcomes["dropped"] += 1
+            return GrammarError("nobody waits for this grammar any more")
         conn.send(job.spec)
         deadline = time.monotonic() + self.timeout_s
         while not conn.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
