@@ -55,7 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
          "in a child process killed past it; the request then gets a 400. Compiled grammars are cached")
     flag("--grammar-compile-workers", type=int, default=_DEFAULTS.grammar_compile_workers, metavar="N",
          help="grammar compile processes. Clients (by address) take turns, and one client's compiles run on all "
-         f"workers but one, so another client's never waits behind them; each client has at most "
+         f"workers but one, so another client's never waits behind their queue; each client has at most "
          f"{MAX_PENDING_PER_CLIENT} compiles queued (then a 429). Requests without a constraint never wait for a compile")
     flag("--grammar-compile-memory-mb", type=int, default=_DEFAULTS.grammar_compile_memory_mb, metavar="MIB",
          help="memory one grammar compile may take (above what a compile process holds at start); past it the "
