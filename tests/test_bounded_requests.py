@@ -92,3 +92,12 @@ def test_an_answer_amplified_by_prompt_logprobs_is_refused_before_any_work(serve
     served = httpx.post(url + "/v1/completions", json=body | {"n": 1, "prompt": prompts[:1]}, timeout=60)
     assert served.status_code == 200 and len(served.json()["choices"][0]["prompt_logprobs"]) == 400
     assert "Traceback" not in server_log(proc)
+
+
+def test_the_hostile_corpus_is_never_a_5xx(server):
+    from hostile_bodies import try_every_shape
+
+    proc, url = server
+    statuses = try_every_shape(url)
+    assert all(s == 400 for s in statuses), statuses
+    assert "Traceback" not in server_log(proc)

@@ -433,3 +433,10 @@ def test_smg_retries_an_overloaded_workers_503_on_another_worker(tmp_path):
         router.wait(timeout=30)
         for w in workers:
             w.shutdown()
+
+
+def test_the_hostile_corpus_through_the_router_is_never_a_5xx(cluster):
+    from hostile_bodies import try_every_shape
+
+    statuses = try_every_shape(cluster.url, {"Authorization": f"Bearer {API_KEY}"}, model="tiny")
+    assert all(400 <= s < 500 for s in statuses), statuses

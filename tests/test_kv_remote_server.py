@@ -210,3 +210,11 @@ def test_pd_proxy_skips_a_hung_producer_and_aborts_what_its_clients_leave(pd, re
         time.sleep(0.1)
     assert running(consumer_url) == 0 and metric(consumer_url, aborted) == before + 1  # aborted, not decoded to its end
     assert httpx.get(proxy_url + "/pd/stats").json()["prefill_failed"] == 0
+
+
+def test_the_hostile_corpus_through_the_pd_proxy_is_never_a_5xx(pd):
+    from hostile_bodies import try_every_shape
+
+    proxy_url, _, _ = pd
+    statuses = try_every_shape(proxy_url)
+    assert all(400 <= s < 500 for s in statuses), statuses
