@@ -103,6 +103,26 @@ def test_slow_grammars_hold_up_no_plain_request_and_no_other_clients_grammar(ser
     assert all(f"longer than {TIMEOUT_S} s" in a.json()["error"]["message"] for a in answers)
     assert metric(url, "grammar_compiles_total", "timeout") - compiled == MAX_PENDING_PER_CLIENT
     assert "Traceback" not in server_log(proc)
+    assert peak_memory_gib(proc) < MEMORY_BOUND_GIB
+
+
+MEMORY_BOUND_GIB = 4.0  # the server on SmolLM2 with its compile and template workers (measured: 1.9 GiB)
+
+
+def peak_memory_gib(proc) -> float:
+    """The server's and its children's peak resident memory, summed (shared pages counted in each: an upper bound)."""
+    import psutil
+
+    server = psutil.Process(proc.pid)
+    total = 0
+    for process in [server, *server.children(recursive=True)]:
+        try:
+            with open(f"/proc/{process.pid}/status") as status:
+                total += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            pass
+    print(f"peak memory of the server and its workers: {total / 2**30:.2f} GiB")
+    return total / 2**30
 
 
 def test_a_full_queue_is_a_429_and_clients_that_leave_are_dropped(server):
