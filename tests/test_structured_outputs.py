@@ -535,3 +535,16 @@ def test_a_regex_dot_is_any_character_but_a_newline_as_in_python(smollm):
     for text, allowed in (("a\nb", False), ("a-b", True), ("aéb", True)):
         matcher = smollm.engine.grammars.matcher(StructuredOutputs(regex="a.b"))
         assert matcher.accept_string(text) == allowed == bool(re.fullmatch("a.b", text)), text
+
+
+def test_format_ipv4_admits_no_leading_zeros(smollm):
+    """xgrammar's ipv4 octets admit "01"; the format (and Python's ipaddress) does not."""
+    import ipaddress
+
+    for address in ("1.2.3.4", "01.2.3.4", "10.00.1.1", "255.255.255.255", "256.1.1.1", "0.0.0.0"):
+        matcher = smollm.engine.grammars.matcher(StructuredOutputs(json={"type": "string", "format": "ipv4"}))
+        try:
+            valid = bool(ipaddress.IPv4Address(address))
+        except ValueError:
+            valid = False
+        assert matcher.accept_string(f'"{address}"') == valid, address

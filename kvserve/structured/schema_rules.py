@@ -211,9 +211,19 @@ def schema_refusal(schema: dict) -> str | None:
     return None
 
 
+# xgrammar 0.2.9 writes format ipv4 as octets [0-1]?[0-9]?[0-9], which admits leading zeros ("01.2.3.4")
+# that the format (and Python's ipaddress) refuses: the octets are compiled from this pattern instead
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IPV4_PATTERN = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
+
+
 def text_only_patterns(schema: dict) -> None:
-    """text_only_pattern on every pattern of the schema (pattern, patternProperties' keys), in place."""
+    """text_only_pattern on every pattern of the schema (pattern, patternProperties' keys), and format
+    ipv4 as its strict pattern, in place."""
     for node, _ in schema_nodes(schema):
+        if node.get("format") == "ipv4" and "pattern" not in node:
+            del node["format"]
+            node["pattern"] = IPV4_PATTERN
         if isinstance(node.get("pattern"), str):
             node["pattern"] = text_only_pattern(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
