@@ -106,7 +106,8 @@ class ServingChat:
             return c
 
         if body.stream:
-            return serving.stream(sub, body.n, chunk, envelope, body.stream_options, splice=not calling)
+            return serving.stream(sub, body.n, chunk, envelope, body.stream_options, splice=not calling,
+                                  heavy_first=body.prompt_logprobs is not None)
         outs = await serving.collect(sub, request)
 
         def message(out: RequestOutput) -> tuple[dict, str | None]:
@@ -118,15 +119,18 @@ class ServingChat:
             finish = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
             return {"role": "assistant", "content": content, "tool_calls": calls}, finish
 
-        choices = []
-        for (_, i), out in sorted(outs.items()):
-            msg, finish = message(out)
-            choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                            "finish_reason": finish, "stop_reason": stop_reason(out)})  # fmt: skip
-        response = {**envelope(choices, "chat.completion"), "usage": serving.usage(groups, outs)}
-        if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
-            response["prompt_logprobs"] = serving.prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
-        return response
+        def answer() -> dict:
+            choices = []
+            for (_, i), out in sorted(outs.items()):
+                msg, finish = message(out)
+                choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(out.logprobs or []) if body.logprobs else None,
+                                "finish_reason": finish, "stop_reason": stop_reason(out)})  # fmt: skip
+            response = {**envelope(choices, "chat.completion"), "usage": serving.usage(groups, outs)}
+            if body.prompt_logprobs is not None:  # vLLM's place for them: the response's, the prompt being one for every choice
+                response["prompt_logprobs"] = serving.prompt_logprobs(ids, outs[(0, 0)].prompt_logprobs, body.prompt_logprobs)
+            return response
+
+        return await serving.answer(answer)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
         tokenizer = self.serving.tokenizer

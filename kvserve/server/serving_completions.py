@@ -119,10 +119,15 @@ class ServingCompletions:
 
         if body.stream:
             return serving.stream(sub, n, lambda idx, out, delta, lps: envelope([choice(idx, out, delta, lps)]), envelope,
-                                  body.stream_options, generated=not score_only)
+                                  body.stream_options, generated=not score_only,
+                                  heavy_first=body.prompt_logprobs is not None or (body.echo and body.logprobs is not None))  # fmt: skip
         outs = await serving.collect(sub, request)
-        choices = [choice(g * n + i, out, out.text, out.logprobs or []) for (g, i), out in sorted(outs.items())]
-        return {**envelope(choices), "usage": serving.usage(groups, outs, generated=not score_only)}
+
+        def answer() -> dict:
+            choices = [choice(g * n + i, out, out.text, out.logprobs or []) for (g, i), out in sorted(outs.items())]
+            return {**envelope(choices), "usage": serving.usage(groups, outs, generated=not score_only)}
+
+        return await serving.answer(answer)
 
     async def _tokenize_prompts(self, prompt) -> list[list[int]]:
         prompts = prompt_list(prompt)

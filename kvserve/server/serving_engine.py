@@ -10,6 +10,7 @@ aborted after admission (deadline, shutdown, a failed engine step).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import reprlib
@@ -17,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
@@ -59,6 +60,23 @@ ChunkMaker = Callable[[int, RequestOutput, str, list[TokenLogprobs]], dict | Non
 def most_likely(top: dict[int, float], n: int) -> dict[int, float]:
     """The n most likely of a token's alternatives."""
     return dict(sorted(top.items(), key=lambda item: -item[1])[:n])
+
+
+def _render_json(answer: dict) -> bytes:
+    """JSONResponse's bytes, the top-level lists' items serialized one at a time: json.dumps holds the
+    GIL for a whole call, so tens of MB in one call would stall the event loop's thread all the same."""
+    dump = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    parts, last = ["{"], len(answer) - 1
+    for k, (key, value) in enumerate(answer.items()):
+        parts.append(dump(key) + ":")
+        if isinstance(value, list):
+            parts.append("[" + ",".join(dump(item) for item in value) + "]")
+        else:
+            parts.append(dump(value))
+        if k < last:
+            parts.append(",")
+    parts.append("}")
+    return "".join(parts).encode()
 
 
 def stop_reason(out: RequestOutput) -> str | int | None:
@@ -328,8 +346,10 @@ class OpenAIServing:
             sub.close()
 
     def stream(self, sub: Submission, n: int, make_chunk: ChunkMaker, envelope: Callable[[list[dict]], dict],
-               stream_options: StreamOptions | None, generated: bool = True, splice: bool = True) -> StreamingResponse:  # fmt: skip
-        """Server-sent events of the submission's outputs; `splice` lets a plain chunk be the first one's JSON with new text spliced in."""
+               stream_options: StreamOptions | None, generated: bool = True, splice: bool = True,
+               heavy_first: bool = False) -> StreamingResponse:  # fmt: skip
+        """Server-sent events of the submission's outputs; `splice` lets a plain chunk be the first one's JSON with new text
+        spliced in; `heavy_first`: a choice's first chunk is built off the event loop (it carries the prompt's logprobs)."""
         include_usage = bool(stream_options and stream_options.include_usage)
         continuous = include_usage and stream_options.continuous_usage_stats  # vLLM's: every chunk carries its choice's usage so far
         templates: dict[int, tuple[str, str]] = {}
@@ -359,7 +379,9 @@ class OpenAIServing:
                     if out.finished:
                         finals[(g, i)] = out
                     if out.text or out.finished or out.logprobs or (out.token_ids and self.tokenizer is None):
-                        text = event(g * n + i, out)
+                        # a choice's first chunk may carry the prompt's logprobs (hundreds of thousands of entries): off the loop
+                        heavy = heavy_first and g * n + i not in sent
+                        text = await asyncio.to_thread(event, g * n + i, out) if heavy else event(g * n + i, out)
                         if text:  # a chunk function may have nothing to send yet (tool calls being held)
                             yield text
             except RequestAborted as exc:  # then [DONE], as vLLM ends every stream
@@ -371,6 +393,13 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return SubmissionStream(events(), sub)
+
+    @staticmethod
+    async def answer(build: Callable[[], dict]) -> JSONResponse:
+        """A non-streamed answer, built and serialized off the event loop: with logprobs, echo and
+        prompt logprobs over n choices it can hold 500,000 entries (tens of MB, seconds of work),
+        which on the loop would hold every other request, /health included."""
+        return await asyncio.to_thread(lambda: Response(_render_json(build()), media_type="application/json"))
 
     def usage(self, groups: list[PromptGroup], outs: dict[tuple[int, int], RequestOutput], generated: bool = True) -> dict:
         """Each prompt counted once, however many samples (n) it has; `generated` false: a prompt scored, nothing generated."""
