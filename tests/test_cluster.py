@@ -207,6 +207,13 @@ def test_loads_say_what_the_engine_counts_and_smg_reads_them(cluster):
         assert complete(cluster.url, f"{prefix}Question 6: what happens next?")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_the_hostile_corpus_through_the_router_is_never_a_5xx(cluster):
+    from hostile_bodies import try_every_shape
+
+    statuses = try_every_shape(cluster.url, {"Authorization": f"Bearer {API_KEY}"}, model="tiny")
+    assert all(400 <= s < 500 for s in statuses), statuses
+
+
 def test_a_killed_replica_is_routed_around(cluster, single):
     prompt = f"{PREFIX['A']}Question 1: what happens next?"
     victim, _ = cluster.served_by(lambda: complete(cluster.url, prompt))
@@ -433,10 +440,3 @@ def test_smg_retries_an_overloaded_workers_503_on_another_worker(tmp_path):
         router.wait(timeout=30)
         for w in workers:
             w.shutdown()
-
-
-def test_the_hostile_corpus_through_the_router_is_never_a_5xx(cluster):
-    from hostile_bodies import try_every_shape
-
-    statuses = try_every_shape(cluster.url, {"Authorization": f"Bearer {API_KEY}"}, model="tiny")
-    assert all(400 <= s < 500 for s in statuses), statuses

@@ -24,7 +24,6 @@ from kvserve.server.access import AccessGuard
 from kvserve.server.async_engine import EngineDeadError, RequestAborted
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, aborted_body, error_response, validation_message
-from kvserve.server.json_route import OffLoopJSONRoute
 from kvserve.server.serving_engine import OpenAIServing, log, request_id_of
 
 # endpoints of other engines that routers try on every worker (smg: /loads before /v1/loads at every load poll,
@@ -53,7 +52,6 @@ def create_app(serving: OpenAIServing) -> FastAPI:
     docs = not serving.config.disable_fastapi_docs  # /docs, /redoc, /openapi.json: behind --api-key when one is set (access.py)
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
-    app.router.route_class = OffLoopJSONRoute  # every route below reads a large body off the event loop
     _add_error_handlers(app, serving)
     serving_completions.register_routes(app, serving)
     serving_chat.register_routes(app, serving)
