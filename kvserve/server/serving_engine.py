@@ -62,21 +62,21 @@ def most_likely(top: dict[int, float], n: int) -> dict[int, float]:
     return dict(sorted(top.items(), key=lambda item: -item[1])[:n])
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read by then: what is left to receive is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _render_json(answer: dict) -> bytes:
     """JSONResponse's bytes, the top-level lists' items serialized one at a time: json.dumps holds the
     GIL for a whole call, so tens of MB in one call would stall the event loop's thread all the same."""
     dump = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    parts, last = ["{"], len(answer) - 1
-    for k, (key, value) in enumerate(answer.items()):
-        parts.append(dump(key) + ":")
-        if isinstance(value, list):
-            parts.append("[" + ",".join(dump(item) for item in value) + "]")
-        else:
-            parts.append(dump(value))
-        if k < last:
-            parts.append(",")
-    parts.append("}")
-    return "".join(parts).encode()
+
+    def value(v) -> str:
+        return "[" + ",".join(dump(item) for item in v) + "]" if isinstance(v, list) else dump(v)
+
+    return ("{" + ",".join(f"{dump(k)}:{value(v)}" for k, v in answer.items()) + "}").encode()
 
 
 def stop_reason(out: RequestOutput) -> str | int | None:
@@ -291,11 +291,7 @@ class OpenAIServing:
         client = request.client.host if request.client is not None else ""
         compiling = asyncio.ensure_future(self.grammar_compiler.compile(spec, client))
 
-        async def left() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(left())
+        watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((compiling, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -330,8 +326,7 @@ class OpenAIServing:
         """Every sample's finished output; a client that leaves aborts the request."""
 
         async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+            await _disconnected(request)
             sub.fail(RequestAborted("client_disconnected", "the client disconnected", 499))
 
         watcher = asyncio.ensure_future(watch())

@@ -137,8 +137,7 @@ class IsolatedGrammarCompiler:
         self._cond = threading.Condition()
         self._queues: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()  # clients in turn order
         self._jobs: dict[StructuredOutputs, _Job] = {}  # queued or running
-        self._pending: collections.Counter[str] = collections.Counter()  # per client: jobs queued or running
-        self._running: collections.Counter[str] = collections.Counter()
+        self._running: collections.Counter[str] = collections.Counter()  # per client: jobs running
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._children: list[_Child] = []
@@ -158,13 +157,12 @@ class IsolatedGrammarCompiler:
                 raise GrammarError("the server is shutting down")
             job = self._jobs.get(spec)
             if job is None:
-                if self._pending[client] >= MAX_PENDING_PER_CLIENT:
+                if len(self._queues.get(client, ())) + self._running[client] >= MAX_PENDING_PER_CLIENT:
                     self.outcomes["rejected"] += 1
                     raise CompileQueueFull(f"this client has {MAX_PENDING_PER_CLIENT} grammars compiling or waiting to; "
                                            "retry when one is done")  # fmt: skip
                 job = self._jobs[spec] = _Job(spec, client)
                 self._queues.setdefault(client, collections.deque()).append(job)
-                self._pending[client] += 1
                 self._cond.notify_all()
             job.waiters.append((loop, future))
         try:
@@ -185,9 +183,6 @@ class IsolatedGrammarCompiler:
 
     def _finish(self, job: _Job) -> None:
         del self._jobs[job.spec]
-        self._pending[job.client] -= 1
-        if not self._pending[job.client]:
-            del self._pending[job.client]
         if not self._queues.get(job.client, True):
             del self._queues[job.client]
 
@@ -242,17 +237,11 @@ class IsolatedGrammarCompiler:
         """Compiles one job into the cache; the error to answer with, or None."""
         if self.grammars.cached(job.spec) is not None:
             return None
-        with self._cond:
-            abandoned = not job.waiters
-        if abandoned:  # its clients left while it was being taken from the queue
-            self.outcomes["dropped"] += 1
-            return GrammarError("nobody waits for this grammar any more")
+        if self._abandoned(job):  # its clients left while it was being taken from the queue
+            return self._drop()
         conn = child.connection()
-        with self._cond:
-            abandoned = not job.waiters
-        if abandoned:  # its clients left while the child started
-            self.outcomes["dropped"] += 1
-            return GrammarError("nobody waits for this grammar any more")
+        if self._abandoned(job):  # its clients left while the child started
+            return self._drop()
         conn.send(job.spec)
         deadline = time.monotonic() + self.timeout_s
         while not conn.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
@@ -260,12 +249,9 @@ class IsolatedGrammarCompiler:
                 self.outcomes["timeout"] += 1
                 child.stop()
                 return GrammarError(f"the {job.spec.description} took longer than {self.timeout_s:g} s to compile")
-            with self._cond:
-                abandoned = not job.waiters or self._closed
-            if abandoned:
-                self.outcomes["dropped"] += 1
+            if self._abandoned(job):
                 child.stop()
-                return GrammarError("nobody waits for this grammar any more")
+                return self._drop()
         try:
             status, payload = conn.recv()
         except (EOFError, OSError):
@@ -285,6 +271,14 @@ class IsolatedGrammarCompiler:
         self.grammars.store(job.spec, compiled)
         self.outcomes["compiled"] += 1
         return None
+
+    def _abandoned(self, job: _Job) -> bool:
+        with self._cond:
+            return not job.waiters or self._closed
+
+    def _drop(self) -> GrammarError:
+        self.outcomes["dropped"] += 1
+        return GrammarError("nobody waits for this grammar any more")
 
     @property
     def pending(self) -> int:
