@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvserve.kernels.build import cpu_flags
+from kvserve.engine.speculative import SpeculativeConfig
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.spec import KV_FORMATS, MAX_KV_QUANT_RESIDUAL, block_size_for, normalize_kv_dtype
@@ -99,6 +100,8 @@ class EngineConfig:
     kv_remote_ca_file: str | None = None  # rediss://: the CA certificate that signed the server's
     kv_remote_key_file: str | None = None  # the secret that signs KV records leaving the process (or KVSERVE_KV_REMOTE_KEY)
     kv_role: str = "both"  # both | producer (prefills, publishes to the remote tier) | consumer (reads it, never writes)
+    # speculative decoding (engine/speculative.py): a SpeculativeConfig, or its dict / JSON object as vLLM takes it
+    speculative_config: SpeculativeConfig | None = None
     threads: int | None = None  # CPU threads of the process's kernels (torch and ours); None: torch's default (all cores)
 
     def __post_init__(self) -> None:
@@ -159,6 +162,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.eviction.active and KV_FORMATS[self.kv_cache_dtype].kind == "kivi":  # self.eviction validates the fields
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_cache_dtype} (KIVI keys are quantized "
                              "per channel across tokens); use a float, int8 or fp8 cache")

@@ -22,9 +22,10 @@ from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
 from kvserve.engine.output_text import OutputText
-from kvserve.engine.sampler import Sampler
+from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.engine.speculative import Speculator, accepted_length
 from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_centers
 from kvserve.kv.eviction import GENERIC_QUESTION
 from kvserve.kv.rotation import is_power_of_two
@@ -176,6 +177,8 @@ class LLMEngine:
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer.hf_tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -368,6 +371,8 @@ class LLMEngine:
         a token and of every sequence that finished. An exception inside the step fails that step's
         sequences alone (finish_reason "error", blocks freed); the engine goes on."""
         handed_over = self._handed_over()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             pending = self.scheduler.pending_loads() + [stored for stored, _ in self._handing_over]
@@ -429,11 +434,16 @@ class LLMEngine:
         started = time.perf_counter()
         sampled = self.runner.execute(batch)
         if self.kv.offloader is not None:
-            prefill = sum(n for _, n in batch.entries if n > 1)
+            prefill = sum(n for seq, n in batch.entries if n > 1 and not seq.draft_token_ids)
             if prefill >= 64 and prefill >= 0.9 * batch.num_tokens:
                 self.kv.offloader.observe_prefill(prefill, time.perf_counter() - started)
+        draws = _by_sequence(sampled)
+        now = time.monotonic()
+        # guesses are judged before anything publishes, quantizes or frees by length: those see the accepted tokens only
+        verified = {seq: self._verify(seq, draws.pop(seq), now) for seq, _ in batch.entries if seq.draft_token_ids}
         for seq, n in batch.entries:
-            seq.num_computed_tokens += n
+            if seq not in verified:
+                seq.num_computed_tokens += n
             self.kv.publish_full_precision(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.plan_quantization(seq.request_id, seq.num_computed_tokens)
         pairs = self.kv.take_quantization()
@@ -447,9 +457,12 @@ class LLMEngine:
                 self._evict(seq)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from)
         outputs = []
-        if sampled:
-            now = time.monotonic()
-            for seq, result in sampled:
+        for seq, reason in verified.items():
+            if reason is not None:
+                self._finish(seq, reason, now)
+        for seq, results in (*draws.items(), *((seq, None) for seq in verified)):
+            if results is not None:
+                (result,) = results
                 if seq.status is SequenceStatus.FORKING:
                     self.scheduler.start_fork(seq)
                 if result.token_id is None:  # its grammar allows no token
@@ -458,20 +471,47 @@ class LLMEngine:
                     self._append_token(seq, result.token_id, now)
                 if result.logprobs is not None:
                     seq.logprobs.append(result.logprobs)
-                if seq.is_finished:
-                    self.requests.pop(seq.request_id, None)
-                    if self.hands_over:
-                        self._handing_over.append((self.kv.offloader.flushed(), request_output(seq)))
-                        continue
-                if seq.stream or seq.is_finished:
-                    outputs.append(request_output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+                if self.speculator is not None:
+                    self.speculator.forget(seq.request_id)
+                if self.hands_over:
+                    self._handing_over.append((self.kv.offloader.flushed(), request_output(seq)))
+                    continue
+            if seq.stream or seq.is_finished:
+                outputs.append(request_output(seq))
         return outputs
 
     # ------------------------------------------------------------------ KV eviction (engine/eviction.py)
     eviction_policy = eviction.eviction_policy
     _evict = eviction.evict
 
+    def _verify(self, seq: Sequence, results: list[SampleResult], now: float) -> str | None:
+        """Keep the guesses that equal what their rows drew, and the first drawn token that differs (or
+        one more after them all); then give back the KV of the rest. Returns why the sequence ends
+        with these tokens (None: it goes on); it is finished after the step's bookkeeping."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        drawn = [r.token_id for r in results]
+        accepted = accepted_length(draft, drawn)
+        self.speculator.judged(seq, len(draft), accepted)
+        reason = None
+        for result in results[: accepted + 1]:
+            reason = self._take_token(seq, result.token_id, now)
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # the last token is computed next step, as after a decode
+        self.kv.truncate(seq.request_id, seq.num_computed_tokens)
+        return reason
+
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        reason = self._take_token(seq, token, now)
+        if reason is not None:
+            self._finish(seq, reason, now)
+
+    def _take_token(self, seq: Sequence, token: int, now: float) -> str | None:
+        """Append a drawn token; returns why the sequence ends with it (None: it goes on)."""
         seq.append_token(token)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -493,8 +533,7 @@ class LLMEngine:
                 reason, seq.stop_reason = "stop", stop
         if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
-        if reason is not None:
-            self._finish(seq, reason, now)
+        return reason
 
     def _finish(self, seq: Sequence, reason: str, now: float, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason
@@ -521,3 +560,11 @@ class LLMEngine:
     def weight_bytes(self) -> int:
         """The bytes the model's weights take as held (0 for a simulated engine): read once, they never change."""
         return weight_bytes(self.model) if self.model is not None else 0
+
+
+def _by_sequence(sampled: list[tuple[Sequence, SampleResult]]) -> dict[Sequence, list[SampleResult]]:
+    """A step's draws, per sequence in the order they came (a verifying sequence draws once per row)."""
+    draws: dict[Sequence, list[SampleResult]] = {}
+    for seq, result in sampled:
+        draws.setdefault(seq, []).append(result)
+    return draws

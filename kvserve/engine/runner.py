@@ -39,7 +39,7 @@ class ModelRunner:
         logits, and up to SCREENED_SAMPLE_MAX_ROWS sampled rows without logprobs or grammar draw from its
         int8 screen; the rest sample from full logits, masked by their grammars.
         """
-        samplers, hidden = self.forward_hidden(batch)
+        samplers, hidden, positions = self.forward_hidden(batch, with_positions=True)
         if not samplers:
             return []
         plain = [i for i, s in enumerate(samplers)
@@ -51,20 +51,22 @@ class ModelRunner:
             for i, token in zip(plain, tokens):
                 results[i] = SampleResult(token, None)
         if rest:
-            rest = self._sample_screened(hidden, rest, samplers, results)
+            rest = self._sample_screened(hidden, rest, samplers, positions, results)
         if rest:
             logits = self.model.compute_logits(hidden[torch.tensor(rest, device=self.device)])
-            for i, result in zip(rest, self.sampler.sample(logits, [samplers[i] for i in rest])):
+            for i, result in zip(rest, self.sampler.sample(logits, [samplers[i] for i in rest], [positions[i] for i in rest])):
                 results[i] = result
         return list(zip(samplers, results))
 
-    def _sample_screened(self, hidden: torch.Tensor, rest: list[int], samplers: list[Sequence], results: list) -> list[int]:
+    def _sample_screened(self, hidden: torch.Tensor, rest: list[int], samplers: list[Sequence], positions: list[int],
+                         results: list) -> list[int]:  # fmt: skip
         """A few sampled rows (no logprobs) draw from the int8-screened lm_head, exactly the tokens the
         full logits would give, at greedy's cost; returns the rows still to sample from full logits."""
         picked = [i for i in rest if not samplers[i].params.greedy and samplers[i].params.logprobs is None and samplers[i].grammar is None]
         if not picked or len(picked) > SCREENED_SAMPLE_MAX_ROWS or not self.sampler.native or self.device.type != "cpu":
             return rest
-        rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.config.vocab_size)
+        rows, penalty_ids, penalty_counts = self.sampler.rows([samplers[i] for i in picked], self.model.config.vocab_size,
+                                                              [positions[i] for i in picked])  # fmt: skip
         tokens = self.model.screened_sample(hidden[torch.tensor(picked)], rows, penalty_ids, penalty_counts)
         if tokens is None:
             return rest
@@ -84,17 +86,19 @@ class ModelRunner:
         return samplers, self.model.compute_logits(hidden).clone()  # compute_logits reuses its buffer
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden].
-        The rows that score prompt tokens (prompt logprobs) are scored on the way."""
-        samplers, hidden, scored = self._forward(batch)
+    def forward_hidden(self, batch: ScheduledBatch, with_positions: bool = False):
+        """Run the batch; returns the sequences that sample this step and their last hidden states [S, hidden]
+        (and, `with_positions`, the position each row samples, which seeds its draw). A sequence
+        verifying guesses samples once per row. The rows that score prompt tokens (prompt logprobs) are
+        scored on the way."""
+        samplers, hidden, scored, positions = self._forward(batch)
         if scored:
             self._score_prompts(scored)
-        return samplers, hidden
+        return (samplers, hidden, positions) if with_positions else (samplers, hidden)
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]]]:
+    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]], list[int]]:
         """forward_hidden's pass, with the rows that score prompt tokens: (sequence, first position scored, hidden rows)."""
-        meta, input_ids, sample_rows, samplers = self.prepare(batch)
+        meta, input_ids, sample_rows, samplers, positions = self.prepare(batch)
         captures = [(seq, start, n) for seq, n in batch.entries if seq.captured is not None and seq.probe is None
                     for start in [self._first_row(batch, seq)]]  # fmt: skip
         prompt_rows = self._prompt_rows(batch)
@@ -113,7 +117,7 @@ class ModelRunner:
         for seq, first, rows in prompt_rows:
             scored.append((seq, first, hidden[at : at + len(rows)]))
             at += len(rows)
-        return samplers, hidden[: len(samplers)], scored
+        return samplers, hidden[: len(samplers)], scored, positions
 
     def _prompt_rows(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, np.ndarray]]:
         """For each sequence still scoring its prompt: the first prompt position this step scores and the
@@ -166,9 +170,10 @@ class ModelRunner:
                 row += n
         raise ValueError("sequence not in the batch")
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[Sequence]]:
-        """The step's attention metadata, flat input ids, the rows that sample and their sequences:
-        decode rows first (one token per sequence), then each prefill chunk."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[Sequence], list[int]]:
+        """The step's attention metadata, flat input ids, the rows that sample, their sequences and the
+        positions they sample at: decode rows first (one token per sequence), then each prefill chunk
+        (a sequence verifying guesses is one: every row of it samples)."""
         bs = self.block_size
         groups = len(self.kv.groups)
         decodes = [s for s, n in batch.entries if n == 1]
@@ -177,6 +182,7 @@ class ModelRunner:
         slot_parts: list[list[np.ndarray]] = [[] for _ in range(groups)]
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
+        sample_positions: list[int] = []  # the position of the token a row draws: its own position + 1
         meta = AttentionMetadata(positions=torch.empty(0), slot_mappings=[])
 
         if decodes:
@@ -199,6 +205,7 @@ class ModelRunner:
                     for sampler in (seq, *seq.forks):  # forks sample their first token from the parent's logits
                         sample_rows.append(row)
                         samplers.append(sampler)
+                        sample_positions.append(seq.num_tokens)
             meta.num_decode_tokens = len(decodes)
             position_lens = torch.from_numpy(positions + 1).to(self.device)
             slot_lens = position_lens if full_slots is positions else torch.from_numpy(full_slots + 1).to(self.device)
@@ -221,16 +228,22 @@ class ModelRunner:
             if span is not None:
                 meta.window_scores.append(span)
             if end == seq.num_tokens and seq.probe is None:  # the generic question's last row samples nothing
-                for sampler in (seq, *seq.forks):
+                if seq.draft_token_ids:  # a verification: the last token's row and every guess's
+                    first = len(seq.token_ids) - 1 - start
+                    sample_rows.extend(range(row + first, row + n))
+                    samplers.extend([seq] * (n - first))
+                    sample_positions.extend(range(start + first + 1, end + 1))
+                for sampler in (seq, *seq.forks) if not seq.draft_token_ids else ():
                     sample_rows.append(row + n - 1)
                     samplers.append(sampler)
+                    sample_positions.append(end)
             row += n
 
         for span in meta.window_scores:
             span.block_tables = [torch.as_tensor(t).to(self.device) for t in span.block_tables]
         meta.positions = torch.from_numpy(np.concatenate(position_parts)).to(self.device)
         meta.slot_mappings = [torch.from_numpy(np.concatenate(parts)).to(self.device) for parts in slot_parts]
-        return meta, np.concatenate(ids_parts), np.asarray(sample_rows, dtype=np.int64), samplers
+        return meta, np.concatenate(ids_parts), np.asarray(sample_rows, dtype=np.int64), samplers, sample_positions
 
     def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
         """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a

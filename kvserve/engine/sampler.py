@@ -33,14 +33,15 @@ class Sampler:
         self.grammar_mask = GrammarMask()
 
     @staticmethod
-    def rows(seqs: list[Sequence], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The kernels' per-row parameters (SAMPLER_ROW_DTYPE) and the flat penalty ids and counts."""
+    def rows(seqs: list[Sequence], vocab: int, positions: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kernels' per-row parameters (SAMPLER_ROW_DTYPE) and the flat penalty ids and counts. A row's
+        draw is seeded by its request's seed and the position of the token it draws (default: the next one)."""
         rows = np.zeros(len(seqs), dtype=sampling.SAMPLER_ROW_DTYPE)
         id_parts: list[np.ndarray] = []
         count_parts: list[np.ndarray] = []
         begin = 0
         fields = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             p = seq.params
             end = begin
             if seq.penalty_counts is not None:
@@ -51,7 +52,8 @@ class Sampler:
             fields.append((
                 # top_p below float32's range keeps the top token as a tiny top_p does; top_k past the vocabulary is off
                 0.0 if p.greedy else p.temperature, max(p.top_p, MIN_TOP_P), p.min_p, p.repetition_penalty, p.presence_penalty,
-                p.frequency_penalty, min(max(p.top_k, 0), vocab), -1 if p.logprobs is None else p.logprobs, seq.seed, seq.num_tokens,
+                p.frequency_penalty, min(max(p.top_k, 0), vocab), -1 if p.logprobs is None else p.logprobs, seq.seed,
+                seq.num_tokens if positions is None else positions[i],
                 begin, end,
             ))  # fmt: skip
             begin = end
@@ -60,10 +62,10 @@ class Sampler:
         penalty_counts = np.concatenate(count_parts) if count_parts else np.empty(0, dtype=np.int32)
         return rows, penalty_ids, penalty_counts
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None) -> list[SampleResult]:
         """One token per row of logits [S, V] (float32; modified in place) for seqs; a row with a grammar
         draws among the tokens it allows (its logprobs too are over those)."""
-        rows, penalty_ids, penalty_counts = self.rows(seqs, logits.shape[-1])
+        rows, penalty_ids, penalty_counts = self.rows(seqs, logits.shape[-1], positions)
         logits = logits.float()
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         exhausted = set(self.grammar_mask.apply(logits, constrained, [seqs[i].grammar for i in constrained])) if constrained else set()

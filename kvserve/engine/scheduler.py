@@ -69,7 +69,13 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             n = seq.next_chunk(budget)
+            if seq.draft_token_ids and n < seq.num_uncomputed_tokens:  # the budget verifies only the guesses that fit
+                del seq.draft_token_ids[max(n - 1, 0) :]
             while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
+                if seq.draft_token_ids:  # guesses never preempt anyone: the sequence decodes one token instead
+                    seq.draft_token_ids = []
+                    n = seq.next_chunk(budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)

@@ -65,6 +65,7 @@ class Sequence:
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
     grammar: Any = None  # structured outputs: the xgrammar GrammarMatcher that has accepted the output so far
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: this step's guesses after the last token
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -99,11 +100,14 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens to compute: the sequence's, or while a generic question scores it, the compressed ones' and the question's."""
-        return len(self.token_ids) if self.probe is None else self.probe_from + len(self.probe)
+        """Tokens to compute: the sequence's and this step's guesses, or while a generic question scores it, the
+        compressed ones' and the question's."""
+        return len(self.token_ids) + len(self.draft_token_ids) if self.probe is None else self.probe_from + len(self.probe)
 
     def input_ids(self, start: int, end: int) -> list[int]:
-        """The tokens computed at positions [start, end): the sequence's, or the generic question's from probe_from on."""
+        """The tokens computed at positions [start, end): the sequence's (then its guesses), or the generic question's from probe_from on."""
+        if self.probe is None and end > len(self.token_ids):
+            return (self.token_ids + self.draft_token_ids)[start:end]
         if self.probe is None or end <= self.probe_from:
             return self.token_ids[start:end]
         return self.token_ids[start : min(end, self.probe_from)] + self.probe[max(start - self.probe_from, 0) : end - self.probe_from]
@@ -113,7 +117,8 @@ class Sequence:
         return self.token_ids[position] if self.probe is None or position < self.probe_from else self.probe[position - self.probe_from]
 
     def reset_compression(self) -> None:
-        """Preempted: recomputed whole, scored and compressed again."""
+        """Preempted: recomputed whole, scored and compressed again (and guesses nothing this step)."""
+        self.draft_token_ids = []
         self.eviction_started, self.window_scores = False, None
         self.probe, self.probe_from = None, 0
 
