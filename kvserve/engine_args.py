@@ -147,6 +147,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="disaggregated prefill through --kv-remote-url: a producer prefills, publishes the prompt's "
                        "blocks and answers once they are stored; a consumer decodes with them and never writes the remote "
                        "tier; both does both (default: %(default)s). `kvserve pd-proxy` puts one of each behind one URL")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}\'. Each decoding '
+                       "sequence guesses up to num_speculative_tokens tokens by looking its last 2-4 tokens up in its prompt and "
+                       "output, and one step checks them all; the tokens and logprobs are exactly those of plain decoding, "
+                       "greedy or seeded. No sequence guesses in a step where disable_by_batch_size or more run (default 8; "
+                       "null: always). See docs/speculative-decoding.md")
 
 
 KIVI_FLAGS = ("kv_quant_group_size", "kv_quant_residual", "kv_quant_sink_block")

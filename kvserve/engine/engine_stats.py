@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvserve.engine.speculative import SpecDecodeStats
+
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
 
@@ -77,4 +79,6 @@ def stats(engine: LLMEngine) -> dict:
         "kv_role": engine.config.kv_role,
         "kv_handovers_published_total": engine.handovers_published,
         "kv_migrations_total": dict(engine.migrations, hit_tokens=engine.scheduler.migrated_hit_tokens),
+        "speculative_method": engine.speculator.config.method if engine.speculator is not None else None,
+        **(engine.speculator.stats if engine.speculator is not None else SpecDecodeStats()).as_dict(),
     }

@@ -125,6 +125,7 @@ def kv_snapshot(engine: LLMEngine, model_name: str, show_tokens: bool = False) -
             "requests_hit_rate": prefix["prefix_cache_request_hit_rate"],
             "evicted_blocks": prefix["prefix_cache_evictions_total"],
         },
+        "speculative": _speculative(engine),
         "prefix_tree": tree,
         "salts": salt_rows(engine),
         "tiers": {name: {key: t[key] for key in ("usage_bytes", "capacity_bytes", "entries", "hit_tokens") if key in t}
@@ -132,3 +133,13 @@ def kv_snapshot(engine: LLMEngine, model_name: str, show_tokens: bool = False) -
         "show_tokens": show_tokens,
         "snapshot_ms": (time.perf_counter() - started) * 1000,
     }
+
+
+def _speculative(engine: LLMEngine) -> dict | None:
+    """Speculative decoding's method and how many of its guesses were kept (None without it)."""
+    if engine.speculator is None:
+        return None
+    stats = engine.speculator.stats
+    return {"method": engine.speculator.config.method, "num_speculative_tokens": engine.speculator.config.num_speculative_tokens,
+            "draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": stats.as_dict()["spec_decode_acceptance_rate"]}  # fmt: skip

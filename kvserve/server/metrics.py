@@ -106,6 +106,11 @@ class ServerMetrics:
         self._cache_config = Gauge("kvserve:cache_config_info", "The KV cache's configuration (labels; value 1)",
                                    self._config_labels, registry=r)  # fmt: skip
         self._cache_config_set = False
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative decoding: sequences that guessed tokens in a step")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens guessed")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: guessed tokens kept")
+        self._accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: guessed tokens "
+                                         "kept, by their position in the guess (0: the first)", labels + ["position"], registry=r)  # fmt: skip
         self.grammar_compiles_pending = gauge("grammar_compiles_pending", "Grammar compiles (structured outputs, tools) queued or running")
         self._grammar_compiles = Counter("kvserve:grammar_compiles", "Grammar compiles ended, by outcome: compiled, refused (a 400), "
                                          "timeout, out_of_memory, dropped (its clients left), rejected (the client's queue was full: "
@@ -137,8 +142,13 @@ class ServerMetrics:
             ("kv_evicted_tokens_total", self.kv_evicted_tokens),
             ("kv_compactions_total", self.kv_compactions),
             ("kv_probe_tokens_total", self.kv_probe_tokens),
+            ("spec_decode_num_drafts_total", self.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens_total", self.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens_total", self.spec_decode_num_accepted_tokens),
         ):
             self._advance(key, stats[key], counter)
+        for position, total in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            self._advance(f"spec_pos:{position}", total, self._accepted_per_pos.labels(self._model_name, str(position)))
         for reason, total in stats["prefix_cache_misses_total"].items():
             self._advance(f"miss:{reason}", total, self._misses.labels(self._model_name, reason))
         self._update_tiers(stats)

@@ -93,6 +93,7 @@ def render(url: str, m: dict[str, float], rates: dict[str, float]) -> Group:
         ("prefix cache hit rate (tokens)", _ratio(m, "prefix_cache_hits_total", "prefix_cache_queries_total")),
         ("prefix cache hit rate (requests)", _ratio(m, "prefix_cache_requests_hit_total", "prefix_cache_requests_total")),
         ("prefix cache reused / reusable", _ratio(m, "prefix_cache_hits_total", "prefix_cache_eligible_tokens_total")),
+        ("speculative acceptance (guessed tokens kept)", _ratio(m, "spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total")),
         ("mean TTFT", _mean(m, "time_to_first_token_seconds")),
         ("mean TPOT", _mean(m, "request_time_per_output_token_seconds")),
         *tier_rows(m),
