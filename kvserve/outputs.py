@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 
@@ -24,6 +25,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # generated so far, in all
     delta: bool = False  # token_ids, text and logprobs hold only what is new (streamed requests)
     error: str | None = None  # with finish_reason "error": what failed
+    beams: Any = None  # beam search: a BeamSearchOutput, its finished beams best first (the fields above are the best one's)
 
 
 def request_output(seq: Sequence) -> RequestOutput:

@@ -17,7 +17,8 @@ import xxhash
 from kvserve.attention.backend import create_backend
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
-from kvserve.engine import engine_stats, eviction, migrate
+from kvserve.engine import beam_search, engine_stats, eviction, migrate
+from kvserve.engine.beam import BeamGroup
 from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
@@ -181,6 +182,7 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer.hf_tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        self.beam_groups: dict[str, BeamGroup] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self.num_steps = 0
@@ -307,6 +309,10 @@ class LLMEngine:
                                "score with prefix caching off, or another cache_salt)")  # fmt: skip
         return hidden
 
+    # ------------------------------------------------------------------ beam search (engine/beam_search.py)
+    add_beam_search = beam_search.add_beam_search
+    _advance_beam_groups = beam_search.advance_beam_groups
+
     # ------------------------------------------------------------------ live migration (engine/migrate.py)
     export_request = migrate.export_request
     check_import = migrate.check_import
@@ -331,6 +337,8 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id in self.beam_groups:
+            return beam_search.abort_beam_group(self, request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
@@ -411,8 +419,9 @@ class LLMEngine:
             seq.finish_reason, seq.finished_time = "error", now
             out = request_output(seq)
             out.error = f"{type(exc).__name__}: {exc}"
-            outputs.append(out)
-        return outputs
+            if seq.beam_group is None:
+                outputs.append(out)
+        return outputs + beam_search.fail_beam_groups(self, [seq for seq, _ in batch.entries], f"{type(exc).__name__}: {exc}")
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         self.num_steps += 1
@@ -471,6 +480,9 @@ class LLMEngine:
                     self._append_token(seq, result.token_id, now)
                 if result.logprobs is not None:
                     seq.logprobs.append(result.logprobs)
+            if seq.beam_group is not None:  # its group reads its draw once every beam has drawn
+                seq.held = True
+                continue
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
                 if self.speculator is not None:
@@ -480,7 +492,7 @@ class LLMEngine:
                     continue
             if seq.stream or seq.is_finished:
                 outputs.append(request_output(seq))
-        return outputs
+        return outputs + (self._advance_beam_groups() if self.beam_groups else [])
 
     # ------------------------------------------------------------------ KV eviction (engine/eviction.py)
     eviction_policy = eviction.eviction_policy

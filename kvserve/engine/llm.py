@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from tqdm import tqdm
 
 from kvserve.config import EngineConfig
+from kvserve.engine.beam import BeamSearchOutput, BeamSearchParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.migration import RequestState
 from kvserve.model.registry import DEFAULT_MODEL
@@ -81,6 +82,40 @@ class LLM:
             progress.close()
         return [results[s.request_id] for s in seqs]
 
+    def beam_search(self, prompts: PromptType | dict | Seq[PromptType | dict], params: BeamSearchParams,
+                    use_tqdm: bool = False, cache_salt: str | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+        """Beam search of every prompt (a string, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}):
+        one BeamSearchOutput each, its beam_width finished beams best first, as transformers'
+        generate(num_beams=beam_width) orders them. The beams share their prefix blocks."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_prompt_of(p) for p in prompts]
+        engine = self.engine
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                engine.validate_prompt_tokens(prompt)
+            elif not prompt:
+                raise ValueError("prompt must not be empty")
+        groups = [engine.add_beam_search(p, params, cache_salt=cache_salt) for p in prompts]
+        results: dict[str, BeamSearchOutput] = {}
+        progress = tqdm(total=len(groups), desc="beam search", unit="prompt", disable=not use_tqdm or len(groups) < 2)
+        try:
+            while len(results) < len(groups):
+                for out in engine.step():
+                    if out.beams is not None:
+                        if out.error:
+                            raise RuntimeError(f"beam search of {out.request_id} failed: {out.error}")
+                        results[out.request_id] = out.beams
+                        progress.update(1)
+        except BaseException:
+            for group in groups:
+                if group.request_id not in results:
+                    engine.abort_request(group.request_id)
+            raise
+        finally:
+            progress.close()
+        return [results[g.request_id] for g in groups]
+
     def export_request(self, request_id: str, with_records: bool = True) -> RequestState:
         """A queued or running request's state (live migration), after which it leaves this engine;
         see LLMEngine.export_request. Requests are queued and stepped with llm.engine.add_request
@@ -104,3 +139,13 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return self.engine.reset_prefix_cache()
+
+
+def _prompt_of(prompt: PromptType | dict) -> PromptType:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict takes \"prompt\" or \"prompt_token_ids\", got keys {sorted(prompt)}")
+    return prompt

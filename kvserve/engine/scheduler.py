@@ -68,6 +68,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
+            if seq.held:  # a beam waiting for its group to choose
+                idx += 1
+                continue
             n = seq.next_chunk(budget)
             if seq.draft_token_ids and n < seq.num_uncomputed_tokens:  # the budget verifies only the guesses that fit
                 del seq.draft_token_ids[max(n - 1, 0) :]
@@ -91,8 +94,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.request_id in self.loading:
-                continue  # its prefix is on its way from a tier; the others go on
+            if seq.request_id in self.loading or seq.held:
+                continue  # its prefix is on its way from a tier (or it is a beam its group holds); the others go on
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
             hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, self._hit_limit(seq))
             if self.kv.offloader is not None and seq.eviction is None:

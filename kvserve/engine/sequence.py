@@ -65,6 +65,8 @@ class Sequence:
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
     grammar: Any = None  # structured outputs: the xgrammar GrammarMatcher that has accepted the output so far
+    beam_group: str | None = None  # beam search: the group this beam belongs to (engine/beam_search.py)
+    held: bool = False  # a beam that has drawn this round's token: not scheduled until its group has chosen
     draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: this step's guesses after the last token
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

