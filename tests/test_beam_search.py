@@ -144,3 +144,63 @@ def test_gemma3_270m_float32_top_beam_matches_transformers():
         end = next((i + 1 for i, tok in enumerate(top) if tok in eos), len(top))
         assert out.sequences[0].tokens[len(prompt) :] == top[:end]
     assert outs[0].sequences[0].text.startswith("The capital of France is")  # vLLM: a beam's text is its prompt's and its own
+
+
+def test_beams_preempted_and_batched_give_the_same_beams(tiny_dir):
+    """In a pool too small for everything at once, beams are preempted (recomputed) beside plain requests;
+    the beams come out as they do alone."""
+    params = BeamSearchParams(beam_width=3, max_tokens=20)
+    alone = LLM(str(tiny_dir("gemma3")), dtype="float32", kv_cache_memory=0.02).beam_search(PROMPTS, params)
+    tight = LLM(str(tiny_dir("gemma3")), dtype="float32", num_kv_blocks=14, max_model_len=64, max_num_batched_tokens=64)
+    engine = tight.engine
+    others = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in random_prompts(6, 10, 30, seed=13)]
+    groups = [engine.add_beam_search(p, params) for p in PROMPTS]
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.beams is not None:
+                results[out.request_id] = out.beams
+    assert engine.scheduler.num_preemptions > 0 and all(s.is_finished for s in others)
+    for group, expected in zip(groups, alone):
+        got = results[group.request_id]
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def beam_server(tiny_dir):
+    from server_process import launch_server, stop_server
+
+    proc, url = launch_server(["--model", str(tiny_dir("llama")), "--dtype", "float32", "--port", "0", "--kv-cache-memory", "0.02",
+                               "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"])  # fmt: skip
+    yield url
+    stop_server(proc)
+
+
+def test_the_server_returns_n_beams_ordered_by_score(beam_server, tiny_dir):
+    import httpx
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02)
+    prompt = PROMPTS[1]
+    expected = llm.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=10))[0].sequences
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 10, "use_beam_search": True, "n": 3, "best_of": 4, "logprobs": 1, "stream": stream}
+        r = httpx.post(beam_server + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            choices = sorted((c for chunk in chunks for c in chunk["choices"]), key=lambda c: c["index"])
+        else:
+            choices = r.json()["choices"]
+        assert [c["text"] for c in choices] == [llm.tokenizer.decode(s.tokens[len(prompt) :]) for s in expected[:3]]
+        sums = [sum(c["logprobs"]["token_logprobs"]) for c in choices]
+        assert sums == pytest.approx([s.cum_logprob for s in expected[:3]], abs=1e-4)
+    r = httpx.post(beam_server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                                                               "use_beam_search": True, "n": 2}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    for bad, field in (({"temperature": 0.5}, "temperature"), ({"best_of": 1, "n": 2}, "best_of"), ({"stop": ["x"]}, "stop"),
+                       ({"top_p": 0.5}, "top_p"), ({"early_stopping": "sometimes"}, "early_stopping"), ({"n": 16}, "n")):  # fmt: skip
+        r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True, **bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, r.text)
+    r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "length_penalty": 2.0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"

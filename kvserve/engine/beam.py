@@ -106,6 +106,9 @@ class BeamGroup:
     beams: list[Beam] = field(default_factory=list)
     finished: list[tuple[float, Beam, str]] = field(default_factory=list)  # (score, beam, finish reason), best first
     prompt: str | None = None
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None  # when its first round of draws was chosen
     forks: int = 0  # beams forked so far (they name the sequences)
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
     done: bool = False

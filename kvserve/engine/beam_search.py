@@ -31,7 +31,8 @@ def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSear
     seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt)
     seq.text, seq.beam_group = None, request_id
     max_new = min(params.max_tokens, engine.max_model_len - seq.prompt_len)
-    group = BeamGroup(request_id, list(seq.prompt_token_ids), params, ends, max_new, [Beam(seq, [], [], 0.0)], prompt=seq.prompt)
+    group = BeamGroup(request_id, list(seq.prompt_token_ids), params, ends, max_new, [Beam(seq, [], [], 0.0)], prompt=seq.prompt,
+                      arrival_time=seq.arrival_time)
     engine.beam_groups[request_id] = group
     return group
 
@@ -42,6 +43,9 @@ def advance_beam_groups(engine: LLMEngine) -> list[RequestOutput]:
     for group in list(engine.beam_groups.values()):
         if all(beam.seq.held or beam.seq.is_finished for beam in group.beams):
             tops = [beam.seq.logprobs[-1].top for beam in group.beams]
+            if group.first_token_time is None:
+                group.first_token_time = time.monotonic()
+                group.first_scheduled_time = group.beams[0].seq.first_scheduled_time
             for beam in group.beams:
                 beam.seq.logprobs.clear()
             _follow(engine, group, group.step(tops))
@@ -119,7 +123,10 @@ def _finish_group(engine: LLMEngine, group: BeamGroup, error: str | None) -> Req
         request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids, token_ids=output_ids,
         text=engine.tokenizer.decode(output_ids) if decode and best else "", finished=True,
         finish_reason="error" if error else best.finish_reason if best else "abort", num_output_tokens=len(output_ids),
-        metrics={"finished_time": now}, beams=beams, error=error,
+        metrics={"arrival_time": group.arrival_time, "finished_time": now,
+                 **({"first_token_time": group.first_token_time, "last_token_time": now,
+                     "first_scheduled_time": group.first_scheduled_time} if group.first_token_time is not None else {})},
+        beams=beams, error=error,
     )  # fmt: skip
 
 

@@ -383,6 +383,8 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
+            if batch.preempted:  # beams gave way: the next step admits what they made room for
+                return handed_over
             pending = self.scheduler.pending_loads() + [stored for stored, _ in self._handing_over]
             if pending and not handed_over:  # only requests waiting for a tier: wait a little for one
                 self.kv.offloader.wait(pending, 0.005)
@@ -405,7 +407,7 @@ class LLMEngine:
         seq.finish_reason, seq.finished_time = "error", time.monotonic()
         out = request_output(seq)
         out.error = f"the KV cache ({self.kv.num_blocks} blocks) cannot hold this request's {seq.num_tokens} tokens even alone"
-        return [out]
+        return [out] if seq.beam_group is None else beam_search.fail_beam_groups(self, [seq], out.error)
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(exc).__name__, exc,

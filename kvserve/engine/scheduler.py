@@ -79,11 +79,12 @@ class Scheduler:
                     seq.draft_token_ids = []
                     n = seq.next_chunk(budget)
                     continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
+                victims = self._preempt_group(self.running[-1])
+                batch.preempted.extend(victims)
+                batch.entries = [(s, k) for s, k in batch.entries if not any(v is s for v in victims)]  # a beam's siblings go too
+                if any(v is seq for v in victims):
                     break
+                idx = self.running.index(seq)
             else:
                 batch.entries.append((seq, n))
                 budget -= n
@@ -126,6 +127,10 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+        if not batch.entries and self.waiting and any(s.held for s in self.running):
+            # beams that have drawn hold blocks while their group waits for a beam the pool has no room for: they
+            # give way (their tokens are drawn; they compute them again once their group has chosen)
+            batch.preempted.extend(self._preempt_group(next(s for s in reversed(self.running) if s.held)))
         return batch
 
     def _finish_loads(self) -> None:
@@ -158,6 +163,14 @@ class Scheduler:
         point, bs = seq.compression_point, self.kv.block_size
         kept = (blocks_for_tokens(point, bs) - blocks_for_tokens(seq.eviction.tokens_kept(point), bs)) * bs
         return kept if limit is None else min(kept, limit)
+
+    def _preempt_group(self, seq: Sequence) -> list[Sequence]:
+        """Preempt seq, with every running beam of its beam group (a group is preempted all or nothing)."""
+        group = [seq] + [s for s in self.running if s is not seq and seq.beam_group is not None and s.beam_group == seq.beam_group]
+        for victim in group:
+            self.running.remove(victim)
+            self._preempt(victim)
+        return group
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)

@@ -24,9 +24,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kvserve.engine.beam import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.beam_choices import beam_choices
 from kvserve.server.loads import GenerationRate
 from kvserve.server.metrics import ServerMetrics
 
@@ -59,6 +61,7 @@ class PromptGroup:
 
     token_ids: list[int]
     params: list[SamplingParams]
+    beam: BeamSearchParams | None = None  # beam search: one engine request, its best len(params) beams the choices
 
 
 @dataclass
@@ -313,6 +316,12 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
                 self.metrics.observe_finished(out)
+            if out.beams is not None:  # a beam search: its best beams are the group's choices
+                g, _ = sub.index[out.request_id]
+                group = sub.groups[g]
+                decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
+                items.extend((sub.sink, choice) for choice in beam_choices(out, sub.ids[g], group.params[0].logprobs, decode))
+                continue
             items.append((sub.sink, out))
         if items:
             self._loop.call_soon_threadsafe(_put_all, items)
@@ -327,6 +336,10 @@ class AsyncEngine:
                 self.engine.import_request(state, sub.ids[0][0], records)
                 added.append(sub.ids[0][0])
             for group, ids in zip(sub.groups, sub.ids) if sub.imported is None else ():
+                if group.beam is not None:
+                    self.engine.add_beam_search(group.token_ids, group.beam, ids[0], sub.cache_salt)
+                    added.append(ids[0])
+                    continue
                 self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream)
                 added.extend(ids)
         except Exception as exc:  # noqa: BLE001 - validated before admission; reported to this request alone

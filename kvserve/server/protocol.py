@@ -12,6 +12,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kvserve.engine.beam import BeamSearchParams
 from kvserve.kv.hashing import validate_cache_salt
 from kvserve.sampling_params import MAX_SEED, SamplingParams
 from kvserve.server.json_limits import MAX_JSON_DEPTH, TooDeep, first_unpaired_surrogate, loads_bounded
@@ -96,7 +97,7 @@ class StreamOptions(BaseModel):
 
 # vLLM's request extensions this server does not implement, with the value that means "off": any other
 # value would change the answer, so it is a 400 naming the field (other unknown fields are ignored)
-VLLM_UNIMPLEMENTED = {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+VLLM_UNIMPLEMENTED = {"min_tokens": 0, "allowed_token_ids": None, "bad_words": None,
                       "logits_processors": None, "truncate_prompt_tokens": None, "skip_special_tokens": True,
                       "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False, "prompt_embeds": None,
                       "chat_template_kwargs": None, "documents": None, "mm_processor_kwargs": None,
@@ -157,7 +158,11 @@ class _SamplingFields(UnicodeBody):
     _structured: tuple[StructuredOutputs, str] | None = PrivateAttr(None)
     # OpenAI fields this server does not implement: refused when they would change the result
     logit_bias: dict | None = None
-    best_of: StrictInt | None = None
+    # vLLM's beam search (engine/beam.py): n beams (best_of, when given, searched), ordered as transformers orders them
+    use_beam_search: Flag = False
+    best_of: StrictInt | None = None  # with use_beam_search: the beams searched (n of them returned); otherwise n
+    length_penalty: Number = 1.0
+    early_stopping: Flag | Literal["never"] = False
     suffix: StrictStr | None = None
 
     @field_validator("cache_salt")
@@ -183,9 +188,38 @@ class _SamplingFields(UnicodeBody):
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value, info):
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of other than n is not supported by this server (use n)")
+        n = info.data.get("n", 1)
+        if info.data.get("use_beam_search") and value is not None and value < n:
+            raise ValueError(f"best_of (the beams searched) must be at least n ({n}), got {value}")
+        if not info.data.get("use_beam_search") and value is not None and value != n:
+            raise ValueError("best_of other than n is not supported by this server (use n), but with use_beam_search")
         return value
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """The request's beam search (None without use_beam_search); ValueError naming a field it cannot take."""
+        if not self.use_beam_search:
+            for name, off in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != off:
+                    raise FieldError(name, f"{name} applies to beam search: it needs use_beam_search: true")
+            return None
+        given = self.model_fields_set
+        if "temperature" in given and self.temperature not in (0, None):
+            raise FieldError("temperature", "beam search is deterministic here: temperature must be 0 or left out")
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):  # fmt: skip
+            if getattr(self, name) != off:
+                raise FieldError(name, f"{name} does not apply to beam search (use_beam_search): leave it out")
+        for name in ("stop", "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):  # fmt: skip
+            if getattr(self, name, None) not in (None, [], ""):
+                raise FieldError(name, f"{name} is not supported with use_beam_search by this server")
+        width = self.best_of or self.n
+        try:
+            return BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    length_penalty=_float("length_penalty", self.length_penalty), early_stopping=self.early_stopping,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)  # fmt: skip
+        except ValueError as exc:
+            raise FieldError("best_of" if "beam_width" in str(exc) else "length_penalty", str(exc)) from None
 
     @model_validator(mode="after")
     def _one_constraint(self):

@@ -76,9 +76,11 @@ class ServingCompletions:
                                 if body.prompt_logprobs is not None else "echo")  # fmt: skip
         groups = [
             PromptGroup(ids, [serving.sampling_params(body, serving.max_tokens(max_tokens, len(ids)), body.logprobs, i, prompt_top)
-                              for i in range(body.n)])  # fmt: skip
+                              for i in range(body.n)], serving.beam_params(body, serving.max_tokens(max_tokens, len(ids))))  # fmt: skip
             for ids in prompts
         ]
+        if groups[0].beam is not None and body.echo:
+            raise APIError(400, "echo is not supported with use_beam_search by this server", "echo")
         await serving.compile_grammar(groups[0].params[0].structured_outputs, body.structured_field, request)
         echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
         sub = serving.submit(request, groups, body.cache_salt, body.stream)

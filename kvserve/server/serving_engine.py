@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.engine.beam import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
 from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
@@ -248,6 +249,16 @@ class OpenAIServing:
         if any(t >= vocab for t in params.stop_token_ids):
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
+
+    def beam_params(self, body, max_tokens: int) -> BeamSearchParams | None:
+        """The request's beam search (use_beam_search), or None; a 400 naming what it cannot take."""
+        try:
+            beam = body.beam_search_params(max_tokens)
+            if beam is not None:
+                beam.check_width(0 if beam.ignore_eos else len(self.engine.eos_token_ids))
+        except ValueError as exc:
+            raise APIError(400, str(exc), getattr(exc, "param", "best_of" if body.best_of else "n")) from None
+        return beam
 
     def request_tools(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[Tool], ToolChoice]:
         """The request's tools and tool_choice; tools need a chat template that renders them. What
