@@ -54,20 +54,26 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=1024, help="one stream's (the edit answer ends before: about 620 tokens)")
+    parser.add_argument("--batch-max-tokens", type=int, default=128, help="each request's in batch16 / batch64")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's (0: null, always guess; default: ours)")
     parser.add_argument("--workloads", nargs="+", default=["edit", "chat", "batch16", "batch64"])
     args = parser.parse_args()
     common = dict(kv_cache_memory=2.0, threads=args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = None if args.disable_by_batch_size == 0 else args.disable_by_batch_size
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}
     tok = engines["plain"].tokenizer
     template = lambda text: tok.apply_chat_template([{"role": "user", "content": text}])  # noqa: E731
     edit, chat = template(edit_prompt()), template(CHAT_PROMPT)
     workloads = {"edit": [edit], "chat": [chat], "batch16": [edit, chat] * 8, "batch64": [edit, chat] * 32}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    batch_params = SamplingParams(max_tokens=args.batch_max_tokens, temperature=0)
     print(f"model {args.model}, ngram k={args.k}, edit prompt {len(edit)} tokens, chat prompt {len(chat)} tokens, "
-          f"max_tokens {args.max_tokens}, {args.rounds} rounds")  # fmt: skip
+          f"max_tokens {args.max_tokens} (one stream) / {args.batch_max_tokens} (batches), {args.rounds} rounds, "
+          f"disable_by_batch_size {engines['ngram'].engine.speculator.config.disable_by_batch_size}")  # fmt: skip
     rows = []
     for name in args.workloads:
         prompts = workloads[name]
@@ -77,7 +83,7 @@ def main() -> None:
         drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
         for r in range(args.rounds):
             for which in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
-                tps, tokens = decode_tps(engines[which], prompts, params)
+                tps, tokens = decode_tps(engines[which], prompts, params if len(prompts) == 1 else batch_params)
                 speeds[which].append(tps)
                 outputs[which] = tokens
         same = outputs["plain"] == outputs["ngram"]

@@ -466,3 +466,27 @@ def test_replay_rounds_an_int4_block_size_as_the_planner_does(tiny_dir, tmp_path
     replay = out["replay"]
     assert replay["block_size"] == out["block_size"] == 32 and replay["num_requests"] == 3
     assert replay["generation_tokens"] == 24 and replay["prompt_tokens"] == 320
+
+
+def test_guessed_slots_and_beams_are_counted_in_the_bytes(tiny_dir):
+    """--num-speculative-tokens adds k slots to every sequence; --beam-width W adds W - 1 beams that share
+    the prompt's whole blocks and hold their own outputs, and the engine's peak agrees with that count."""
+    shape = KVShape(4, 2, 32)
+    base = plan(shape, "bfloat16", Workload((600,) * 2, output_lens=(88, 88)), None)
+    spec = shape.spec("bfloat16", 16)
+    guessed = plan(shape, "bfloat16", Workload((600,) * 2, num_speculative_tokens=10, output_lens=(88, 88)), None)
+    assert guessed["physical_bytes"] - base["physical_bytes"] == 2 * (spec.physical_bytes(610) - spec.physical_bytes(600)) > 0
+    beams = plan(shape, "bfloat16", Workload((600,), beam_width=4, output_lens=(88,)), None)
+    assert beams["physical_bytes"] == spec.physical_bytes(600) + 3 * (spec.physical_bytes(600) - spec.shared_prefix_bytes(512))
+    assert beams["physical_bytes"] < 0.4 * 4 * spec.physical_bytes(600)
+    with pytest.raises(ValueError, match="output_len"):
+        Workload((600,), beam_width=4)
+    from kvserve import BeamSearchParams
+
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.05, enable_prefix_caching=False)
+    group = llm.engine.add_beam_search(list(range(3, 203)), BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    engine_spec = llm.engine.kv_spec
+    planned = engine_spec.physical_bytes(224) + 3 * (engine_spec.physical_bytes(224) - engine_spec.shared_prefix_bytes(200))
+    assert group.peak_blocks * engine_spec.bytes_per_block <= planned

@@ -395,6 +395,10 @@ class LLMEngine:
             return handed_over + self._run_batch(batch)
         except Exception as exc:  # noqa: BLE001 - isolated to this step's requests
             return handed_over + self._fail_batch(batch, exc)
+        finally:
+            if self.speculator is not None:  # guesses live one step: nothing outside it (a migration, stats) sees them
+                for seq in self.scheduler.running:
+                    seq.draft_token_ids = []
 
     def _refuse_head(self) -> list[RequestOutput]:
         """The first waiting request is not admitted into an empty pool, so it never would be: it

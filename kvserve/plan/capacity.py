@@ -53,8 +53,20 @@ class Workload:
     max_num_batched_tokens: int = 2048  # the engine's prefill chunk: a sliding-window group holds a chunk and its window
     max_model_len: int = NO_LIMIT  # the model's context, when known
     max_num_seqs: int = 64
+    num_speculative_tokens: int = 0  # speculative decoding: slots each sequence holds for its guesses during a step
+    beam_width: int = 1  # beam search: branches per sequence, sharing their prompt's whole blocks
+    output_lens: tuple[int, ...] = ()  # the output part of each sequence (what beams do not share); needed with beam_width > 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num-speculative-tokens must be an integer in [0, 64], got {self.num_speculative_tokens!r}")
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
+            raise ValueError(f"beam-width must be an integer in [1, 64], got {self.beam_width!r}")
+        if self.beam_width > 1 and len(self.output_lens) != len(self.seq_lens):
+            raise ValueError("beam-width counts the blocks beams do not share, their outputs: give --trace (prompt_len, "
+                             "output_len per line) or --output-len")  # fmt: skip
+        if any(not 0 < o <= n for o, n in zip(self.output_lens, self.seq_lens)):
+            raise ValueError("every output length must be positive and at most its sequence's length")
         if not self.seq_lens:
             raise ValueError("seq-lens is empty: give at least one sequence length")
         if any(n <= 0 for n in self.seq_lens):
@@ -104,7 +116,7 @@ class Budget:
 def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget | None) -> dict:
     spec = shape.spec(kv_dtype, workload.block_size)
     logical = sum(spec.logical_bytes(n) for n in workload.seq_lens)
-    physical = sum(spec.physical_bytes(n) for n in workload.seq_lens)
+    physical = sum(branched_bytes(spec, n, out, workload) for n, out in zip(workload.seq_lens, workload.output_lens or workload.seq_lens))
     # only whole blocks of a shared prefix that full-attention layers keep can be shared; every sharer after the first saves them
     saved = max(workload.shared_prefix_seqs - 1, 0) * spec.shared_prefix_bytes(workload.shared_prefix_len)
     result = {
@@ -124,6 +136,16 @@ def plan_dtype(shape: KVShape, kv_dtype: str, workload: Workload, budget: Budget
     if budget is not None:
         result.update(_fit(spec, workload, budget, physical - saved))
     return result
+
+
+def branched_bytes(spec: KVCacheSpec, num_tokens: int, output_len: int, workload: Workload) -> int:
+    """A sequence's blocks with its branches: k guessed slots during a verification step (speculative
+    decoding), and beam_width - 1 more beams, each holding all but the prompt's whole blocks (shared)."""
+    k, width = workload.num_speculative_tokens, workload.beam_width
+    own = spec.physical_bytes(num_tokens + k)
+    if width == 1:
+        return own
+    return own + (width - 1) * (spec.physical_bytes(num_tokens + k) - spec.shared_prefix_bytes(num_tokens - output_len))
 
 
 def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> dict:

@@ -43,6 +43,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page rounding)")
     work.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a prefix shared by several sequences")
     work.add_argument("--shared-prefix-seqs", type=int, default=0, help="how many of the sequences share that prefix")
+    work.add_argument("--num-speculative-tokens", type=int, default=0,
+                      help="speculative decoding (--speculative-config's num_speculative_tokens): the guessed slots every "
+                      "sequence holds during a verification step (default: %(default)s)")
+    work.add_argument("--beam-width", type=int, default=1,
+                      help="beam search: beams per sequence; they share the prompt's whole blocks and each holds its own "
+                      "output (needs --trace's output_len or --output-len) (default: %(default)s)")
+    work.add_argument("--output-len", type=int, default=None,
+                      help="with --seq-lens: the generated part of every sequence (beam search branches it)")
     mem = parser.add_argument_group("memory budget")
     mem.add_argument("--memory-gib", type=float, default=None, help="device memory for weights + KV + workspace")
     mem.add_argument("--weights-gib", type=float, default=None, help="weights; default: computed from --model at --dtype")
@@ -141,6 +149,15 @@ def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
     if not lens:
         raise ValueError("seq-lens is empty: give at least one sequence length")
     return lens
+
+
+def _output_lens(args: argparse.Namespace) -> tuple[int, ...]:
+    """Each sequence's output length, where known (a trace, or --output-len for every --seq-lens entry)."""
+    if args.trace:
+        return tuple(r.output_len for r in read_trace(args.trace))
+    if args.output_len is not None:
+        return (args.output_len,) * len(_seq_lens(args))
+    return ()
 
 
 def _fmt_bytes(n: float) -> str:
@@ -329,6 +346,7 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = Workload(
         _seq_lens(args), args.block_size, args.shared_prefix_len, args.shared_prefix_seqs, args.max_num_batched_tokens,
         model_config.max_position_embeddings if model_config is not None else NO_LIMIT, args.max_num_seqs,
+        args.num_speculative_tokens, args.beam_width, _output_lens(args),
     )  # fmt: skip
     budget = None
     held_as = "--weights-gib"
