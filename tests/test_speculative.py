@@ -225,3 +225,21 @@ def test_speculation_pauses_for_large_batches_and_for_sequences_whose_guesses_fa
     assert run(llm, [(batch[0][0], dataclasses.replace(PLAIN_GREEDY, max_tokens=200))])
     stats = llm.engine.speculator.stats
     assert stats.num_draft_tokens < 0.5 * 4 * 200, "a sequence whose guesses all fail kept guessing"
+
+
+def test_a_speculating_request_migrates_mid_stream_with_the_same_tokens(tiny_dir):
+    """Exported between two steps of speculation and continued on another speculating engine: the
+    tokens and logprobs of plain decoding (no guess is ever part of the state that travels)."""
+    batch = [(PROMPTS[0], GREEDY), (PROMPTS[1], seeded(1))]
+    plain = run(engine(tiny_dir, "llama"), batch)
+    for (prompt, params), expected in zip(batch, plain):
+        source = engine(tiny_dir, "llama", speculative_config=SPEC)
+        target = engine(tiny_dir, "llama", speculative_config=SPEC)
+        guess_from(source, [(prompt, params)], [expected], 0.7)
+        guess_from(target, [(prompt, params)], [expected], 0.7, seed=1)
+        seq = source.engine.add_request(prompt, params)
+        while seq.num_output_tokens < 12:
+            source.engine.step()
+        assert source.engine.speculator.stats.num_draft_tokens > 0
+        out = target.import_request(source.export_request(seq.request_id))
+        assert trace(out) == expected
