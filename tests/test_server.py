@@ -501,7 +501,7 @@ CHAT_REFUSED = {"functions": [{"name": "f", "parameters": {}}], "function_call":
                 "verbosity": "low", "web_search_options": {}, "moderation": {"policy": {}}, "logit_bias": {"5": 10}}  # fmt: skip
 COMPLETION_REFUSED = {"logit_bias": {"5": 10}, "suffix": "end"}
 # vLLM's extensions this server does not implement: refused when set to anything but "off"
-VLLM_REFUSED = {"min_tokens": 3, "use_beam_search": True, "allowed_token_ids": [1, 2], "bad_words": ["x"], "skip_special_tokens": False,
+VLLM_REFUSED = {"min_tokens": 3, "allowed_token_ids": [1, 2], "bad_words": ["x"], "skip_special_tokens": False,
                 "chat_template_kwargs": {"enable_thinking": True}, "truncate_prompt_tokens": 5}  # fmt: skip
 
 
