@@ -184,9 +184,9 @@ def test_snapshot_under_load_and_at_rest(server):
             check_consistent(s)
             seen.append(s)
         assert all(f.result().status_code == 200 for f in futures)
-    busiest = max(seen, key=lambda s: s["pools"][0]["held_blocks"])
-    assert busiest["pools"][0]["counts"]["shared"] > 0  # n = 2 and the shared prefix hold blocks twice
-    assert busiest["requests"]["running"] > 0
+    # n = 2 and the shared prefix hold blocks twice while the samples decode (40 steps): some snapshot sees it (on a busy
+    # machine the fullest one can fall in the prefills, before any sample forked)
+    assert any(s["pools"][0]["counts"]["shared"] > 0 and s["requests"]["running"] > 0 for s in seen)
     rest = snapshot(server)
     check_consistent(rest)
     assert rest["pools"][0]["counts"]["cached"] > 0 and rest["requests"] == {"running": 0, "waiting": 0}
