@@ -113,8 +113,10 @@ def test_bad_beam_search_params_are_refused(bad, message):
 
 def test_a_beam_too_wide_for_the_logprobs_it_reads_is_refused(tiny_dir):
     llm = LLM(str(tiny_dir("llama")), dtype="float32", kv_cache_memory=0.02)
-    with pytest.raises(ValueError, match="too wide"):
-        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=11, max_tokens=4))
+    with pytest.raises(ValueError, match="at most 10"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="too wide"):  # two end tokens: each beam reads its top 3 x beam_width
+        BeamSearchParams(beam_width=7, max_tokens=4).check_width(2)
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -151,9 +153,9 @@ def test_beams_preempted_and_batched_give_the_same_beams(tiny_dir):
     the beams come out as they do alone."""
     params = BeamSearchParams(beam_width=3, max_tokens=20)
     alone = LLM(str(tiny_dir("gemma3")), dtype="float32", kv_cache_memory=0.02).beam_search(PROMPTS, params)
-    tight = LLM(str(tiny_dir("gemma3")), dtype="float32", num_kv_blocks=14, max_model_len=64, max_num_batched_tokens=64)
+    tight = LLM(str(tiny_dir("gemma3")), dtype="float32", num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=64)
     engine = tight.engine
-    others = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in random_prompts(6, 10, 30, seed=13)]
+    others = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in random_prompts(10, 10, 30, seed=13)]
     groups = [engine.add_beam_search(p, params) for p in PROMPTS]
     results = {}
     while engine.has_unfinished_requests():
@@ -199,8 +201,22 @@ def test_the_server_returns_n_beams_ordered_by_score(beam_server, tiny_dir):
                                                                "use_beam_search": True, "n": 2}, timeout=60)  # fmt: skip
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     for bad, field in (({"temperature": 0.5}, "temperature"), ({"best_of": 1, "n": 2}, "best_of"), ({"stop": ["x"]}, "stop"),
-                       ({"top_p": 0.5}, "top_p"), ({"early_stopping": "sometimes"}, "early_stopping"), ({"n": 16}, "n")):  # fmt: skip
+                       ({"top_p": 0.5}, "top_p"), ({"early_stopping": "sometimes"}, "early_stopping"), ({"n": 16}, "n"),
+                       ({"stop_token_ids": [3]}, "stop_token_ids")):  # fmt: skip
         r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, r.text)
+    r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True, "temperature": None},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text  # null is "not given"
     r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "length_penalty": 2.0}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
+
+
+def test_a_beam_search_the_pool_cannot_hold_is_refused_up_front(tiny_dir):
+    """Width x (prompt + max_tokens) beyond the pool would preempt and recompute without end (QA found
+    it hanging): refused, with what it needs, before anything runs."""
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=40, max_model_len=400)
+    with pytest.raises(ValueError, match="needs .* KV blocks"):
+        llm.beam_search(random_prompts(1, 200, 200, seed=14)[0], BeamSearchParams(beam_width=8, max_tokens=150))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=8))[0].sequences

@@ -18,6 +18,7 @@ from kvserve.sampling_params import MAX_LOGPROBS
 
 NEG_INF = -1.0e9  # transformers' "no score" (a beam or a slot that cannot win)
 EARLY_STOPPING = (True, False, "never")
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam reads its top 2 x beam_width tokens (more with several end tokens)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH} (each beam reads its top 2 x beam_width tokens, at most "
+                             f"{MAX_LOGPROBS}), got {self.beam_width}")  # fmt: skip
         if self.temperature != 0:
             raise ValueError(f"beam search here is deterministic (temperature 0), got temperature {self.temperature!r}")
         penalty = self.length_penalty
@@ -109,6 +113,7 @@ class BeamGroup:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # when its first round of draws was chosen
+    num_cached_tokens: int = 0  # prompt tokens its first beam found in the prefix cache
     forks: int = 0  # beams forked so far (they name the sequences)
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
     done: bool = False

@@ -24,6 +24,9 @@ def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSear
         raise TypeError(f"beam search takes BeamSearchParams, got {type(params).__name__}")
     ends = frozenset() if params.ignore_eos else engine.eos_token_ids
     params.check_width(len(ends))
+    prompt_len = len(prompt) if not isinstance(prompt, str) else None
+    if prompt_len is not None:
+        check_fits(engine, prompt_len, params)
     request_id = request_id if request_id is not None else f"beam-{next(engine._ids)}"
     if request_id in engine.beam_groups or request_id in engine.requests:
         raise ValueError(f"request_id {request_id!r} is already in use")
@@ -31,10 +34,29 @@ def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSear
     seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt)
     seq.text, seq.beam_group = None, request_id
     max_new = min(params.max_tokens, engine.max_model_len - seq.prompt_len)
+    if prompt_len is None:
+        try:
+            check_fits(engine, seq.prompt_len, params)
+        except ValueError:
+            engine.abort_request(seq.request_id)
+            raise
     group = BeamGroup(request_id, list(seq.prompt_token_ids), params, ends, max_new, [Beam(seq, [], [], 0.0)], prompt=seq.prompt,
                       arrival_time=seq.arrival_time)
     engine.beam_groups[request_id] = group
     return group
+
+
+def check_fits(engine: LLMEngine, prompt_len: int, params: BeamSearchParams) -> None:
+    """A group whose beams cannot all reach their last token in the pool at once would be preempted and
+    recomputed without end: refused (ValueError) with what it needs. Its beams share the prompt's whole
+    blocks (kvserve plan counts them the same way)."""
+    spec, total = engine.kv_spec, min(prompt_len + params.max_tokens, engine.max_model_len)
+    shared = sum(1 for g in spec.groups if g.window is None) * (prompt_len // spec.block_size)
+    need = spec.blocks_held(total) + (params.beam_width - 1) * (spec.blocks_held(total) - shared)
+    if need > engine.kv.num_blocks:
+        raise ValueError(f"a beam search of width {params.beam_width} over {prompt_len} prompt tokens and {total - prompt_len} new ones "
+                         f"needs {need} KV blocks at its end, and the pool has {engine.kv.num_blocks}: lower the width (n, best_of) "
+                         "or max_tokens, or give the server more --kv-cache-memory")  # fmt: skip
 
 
 def advance_beam_groups(engine: LLMEngine) -> list[RequestOutput]:
@@ -46,6 +68,7 @@ def advance_beam_groups(engine: LLMEngine) -> list[RequestOutput]:
             if group.first_token_time is None:
                 group.first_token_time = time.monotonic()
                 group.first_scheduled_time = group.beams[0].seq.first_scheduled_time
+                group.num_cached_tokens = group.beams[0].seq.num_cached_tokens
             for beam in group.beams:
                 beam.seq.logprobs.clear()
             _follow(engine, group, group.step(tops))
@@ -123,6 +146,7 @@ def _finish_group(engine: LLMEngine, group: BeamGroup, error: str | None) -> Req
         request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids, token_ids=output_ids,
         text=engine.tokenizer.decode(output_ids) if decode and best else "", finished=True,
         finish_reason="error" if error else best.finish_reason if best else "abort", num_output_tokens=len(output_ids),
+        num_cached_tokens=group.num_cached_tokens,
         metrics={"arrival_time": group.arrival_time, "finished_time": now,
                  **({"first_token_time": group.first_token_time, "last_token_time": now,
                      "first_scheduled_time": group.first_scheduled_time} if group.first_token_time is not None else {})},

@@ -6,6 +6,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from kvserve.engine.beam import MAX_BEAM_WIDTH
+from kvserve.engine.speculative import MAX_SPECULATIVE_TOKENS
 from kvserve.kv.spec import DEFAULT_QUANT_RESIDUAL, GIB, KV_DTYPES, KVCacheSpec, block_size_for
 from kvserve.model.config import ModelConfig
 
@@ -58,10 +60,13 @@ class Workload:
     output_lens: tuple[int, ...] = ()  # the output part of each sequence (what beams do not share); needed with beam_width > 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
-            raise ValueError(f"num-speculative-tokens must be an integer in [0, 64], got {self.num_speculative_tokens!r}")
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
-            raise ValueError(f"beam-width must be an integer in [1, 64], got {self.beam_width!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num-speculative-tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (the engine's "
+                             f"limit), got {self.num_speculative_tokens!r}")  # fmt: skip
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam-width must be an integer in [1, {MAX_BEAM_WIDTH}] (the engine's limit), got {self.beam_width!r}")
+        if self.beam_width > 1 and self.num_speculative_tokens:
+            raise ValueError("beams do not guess: give --beam-width or --num-speculative-tokens, not both")
         if self.beam_width > 1 and len(self.output_lens) != len(self.seq_lens):
             raise ValueError("beam-width counts the blocks beams do not share, their outputs: give --trace (prompt_len, "
                              "output_len per line) or --output-len")  # fmt: skip
@@ -156,7 +161,8 @@ def _fit(spec: KVCacheSpec, workload: Workload, budget: Budget, needed: int) -> 
     # (physical_bytes counts them between steps); the most they hold at once, every block one:
     residual_blocks = num_blocks // spec.residual_units if spec.residual_units else 0
     residual_bytes = sum(spec.residual_blocks_held(n) for n in workload.seq_lens) * spec.residual_units * spec.bytes_per_block
-    mean_physical = statistics.fmean(spec.physical_bytes(n) for n in workload.seq_lens)
+    mean_physical = statistics.fmean(branched_bytes(spec, n, out, workload)
+                                     for n, out in zip(workload.seq_lens, workload.output_lens or workload.seq_lens))  # fmt: skip
     max_seqs = int(num_blocks * spec.bytes_per_block // mean_physical)
     longest = max(workload.seq_lens)
     # between steps every sequence holds its blocks; during a step one of them (at most one prefill

@@ -25,6 +25,6 @@ def beam_choices(out: RequestOutput, ids: list[str], logprobs: int | None, decod
             request_id=request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids, token_ids=tokens,
             text=decode(tokens) if decode is not None else "", finished=True,
             finish_reason=beam.finish_reason if beam is not None else out.finish_reason, logprobs=lps, metrics=out.metrics,
-            num_output_tokens=len(tokens), error=out.error,
+            num_output_tokens=len(tokens), error=out.error, num_cached_tokens=out.num_cached_tokens,
         ))  # fmt: skip
     return choices

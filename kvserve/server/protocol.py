@@ -110,6 +110,8 @@ class _SamplingFields(UnicodeBody):
     @model_validator(mode="before")
     @classmethod
     def _refuse_vllm_extensions(cls, data):
+        if isinstance(data, dict) and data.get("use_beam_search") is True and "temperature" in data and data["temperature"] is None:
+            data = {k: v for k, v in data.items() if k != "temperature"}  # null is "not given": beam search's 0
         if isinstance(data, dict):
             for name, off in VLLM_UNIMPLEMENTED.items():
                 # null is "not given" (OpenAI's SDKs send it), so off as well
@@ -209,7 +211,7 @@ class _SamplingFields(UnicodeBody):
                           ("repetition_penalty", 1.0)):  # fmt: skip
             if getattr(self, name) != off:
                 raise FieldError(name, f"{name} does not apply to beam search (use_beam_search): leave it out")
-        for name in ("stop", "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+        for name in ("stop", "stop_token_ids", "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"):  # fmt: skip
             if getattr(self, name, None) not in (None, [], ""):
                 raise FieldError(name, f"{name} is not supported with use_beam_search by this server")
@@ -219,7 +221,8 @@ class _SamplingFields(UnicodeBody):
                                     length_penalty=_float("length_penalty", self.length_penalty), early_stopping=self.early_stopping,
                                     include_stop_str_in_output=self.include_stop_str_in_output)  # fmt: skip
         except ValueError as exc:
-            raise FieldError("best_of" if "beam_width" in str(exc) else "length_penalty", str(exc)) from None
+            width_field = "best_of" if self.best_of is not None else "n"
+            raise FieldError(width_field if "beam_width" in str(exc) else "length_penalty", str(exc)) from None
 
     @model_validator(mode="after")
     def _one_constraint(self):

@@ -65,7 +65,7 @@ class ServingChat:
                 params = [dataclasses.replace(p, structured_outputs=spec) for p in params]
         if tool_choice.mode != "required":
             await serving.compile_grammar(params[0].structured_outputs, body.structured_field, request)
-        beam = serving.beam_params(body, max_tokens)
+        beam = serving.beam_params(body, max_tokens, len(ids))
         if beam is not None and (calling or body.echo):
             raise APIError(400, f"{'tools' if calling else 'echo'} is not supported with use_beam_search by this server",
                            "tools" if calling else "echo")  # fmt: skip

@@ -76,7 +76,7 @@ class ServingCompletions:
                                 if body.prompt_logprobs is not None else "echo")  # fmt: skip
         groups = [
             PromptGroup(ids, [serving.sampling_params(body, serving.max_tokens(max_tokens, len(ids)), body.logprobs, i, prompt_top)
-                              for i in range(body.n)], serving.beam_params(body, serving.max_tokens(max_tokens, len(ids))))  # fmt: skip
+                              for i in range(body.n)], serving.beam_params(body, serving.max_tokens(max_tokens, len(ids)), len(ids)))  # fmt: skip
             for ids in prompts
         ]
         if groups[0].beam is not None and body.echo:

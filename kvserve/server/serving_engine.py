@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.beam import BeamSearchParams
+from kvserve.engine.beam_search import check_fits
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
 from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
@@ -250,12 +251,14 @@ class OpenAIServing:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return params
 
-    def beam_params(self, body, max_tokens: int) -> BeamSearchParams | None:
-        """The request's beam search (use_beam_search), or None; a 400 naming what it cannot take."""
+    def beam_params(self, body, max_tokens: int, prompt_len: int) -> BeamSearchParams | None:
+        """The request's beam search (use_beam_search), or None; a 400 naming what it cannot take (a group
+        the KV pool cannot hold to its end among them)."""
         try:
             beam = body.beam_search_params(max_tokens)
             if beam is not None:
                 beam.check_width(0 if beam.ignore_eos else len(self.engine.eos_token_ids))
+                check_fits(self.engine, prompt_len, beam)
         except ValueError as exc:
             raise APIError(400, str(exc), getattr(exc, "param", "best_of" if body.best_of else "n")) from None
         return beam
