@@ -13,8 +13,12 @@ finished at once, its blocks returned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from kvserve.engine.sequence import Sequence
 
 NEG_INF = -1.0e9  # transformers' "no score" (a beam or a slot that cannot win)
 EARLY_STOPPING = (True, False, "never")
@@ -84,7 +88,7 @@ class BeamSearchOutput:
 class Beam:
     """A live beam: the engine's sequence that computes it, its tokens after the prompt, their logprobs."""
 
-    seq: object  # engine Sequence
+    seq: Sequence | None  # the engine's sequence computing it (None once it is a finished hypothesis)
     output: list[int]
     logprobs: list[dict[int, float]]
     score: float  # sum of its tokens' logprobs

@@ -1,6 +1,7 @@
 """Speculative decoding: guess a few tokens per sequence, verify them in one step, keep what holds.
 
-A proposer (n-gram prompt lookup here) guesses up to k tokens after a decoding sequence's last one.
+A proposer (n-gram prompt lookup here, or a draft model: engine/draft_model.py) guesses up to k tokens
+after a decoding sequence's last one.
 The scheduler runs the last token and the guesses as one span of k + 1 rows in the flat batch
 (beside decode rows and prefill chunks); every row samples as plain decoding would at its
 position, with the request's seed and that position, and the guesses are kept while each equals
