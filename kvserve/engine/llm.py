@@ -63,24 +63,34 @@ class LLM:
         for sp in set(params):
             engine.eviction_policy(sp)
         seqs = [seq for p, sp in zip(prompts, params) for seq in engine.add_request_group(p, sp.samples(), cache_salt=cache_salt)]
-        results: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)
         tokens_before = engine.generation_tokens_total
+
+        def shown(out: RequestOutput) -> None:
+            progress.set_postfix(gen_tok=engine.generation_tokens_total - tokens_before, refresh=False)
+
+        results = self._run_until_finished([s.request_id for s in seqs], progress, shown)
+        return [results[s.request_id] for s in seqs]
+
+    def _run_until_finished(self, request_ids: list[str], progress: tqdm, seen=None) -> dict[str, RequestOutput]:
+        """Step the engine until every one of request_ids has its finished output (`seen` is called with
+        each, and may raise); on any exception the unfinished ones are aborted, leaving no orphans."""
+        wanted, results = set(request_ids), {}
         try:
-            while len(results) < len(seqs):
-                for out in engine.step():
-                    if out.finished:
+            while len(results) < len(wanted):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         progress.update(1)
-                        progress.set_postfix(gen_tok=engine.generation_tokens_total - tokens_before, refresh=False)
+                        if seen is not None:
+                            seen(out)
         except BaseException:
-            for seq in seqs:
-                if seq.request_id not in results:
-                    engine.abort_request(seq.request_id)
+            for request_id in wanted - set(results):
+                self.engine.abort_request(request_id)
             raise
         finally:
             progress.close()
-        return [results[s.request_id] for s in seqs]
+        return results
 
     def beam_search(self, prompts: PromptType | dict | Seq[PromptType | dict], params: BeamSearchParams,
                     use_tqdm: bool = False, cache_salt: str | None = None) -> list[BeamSearchOutput]:  # fmt: skip
@@ -96,25 +106,22 @@ class LLM:
                 engine.validate_prompt_tokens(prompt)
             elif not prompt:
                 raise ValueError("prompt must not be empty")
-        groups = [engine.add_beam_search(p, params, cache_salt=cache_salt) for p in prompts]
-        results: dict[str, BeamSearchOutput] = {}
-        progress = tqdm(total=len(groups), desc="beam search", unit="prompt", disable=not use_tqdm or len(groups) < 2)
+        groups = []
         try:
-            while len(results) < len(groups):
-                for out in engine.step():
-                    if out.beams is not None:
-                        if out.error:
-                            raise RuntimeError(f"beam search of {out.request_id} failed: {out.error}")
-                        results[out.request_id] = out.beams
-                        progress.update(1)
-        except BaseException:
+            for prompt in prompts:
+                groups.append(engine.add_beam_search(prompt, params, cache_salt=cache_salt))
+        except BaseException:  # one the pool cannot hold: the ones queued before it go too
             for group in groups:
-                if group.request_id not in results:
-                    engine.abort_request(group.request_id)
+                engine.abort_request(group.request_id)
             raise
-        finally:
-            progress.close()
-        return [results[g.request_id] for g in groups]
+        progress = tqdm(total=len(groups), desc="beam search", unit="prompt", disable=not use_tqdm or len(groups) < 2)
+
+        def failed(out: RequestOutput) -> None:
+            if out.error:
+                raise RuntimeError(f"beam search of {out.request_id} failed: {out.error}")
+
+        results = self._run_until_finished([g.request_id for g in groups], progress, failed)
+        return [results[g.request_id].beams for g in groups]
 
     def export_request(self, request_id: str, with_records: bool = True) -> RequestState:
         """A queued or running request's state (live migration), after which it leaves this engine;
