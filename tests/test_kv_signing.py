@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from conftest import random_prompts
@@ -13,7 +14,7 @@ from redis_server import RedisServer
 from kvserve import LLM, SamplingParams
 from kvserve.engine.migration import RequestState
 from kvserve.kv.hashing import root_hash
-from kvserve.kv.tiers.record import BlockRecord, CorruptRecord, decode_record, encode_record, record_key
+from kvserve.kv.tiers.record import _HEADER, BlockRecord, CorruptRecord, decode_record, encode_record, record_key
 from kvserve.kv.tiers.remote import KEY_PREFIX
 from kvserve.kv.tiers.signing import KEY_ENV, RecordSigner, load_signer
 
@@ -65,12 +66,14 @@ def test_records_round_trip_signed_and_every_forgery_is_refused():
     key = record_key(record.block_hash, record.group)
     signed = encode_record(record, 5, ours)
     assert decode_record(signed, 5, key, ours) == record
-    assert decode_record(signed, 5, key) == record  # an engine without a secret reads it as a checksummed record
     for data, signer, reason in [
+        (signed, None, "bad_signature"),  # an engine without the secret cannot check it: no checksum to fall back on
         (encode_record(record, 5), ours, "unsigned"),  # a valid checksum is not enough
         (encode_record(record, 5, theirs), ours, "bad_signature"),
         (signed[:-1] + bytes([signed[-1] ^ 1]), ours, "bad_signature"),
-        (signed[:100] + bytes([signed[100] ^ 1]) + signed[101:], ours, "damaged"),
+        (signed[:100] + bytes([signed[100] ^ 1]) + signed[101:], ours, "bad_signature"),  # the MAC is the checksum
+        (signed[:-1], ours, "damaged"),  # truncated
+        (encode_record(record, 5)[:-1] + bytes([encode_record(record, 5)[-1] ^ 1]), None, "damaged"),
     ]:
         with pytest.raises(CorruptRecord) as refused:
             decode_record(data, 5, key, signer)
@@ -94,6 +97,14 @@ def test_the_secret_comes_from_a_file_or_the_environment_never_both(tmp_path, ke
     assert "secret" not in repr(load_signer(keys["ours"], {})).replace("<secret>", "")
 
 
+def read_unchecked(data: bytes, key: str) -> BlockRecord:
+    """A signed record's block as anyone who can read the tier sees it: nothing in it is encrypted."""
+    _, _, group, count, payload, _, block = _HEADER.unpack_from(data)
+    tokens = np.frombuffer(data, dtype="<u4", count=count, offset=_HEADER.size)
+    start = _HEADER.size + 4 * count
+    return BlockRecord(int.from_bytes(block, "little"), group, tuple(tokens.tolist()), data[start : start + payload])
+
+
 def plant(client, path: str, victim: list[int], donor: list[int], signer: RecordSigner | None) -> str:
     """Overwrite the victim prompt's first block in Redis with a record of the donor's K/V: a valid
     checksum, the right key and identity, what an attacker with write access to Redis can make."""
@@ -102,7 +113,7 @@ def plant(client, path: str, victim: list[int], donor: list[int], signer: Record
     records = {}
     for raw_key in client.keys(KEY_PREFIX + "*"):
         data = client.get(raw_key)
-        record = decode_record(data, identity, raw_key.decode().removeprefix(KEY_PREFIX))  # no secret: read, unchecked
+        record = read_unchecked(data, raw_key.decode().removeprefix(KEY_PREFIX))
         records[record.token_ids] = record
     target, donor_block = records[tuple(victim[:BLOCK])], records[tuple(donor[:BLOCK])]
     key = record_key(target.block_hash, target.group)
@@ -134,7 +145,10 @@ def test_a_forged_record_in_redis_is_refused_by_every_engine_with_the_key(tiny_d
         keyless = engine(path, kv_remote_url=redis_server.url)
     assert "not authenticated" in caplog.text and "--kv-remote-key-file" in caplog.text
     got, cached = generate(keyless, victim)
-    assert cached >= BLOCK and got != want
+    if forger == "unsigned":
+        assert cached >= BLOCK and got != want
+    else:  # a signed record carries no checksum for an engine without the key to fall back on
+        assert cached == 0 and got == want and rejected(keyless, "remote")["bad_signature"] >= 1
 
 
 def test_a_forged_record_in_the_disk_tier_is_refused(tiny_dir, tmp_path, keys):
@@ -150,7 +164,7 @@ def test_a_forged_record_in_the_disk_tier_is_refused(tiny_dir, tmp_path, keys):
     records = {}
     for path_ in (tmp_path / "disk").glob("*.kvb"):
         key = path_.name.removesuffix(".kvb")
-        records[decode_record(path_.read_bytes(), identity, key).token_ids] = (key, decode_record(path_.read_bytes(), identity, key))
+        records[read_unchecked(path_.read_bytes(), key).token_ids] = (key, read_unchecked(path_.read_bytes(), key))
     key, target = records[tuple(victim[:BLOCK])]
     forged = BlockRecord(target.block_hash, target.group, target.token_ids, records[tuple(donor[:BLOCK])][1].payload)
     (tmp_path / "disk" / f"{key}.kvb").write_bytes(encode_record(forged, identity))

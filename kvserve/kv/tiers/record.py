@@ -7,8 +7,10 @@ checksum of everything before it. The chained hash already covers the identity (
 format, salt...), so a key never names another cache's block; the record says so again, and
 decode_record refuses a record whose identity, key, length or checksum is not the expected one.
 
-A signed record (version 2, written with a RecordSigner: kv/tiers/signing.py) ends with a 28-byte
-signature of its key and every byte before the checksum. A reader with a signer refuses anything else.
+A signed record (version 3, written with a RecordSigner: kv/tiers/signing.py) ends with a 28-byte
+signature of its key and every byte before it in place of the checksum: the MAC catches damage as
+well as forgery, and computing both would cost a third more per store. A reader with a signer
+refuses anything else; a reader without one refuses a signed record, which it cannot check.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import xxhash
 from kvserve.kv.tiers.signing import TAG_BYTES, RecordSigner
 
 MAGIC = b"KVSB"
-VERSION, SIGNED_VERSION = 1, 2
+VERSION, SIGNED_VERSION = 1, 3  # 2: signed records that also carried a checksum, refused
 _HEADER = struct.Struct("<4sHHIQ16s16s")  # magic, version, group, tokens, payload bytes, identity, block hash
 _CHECKSUM = struct.Struct("<Q")
 
@@ -48,8 +50,8 @@ class BlockRecord:
 
 
 def record_overhead(block_size: int) -> int:
-    """Bytes a record adds to its block's K/V: header, token ids, checksum (and a signature's tag)."""
-    return _HEADER.size + 4 * block_size + _CHECKSUM.size + TAG_BYTES
+    """Bytes a record adds to its block's K/V at most: header, token ids, a checksum or a signature's tag."""
+    return _HEADER.size + 4 * block_size + max(_CHECKSUM.size, TAG_BYTES)
 
 
 def record_key(block_hash: int, group: int) -> str:
@@ -72,10 +74,9 @@ def encode_record(record: BlockRecord, identity: int, signer: RecordSigner | Non
         identity.to_bytes(16, "little"), record.block_hash.to_bytes(16, "little"),
     )  # fmt: skip
     body = b"".join((header, tokens, record.payload))
-    checksum = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
     if signer is None:
-        return body + checksum
-    return b"".join((body, checksum, signer.tag(record_key(record.block_hash, record.group), body)))
+        return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    return body + signer.tag(record_key(record.block_hash, record.group), body)
 
 
 def decode_record(data: bytes, identity: int, key: str, signer: RecordSigner | None = None) -> BlockRecord:
@@ -87,21 +88,22 @@ def decode_record(data: bytes, identity: int, key: str, signer: RecordSigner | N
     if magic != MAGIC or version not in (VERSION, SIGNED_VERSION):
         raise CorruptRecord(f"record {key}: not a version-{VERSION} or -{SIGNED_VERSION} kvserve block record")
     end = _HEADER.size + 4 * count + payload_bytes
-    tag = TAG_BYTES if version == SIGNED_VERSION else 0
-    if len(data) != end + _CHECKSUM.size + tag:
-        raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + _CHECKSUM.size + tag}")
-    (checksum,) = _CHECKSUM.unpack_from(data, end)
+    trailer = TAG_BYTES if version == SIGNED_VERSION else _CHECKSUM.size
+    if len(data) != end + trailer:
+        raise CorruptRecord(f"record {key}: {len(data)} bytes, its header says {end + trailer}")
     body = memoryview(data)[:end]
-    if signer is None or not tag:
+    if version == SIGNED_VERSION:
+        if signer is None:
+            raise CorruptRecord(f"record {key}: signed with a KV record key, and this engine has none to check it",
+                                "bad_signature")  # fmt: skip
+        if not signer.verify(key, body, memoryview(data)[end:]):
+            raise CorruptRecord(f"record {key}: damaged, moved, or signed with another KV record key", "bad_signature")
+    else:
+        (checksum,) = _CHECKSUM.unpack_from(data, end)
         if xxhash.xxh3_64_intdigest(body) != checksum:
             raise CorruptRecord(f"record {key}: checksum mismatch")
         if signer is not None:
             raise CorruptRecord(f"record {key}: unsigned, and this engine has a KV record key", "unsigned")
-    # a signature covers every byte the checksum does: the checksum is read only to name a failure
-    elif not signer.verify(key, body, memoryview(data)[end + _CHECKSUM.size :]):
-        if xxhash.xxh3_64_intdigest(body) != checksum:
-            raise CorruptRecord(f"record {key}: checksum mismatch")
-        raise CorruptRecord(f"record {key}: its signature does not match this engine's KV record key", "bad_signature")
     if int.from_bytes(ident, "little") != identity:
         raise CorruptRecord(f"record {key}: written by another cache identity", "foreign")
     block_hash = int.from_bytes(block, "little")
