@@ -212,3 +212,32 @@ def test_prefill_hand_overs_need_the_same_key_on_both_sides(tiny_dir, redis_serv
         assert cached >= 80
     else:
         assert cached == 0 and rejected(consumer, "remote")["bad_signature"] == 1
+
+
+def test_the_host_tier_serves_its_own_signed_records_and_redis_junk_is_not_an_outage(tiny_dir, redis_server, keys):
+    """A keyed engine signs every record it writes, host tier included; the host tier's records never
+    left the process, so they are served without a check (not refused as unverifiable). A value of
+    another Redis type under a record's key is a damaged record, deleted, not a tier outage."""
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(12, 40, 40, seed=63)  # 36 blocks through a 24-block pool
+    want = generate(engine(path), prompts[0])[0]
+    host = engine(path, kv_remote_key_file=keys["ours"], kv_offload_host_gib=0.01)
+    for prompt in prompts:
+        generate(host, prompt)
+    got, cached = generate(host, prompts[0])
+    assert got == want and cached >= 2 * BLOCK
+    assert sum(rejected(host, "host").values()) == 0 and host.stats()["kv_tiers"]["host"]["hit_tokens"] >= 2 * BLOCK
+    client = redis_server.client()
+    client.flushall()
+    writer = engine(path, kv_remote_url=redis_server.url, kv_remote_key_file=keys["ours"])
+    generate(writer, prompts[1])
+    generate(writer, prompts[2])
+    victim = next(iter(client.keys(KEY_PREFIX + "*")))
+    client.delete(victim)
+    client.rpush(victim, b"not a record")
+    reader = engine(path, kv_remote_url=redis_server.url, kv_remote_key_file=keys["ours"])
+    for prompt in prompts[1:3]:
+        generate(reader, prompt)
+    tier = reader.stats()["kv_tiers"]["remote"]
+    assert tier["records_rejected"]["damaged"] == 1 and tier.get("outages", 0) == 0
+    assert client.type(victim) != b"list"  # deleted (or stored again), not left to fail the next read

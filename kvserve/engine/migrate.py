@@ -95,7 +95,7 @@ def decode_records(engine: LLMEngine, state: RequestState) -> list[BlockRecord]:
             reason = getattr(error, "reason", "damaged")
             refused[reason] = refused.get(reason, 0) + 1
     if refused:
-        hint = " (the engines do not share one --kv-remote-key-file)" if {"unsigned", "bad_signature"} & refused.keys() else ""
+        hint = " (damaged in transit, or the engines do not share one --kv-remote-key-file)" if {"unsigned", "bad_signature"} & refused.keys() else ""
         log.warning("a migrated request's KV records were refused%s: %s; its tokens are recomputed here", hint,
                     ", ".join(f"{n} {reason}" for reason, n in sorted(refused.items())))  # fmt: skip
     return records

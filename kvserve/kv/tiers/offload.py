@@ -313,7 +313,7 @@ class KVOffloader:
             if data is None:
                 break
             try:
-                record = decode_record(data, self.identity, key, None if store.in_process else self.signer)
+                record = decode_record(data, self.identity, key, self.signer, verify=not store.in_process)
                 self._write_block(block_id, record.payload)
             except (CorruptRecord, ValueError) as error:
                 counters = self.counters[store.name]

@@ -131,7 +131,9 @@ class RemoteStore(BlockStore):
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.getex(self._key(key), ex=self.ttl_s)
-            return pipe.execute()
+            # a key holding another type (a list planted under a record's name) answers WRONGTYPE: an
+            # empty record, refused as damaged and deleted, not an outage of the whole tier
+            return [b"" if isinstance(value, redis.exceptions.ResponseError) else value for value in pipe.execute(raise_on_error=False)]
 
         return self._call(call, [None] * len(keys))
 

@@ -86,6 +86,8 @@ def load_signer(key_file: str | None, environ: Mapping[str, str] = os.environ) -
         secret, where = from_env.strip().encode(), KEY_ENV
     else:
         return None
+    if len(secret) > MAX_SECRET_BYTES:
+        raise ValueError(f"{where}: the KV record key must have at most {MAX_SECRET_BYTES} bytes, got {len(secret)}")
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"{where}: the KV record key must have at least {MIN_SECRET_BYTES} bytes (for example "
                          f"`python -c 'import secrets; print(secrets.token_hex(32))'`), got {len(secret)}")  # fmt: skip
