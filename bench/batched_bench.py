@@ -87,6 +87,13 @@ def parse_rates(out: str, new_tokens: int) -> dict[int, float]:
     return rates
 
 
+def weight_form(value: str) -> str:
+    held, _, rows = value.partition(":")
+    if held not in ("auto", "gguf", "bfloat16", "float32", "int8") or rows not in ("", "auto", "exact", "int8"):
+        raise argparse.ArgumentTypeError(f"{value!r}: a --weight-dtype, optionally :auto, :exact or :int8")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", help="alias, GGUF file or HF directory")
@@ -95,8 +102,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per sequence")
     parser.add_argument("--llama-batched-bench", default=None, help="path to llama.cpp's llama-batched-bench binary")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
-    parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], choices=["auto", "gguf", "bfloat16", "float32", "int8"],
-                        help="kvserve's --weight-dtype: one column per value, each engine loaded in turn")  # fmt: skip
+    parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], type=weight_form,
+                        help="kvserve's --weight-dtype (auto, gguf, bfloat16, float32, int8), optionally with its "
+                        "--gguf-activations after a colon (gguf:exact, gguf:int8): one column per value, each engine loaded in turn")  # fmt: skip
     args = parser.parse_args()
     parallel = args.parallel
     if args.prompt_len <= 0 or args.new_tokens <= 0 or args.threads <= 0:
@@ -105,7 +113,8 @@ def main() -> None:
         parser.error(f"--llama-batched-bench {args.llama_batched_bench}: not an executable file")
     ours, dtype = {}, None
     for weight_dtype in args.weight_dtypes:
-        llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=weight_dtype)
+        held, _, rows = weight_dtype.partition(":")
+        llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=held, gguf_activations=rows or "auto")
         dtype = llm.engine.config.dtype
         vocab = llm.engine.model.config.vocab_size
         kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up: the kernels' first calls, then each measured shape once

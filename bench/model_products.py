@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/model_products.py [--model gemma-3-270m] [--rows 1 16 64 256] [--repeats 30]
 
-Two engines in one process (`--weight-dtype gguf` and `bfloat16`, `--dtype bfloat16`). For each row
+Three engines in one process, `--dtype bfloat16`: the GGUF blocks with int8 rows (`--weight-dtype
+gguf --gguf-activations int8`, where the CPU has AVX512-VNNI), with exact rows (`exact`), and bf16
+weights (`--weight-dtype bfloat16`). For each row
 count: one layer's four products (QKV, output, gate/up, down; the middle layer's) on random bf16
 rows, and the greedy lm_head (`greedy_tokens`: the bf16 weights' int8 screen, the GGUF blocks' full
 product) on real final hidden states, captured from the GGUF engine's own decode steps over prose.
@@ -30,7 +32,8 @@ from common import make_prompts  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kernels import gguf  # noqa: E402
 
-WEIGHTS = ("gguf", "bfloat16")
+ENGINES = {"gguf": dict(weight_dtype="gguf", gguf_activations="int8"), "gguf exact": dict(weight_dtype="gguf", gguf_activations="exact"),
+           "bfloat16": dict(weight_dtype="bfloat16")}  # fmt: skip
 
 
 def captured_hidden(llm: LLM, rows: int) -> torch.Tensor:
@@ -70,10 +73,12 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.rows) < 1:
         parser.error("--rows must be positive")
-    engines = {w: LLM(args.model, dtype="bfloat16", weight_dtype=w, kv_cache_memory=0.3, enable_prefix_caching=False) for w in WEIGHTS}
+    WEIGHTS = tuple(w for w in ENGINES if w != "gguf" or gguf.gguf_int8_available())
+    engines = {w: LLM(args.model, dtype="bfloat16", kv_cache_memory=0.3, enable_prefix_caching=False, **ENGINES[w]) for w in WEIGHTS}
     models = {w: llm.engine.model for w, llm in engines.items()}
-    hidden = captured_hidden(engines["gguf"], max(args.rows)).to(torch.bfloat16)
-    middle = len(models["gguf"].layers) // 2
+    first = WEIGHTS[0]
+    hidden = captured_hidden(engines[first], max(args.rows)).to(torch.bfloat16)
+    middle = len(models[first].layers) // 2
     names = ("qkv", "o", "gate_up", "down", "lm_head")
 
     def products(model, rows: int) -> dict:
@@ -83,14 +88,15 @@ def main() -> None:
         calls["lm_head"] = lambda h=hidden[:rows].contiguous(): model.greedy_tokens(h)
         return calls
 
-    layer = models["gguf"].layers[middle]
+    layer = models[first].layers[middle]
     types = {n: "+".join(p.type_name for p in lin.gguf) if lin.gguf else "float" for n, lin in
              zip(names, (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))}  # fmt: skip
-    types["lm_head"] = models["gguf"].gguf_lm_head.type_name if models["gguf"].gguf_lm_head is not None else "float"
-    num_layers = len(models["gguf"].layers)
-    print(f"{args.model}: layer {middle} of {num_layers}, bf16 rows, medians of {args.repeats} (ms)\n")
-    print("| rows | product (GGUF type) | gguf ms | bfloat16 ms | bf16 / gguf |")
-    print("|---:|---|---:|---:|---:|")
+    types["lm_head"] = models[first].gguf_lm_head.type_name if models[first].gguf_lm_head is not None else "float"
+    num_layers = len(models[first].layers)
+    blocks = [w for w in WEIGHTS if w != "bfloat16"]
+    print(f"{args.model}: layer {middle} of {num_layers}, bf16 rows, medians of {args.repeats} (ms); gguf: int8 rows, the lm_head exact\n")
+    print("| rows | product (GGUF type) | " + " | ".join(f"{w} ms" for w in WEIGHTS) + " | " + " | ".join(f"bf16 / {w}" for w in blocks) + " |")
+    print("|---:|---|" + "---:|" * (len(WEIGHTS) + len(blocks)))
     screened_tiles: list[str] = []
     with torch.inference_mode():
         for rows in args.rows:
@@ -105,16 +111,17 @@ def main() -> None:
                 scale = 1 if name == "lm_head" else num_layers
                 for w in WEIGHTS:
                     totals[w] += median[w] * scale
-                print(f"| {rows} | {name} ({types[name]}) | {median['gguf']:.3f} | {median['bfloat16']:.3f} | {median['bfloat16'] / median['gguf']:.2f}x |")
-            print(f"| {rows} | a step's products ({num_layers} layers + lm_head) | {totals['gguf']:.2f} | {totals['bfloat16']:.2f} | "
-                  f"{totals['bfloat16'] / totals['gguf']:.2f}x |")  # fmt: skip
-            screen = models["gguf"].gguf_screen
+                print(f"| {rows} | {name} ({types[name]}) | " + " | ".join(f"{median[w]:.3f}" for w in WEIGHTS) + " | "
+                      + " | ".join(f"{median['bfloat16'] / median[w]:.2f}x" for w in blocks) + " |")  # fmt: skip
+            print(f"| {rows} | a step's products ({num_layers} layers + lm_head) | " + " | ".join(f"{totals[w]:.2f}" for w in WEIGHTS) + " | "
+                  + " | ".join(f"{totals['bfloat16'] / totals[w]:.2f}x" for w in blocks) + " |")  # fmt: skip
+            screen = models[first].gguf_screen
             if screen is not None:
-                normed = models["gguf"].norm(hidden[:rows].contiguous())
+                normed = models[first].norm(hidden[:rows].contiguous())
                 _, rescored = gguf.gguf_screened_argmax(normed, screen)
                 screened_tiles.append(f"{rows} rows: {rescored / rows:.1f}")
     if screened_tiles:
-        print(f"\nthe Q8_0 screen's tiles rescored per row (of {-(-models['gguf'].gguf_lm_head.n // 16)}): " + ", ".join(screened_tiles))
+        print(f"\nthe Q8_0 screen's tiles rescored per row (of {-(-models[first].gguf_lm_head.n // 16)}): " + ", ".join(screened_tiles))
 
 
 if __name__ == "__main__":

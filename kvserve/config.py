@@ -53,6 +53,7 @@ MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
 WEIGHT_DTYPES = ("auto", "gguf", "int8", "bfloat16", "float32")
+GGUF_ACTIVATIONS = ("auto", "int8", "exact")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; int8 (HF checkpoints); bfloat16; float32
+    gguf_activations: str = "auto"  # products on GGUF / Q8_0 blocks: int8 rows (AVX512-VNNI) or exact; auto: exact
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale
@@ -123,6 +125,8 @@ class EngineConfig:
                 raise ValueError(f"--weight-dtype {self.weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
             if torch.device(self.device).type != "cpu":
                 raise ValueError(f"--weight-dtype {self.weight_dtype} computes with the CPU kernels: it needs --device cpu")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}; got {self.gguf_activations!r}")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {self.prefix_cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

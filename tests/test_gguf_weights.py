@@ -250,14 +250,18 @@ def test_gguf_blocks_give_the_float32_weights_bits(tiny_root):
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)]  # fmt: skip
     batch = [(p, s) for p in PROMPTS for s in params]
-    gguf = traces(tiny_llm(tiny_root, "gguf", dtype), [p for p, _ in batch], [s for _, s in batch])
+    gguf = traces(tiny_llm(tiny_root, "gguf", dtype, gguf_activations="exact"), [p for p, _ in batch], [s for _, s in batch])
     dense = traces(tiny_llm(tiny_root, dtype, dtype), [p for p, _ in batch], [s for _, s in batch])
     assert gguf == dense
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_way_a_request_runs_gives_the_same_bits_on_gguf_blocks(tiny_root, dtype):
+@pytest.mark.parametrize("activations", ["exact", "int8"])
+def test_every_way_a_request_runs_gives_the_same_bits_on_gguf_blocks(tiny_root, dtype, activations):
     from conftest import random_prompts
+
+    if activations == "int8" and not gguf.gguf_int8_available():
+        pytest.skip("int8 rows need AVX512-VNNI/BW/VBMI")
 
     shared = random_prompts(1, 37, 37, seed=41)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 30, seed=42)]
@@ -265,15 +269,16 @@ def test_every_way_a_request_runs_gives_the_same_bits_on_gguf_blocks(tiny_root, 
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True, logprobs=2)
     requests = [(p, s) for p in prompts for s in (greedy, seeded)]
-    llm = tiny_llm(tiny_root, "gguf", dtype, max_num_seqs=64, enable_prefix_caching=False)
+    llm = tiny_llm(tiny_root, "gguf", dtype, max_num_seqs=64, enable_prefix_caching=False, gguf_activations=activations)
+    assert llm.engine.gguf_activations == activations
     alone = [traces(llm, [p], s)[0] for p, s in requests]
     for count in (7, 63):
         batch = requests + [(o, greedy) for o in others[:count]]
         assert traces(llm, [p for p, _ in batch], [s for _, s in batch])[: len(requests)] == alone, f"batched with {count}"
-    cached = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=True)
+    cached = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=True, gguf_activations=activations)
     traces(cached, [shared], greedy)
     assert [traces(cached, [p], s)[0] for p, s in requests] == alone, "after a prefix hit"
-    chunked = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=False, max_num_batched_tokens=16)
+    chunked = tiny_llm(tiny_root, "gguf", dtype, enable_prefix_caching=False, max_num_batched_tokens=16, gguf_activations=activations)
     assert [traces(chunked, [p], s)[0] for p, s in requests] == alone, "prefilled in chunks of 16"
 
 

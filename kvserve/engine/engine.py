@@ -42,7 +42,7 @@ from kvserve.kv.tiers.remote import RemoteStore, masked_url
 from kvserve.kv.tiers.signing import KEY_ENV, load_signer
 from kvserve.kv.spec import GIB, blocks_for_tokens
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import build_model, load_checkpoint, resolve_weight_format
+from kvserve.model.loader import build_model, load_checkpoint, resolve_gguf_activations, resolve_weight_format
 from kvserve.model.weight_bytes import weight_bytes
 from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
@@ -64,17 +64,20 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # torch's OpenMP runtime, which the native kernels share (kernels/build.py)
         path = resolve_model_path(config.model)
-        checkpoint = load_checkpoint(path, resolve_weight_format(path, config.weight_dtype, config.device, config.dtype))
+        weight_format = resolve_weight_format(path, config.weight_dtype, config.device, config.dtype)
+        checkpoint = load_checkpoint(path, weight_format, resolve_gguf_activations(config.gguf_activations, weight_format))
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path, checkpoint.config.architecture)
         backend = resolve_attention_backend(config.attention_backend, torch.device(config.device), DTYPES[config.kv_cache_dtype]
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
         weights, tokenizer_digest = checkpoint_digests(path)
         self._setup(config, checkpoint.config, tokenizer,
                     CacheIdentity(model=weights, tokenizer=tokenizer_digest, **identity_fields(config, checkpoint.config, backend,
-                                                                                               checkpoint.weight_format)))  # fmt: skip
+                                                                                               checkpoint.weight_format,
+                                                                                               checkpoint.activations)))  # fmt: skip
         with fitting(self.device, kv_asked(config)):
             self.model = build_model(checkpoint, config.torch_dtype, self.device, self.max_model_len)
             self.weight_format = checkpoint.weight_format  # "gguf": the file's blocks; "float": --dtype copies
+            self.gguf_activations = checkpoint.activations  # how the blocks' products take their rows (resolve_gguf_activations)
             self.pool = PagedKVPool(self.kv_spec, self.kv.num_blocks, self.device, kv_scales(config, self.kv_spec),
                                     key_centering=config.centers_keys, rotate=self.rotates_kv)  # fmt: skip
             if backend == "cpu_paged":
@@ -90,7 +93,8 @@ class LLMEngine:
 
     def weights_description(self) -> str:
         """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)" or the dtype of their copies."""
-        return {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
+        held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
+        return held + (", int8 rows" if getattr(self, "gguf_activations", "exact") == "int8" else "")
 
     def _center_keys(self, vocab_size: int) -> None:
         """Calibrate the int8 / fp8 key centers (kv/centering.py) before anything is stored. They

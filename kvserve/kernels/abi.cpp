@@ -45,7 +45,7 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     return n;
   }
   if (!std::strcmp(name, "GgufMatmulArgs")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(GgufMatmulArgs)), KVSERVE_FIELD(GgufMatmulArgs, blocks), KVSERVE_FIELD(GgufMatmulArgs, x), KVSERVE_FIELD(GgufMatmulArgs, out), KVSERVE_FIELD(GgufMatmulArgs, argmax), KVSERVE_FIELD(GgufMatmulArgs, n), KVSERVE_FIELD(GgufMatmulArgs, ldx), KVSERVE_FIELD(GgufMatmulArgs, ldo), KVSERVE_FIELD(GgufMatmulArgs, k), KVSERVE_FIELD(GgufMatmulArgs, rows), KVSERVE_FIELD(GgufMatmulArgs, type), KVSERVE_FIELD(GgufMatmulArgs, x_dtype), KVSERVE_FIELD(GgufMatmulArgs, out_dtype), KVSERVE_FIELD(GgufMatmulArgs, pad_)};
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(GgufMatmulArgs)), KVSERVE_FIELD(GgufMatmulArgs, blocks), KVSERVE_FIELD(GgufMatmulArgs, x), KVSERVE_FIELD(GgufMatmulArgs, out), KVSERVE_FIELD(GgufMatmulArgs, argmax), KVSERVE_FIELD(GgufMatmulArgs, n), KVSERVE_FIELD(GgufMatmulArgs, ldx), KVSERVE_FIELD(GgufMatmulArgs, ldo), KVSERVE_FIELD(GgufMatmulArgs, k), KVSERVE_FIELD(GgufMatmulArgs, rows), KVSERVE_FIELD(GgufMatmulArgs, type), KVSERVE_FIELD(GgufMatmulArgs, x_dtype), KVSERVE_FIELD(GgufMatmulArgs, out_dtype), KVSERVE_FIELD(GgufMatmulArgs, activations)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

@@ -104,7 +104,7 @@ struct GgufMatmulArgs {
   int32_t type;           // ggml's type code (GGMLQuantizationType)
   int32_t x_dtype;
   int32_t out_dtype;
-  int32_t pad_;
+  int32_t activations;    // 0: exact (float32 products, or bf16 dot products); 1: rows quantized to int8 (gguf_int8.h)
 };
 
 // one part of a fused projection for kvserve_gguf_matmul_parts: a weight in GGUF blocks

@@ -47,7 +47,7 @@ class FloatMatmulArgs(ctypes.Structure):
 class GgufMatmulArgs(ctypes.Structure):
     _fields_ = [
         ("blocks", _p), ("x", _p), ("out", _p), ("argmax", _p), ("n", _i64), ("ldx", _i64), ("ldo", _i64), ("k", _i32), ("rows", _i32),
-        ("type", _i32), ("x_dtype", _i32), ("out_dtype", _i32), ("pad_", _i32),
+        ("type", _i32), ("x_dtype", _i32), ("out_dtype", _i32), ("activations", _i32),
     ]  # fmt: skip
 
 

@@ -1,6 +1,12 @@
 """Weights kept in their GGUF blocks (gguf_matmul.cpp): the tile-interleaved layout, products and
 dequantization on the blocks, a fused projection's parts in one call, and a Q8_0 lm_head's
-int8-screened greedy argmax (gguf_screen.h)."""
+int8-screened greedy argmax (gguf_screen.h).
+
+A weight's `activations` says how its products treat the rows: "exact" multiplies them (float32, or
+bf16 dot products on the blocks' codes) by the exact dequantized values; "int8" quantizes each row
+per block of 32 values and takes integer dot products (gguf_int8.h, AVX512-VNNI): about half the
+instructions per weight, the rows' quantization the only loss. Either way a row's result does not
+depend on the other rows."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from kvserve.kernels.library import _DTYPE_CODES, _check, _require
 from kvserve.kernels.products import FLOAT_PACK_DTYPES, check_rows
 
 # ggml's type codes the GGUF kernel reads, with (values, bytes) per block
+GGUF_ACTIVATIONS = ("exact", "int8")
 GGUF_BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
                "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
 
@@ -29,6 +36,21 @@ class GgufWeight:
     type_name: str
     n: int
     k: int
+    activations: str = "exact"  # GGUF_ACTIVATIONS
+
+    def __post_init__(self) -> None:
+        if self.activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"GgufWeight: activations must be one of {GGUF_ACTIVATIONS}, got {self.activations!r}")
+        if self.activations == "int8" and not gguf_int8_available():
+            raise ValueError("GgufWeight: int8 activations need a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI")
+
+    @property
+    def activations_code(self) -> int:
+        return GGUF_ACTIVATIONS.index(self.activations)
+
+    def with_activations(self, activations: str) -> GgufWeight:
+        """The same blocks (shared, not copied), their products taking rows as `activations` says."""
+        return GgufWeight(self.data, self.type_name, self.n, self.k, activations)
 
     @property
     def type_code(self) -> int:
@@ -46,7 +68,13 @@ class GgufWeight:
         return self.data.numel()
 
 
-def gguf_weight(data: torch.Tensor, type_name: str, n: int, k: int) -> GgufWeight:
+def gguf_int8_available() -> bool:
+    """Whether this CPU's kernels have the int8-rows products (AVX512-VNNI, BW and VBMI)."""
+    library = load_kernels()
+    return library is not None and bool(library.kvserve_gguf_int8_available())
+
+
+def gguf_weight(data: torch.Tensor, type_name: str, n: int, k: int, activations: str = "exact") -> GgufWeight:
     """A GGUF tensor's bytes (n rows of blocks, in the file's order; any shape) as a GgufWeight:
     copied once into the kernel's tile-interleaved layout."""
     if type_name not in GGUF_BLOCKS:
@@ -60,7 +88,7 @@ def gguf_weight(data: torch.Tensor, type_name: str, n: int, k: int) -> GgufWeigh
     if tiles * 16 != n:
         rows = torch.cat([rows, rows.new_zeros(tiles * 16 - n, k // values, size)])
     interleaved = rows.view(tiles, 16, k // values, size).permute(0, 2, 3, 1).contiguous()
-    return GgufWeight(interleaved, type_name, n, k)
+    return GgufWeight(interleaved, type_name, n, k, activations)
 
 
 def gguf_dequantize(weight: GgufWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,9 +114,10 @@ def gguf_matmul(
     x: torch.Tensor, weight: GgufWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """x [R, k] (float32 or bf16) @ weight^T on the GGUF blocks, one float32 FMA chain per output in
-    k order over the exact dequantized values (so a row's result does not depend on the other
-    rows): (output [R, n] in out_dtype (x's by default), or None; row-wise argmax [R] or None).
+    """x [R, k] (float32 or bf16) @ weight^T on the GGUF blocks, the rows taken as the weight's
+    `activations` says (exact: one float32 FMA chain per output in k order over the exact
+    dequantized values), so a row's result does not depend on the other rows: (output [R, n] in
+    out_dtype (x's by default), or None; row-wise argmax [R] or None).
     `out` may be a column slice of a wider contiguous-row matrix (its row stride is kept)."""
     library = _require()
     check_rows(x, weight.k, "gguf_matmul")
@@ -108,7 +137,7 @@ def gguf_matmul(
     ldx = x.stride(0) if rows > 1 else weight.k
     call = args.GgufMatmulArgs(
         weight.data.data_ptr(), x.data_ptr(), out_ptr, argmax.data_ptr() if argmax is not None else None, weight.n, ldx, ldo, weight.k,
-        rows, weight.type_code, _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], 0,
+        rows, weight.type_code, _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], weight.activations_code,
     )  # fmt: skip
     _check(library.kvserve_gguf_matmul(ctypes.byref(call)), "gguf_matmul")
     return out, argmax
@@ -168,8 +197,8 @@ class GgufProduct:
     are built once; a call builds only the rows' arguments."""
 
     def __init__(self, parts: tuple[GgufWeight, ...]) -> None:
-        if not parts or any(part.k != parts[0].k for part in parts):
-            raise ValueError("GgufProduct: one or more parts sharing k")
+        if not parts or any(part.k != parts[0].k or part.activations != parts[0].activations for part in parts):
+            raise ValueError("GgufProduct: one or more parts sharing k and activations")
         self._library = _require()
         self.parts = parts
         self.k = parts[0].k
@@ -190,7 +219,7 @@ class GgufProduct:
             raise ValueError(f"GgufProduct: out must be {dtype} [{rows}, {n}] with unit inner stride")
         call = args.GgufMatmulArgs(
             None, x.data_ptr(), out.data_ptr(), None, n, x.stride(0) if rows > 1 else k, out.stride(0) if rows > 1 else n, k, rows, 0,
-            _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], 0,
+            _DTYPE_CODES[x.dtype], _DTYPE_CODES[dtype], self.parts[0].activations_code,
         )  # fmt: skip
         _check(self._library.kvserve_gguf_matmul_parts(ctypes.byref(call), self._parts, len(self.parts)), "gguf product")
         return out

@@ -469,6 +469,7 @@ void run(const Weight& w, const Problem& p, int rows, int64_t* argmax) {
 }
 
 #include "gguf_dot.h"
+#include "gguf_int8.h"
 #include "gguf_screen.h"
 
 }  // namespace
@@ -509,7 +510,7 @@ int kvserve_gguf_dequantize(const uint8_t* tiles, int type, int64_t n, int k, co
 
 // The arguments make a product this file computes.
 static bool valid(const kvserve::GgufMatmulArgs* a) {
-  const bool x_ok = a->x_dtype == kFloat32 || a->x_dtype == kBFloat16;
+  const bool x_ok = (a->x_dtype == kFloat32 || a->x_dtype == kBFloat16) && (a->activations == 0 || a->activations == 1);
   return kvserve_gguf_row_bytes(a->type, a->k) != 0 && a->n > 0 && a->rows > 0 && a->ldx >= a->k && x_ok && a->out_dtype >= 0 && a->out_dtype <= 2 &&
          (!a->out || a->ldo >= a->n);
 }
@@ -526,6 +527,15 @@ int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   const int k = a->k, rows = a->rows;
   const Weight w = weight_of(*a);
   Problem p{nullptr, kFloat32, a->n, k, static_cast<const float*>(a->x), a->ldx, a->out, a->out_dtype, a->ldo};
+  if (a->activations == 1) {
+#if KVSERVE_HAS_GGUF_INT8
+    std::vector<q8::Part> parts{{w, p, a->type, (a->n + kTile - 1) / kTile}};
+    q8::run(parts, a->x, a->x_dtype == kBFloat16, a->ldx, rows, a->argmax);
+    return 0;
+#else
+    return 4;
+#endif
+  }
 #if KVSERVE_HAS_GGUF_DOT
   if (a->x_dtype == kBFloat16) {
     dot::run(w, a->type, p, static_cast<const uint16_t*>(a->x), a->ldx, rows, a->argmax);
@@ -547,6 +557,9 @@ int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   else run(w, p, rows, a->argmax);
   return 0;
 }
+
+// 1 when this build has the int8-rows products (AVX512 VNNI, BW and VBMI: gguf_int8.h)
+int kvserve_gguf_int8_available() { return KVSERVE_HAS_GGUF_INT8; }
 
 // 1 when this build has the int8 screen of a Q8_0 weight (AVX512-BF16, VNNI and VBMI)
 int kvserve_gguf_screen_available() { return KVSERVE_HAS_GGUF_SCREEN; }
@@ -606,6 +619,19 @@ int kvserve_gguf_matmul_parts(const kvserve::GgufMatmulArgs* a, const kvserve::G
     if (!valid(&each[i])) return 1;
   }
   if (a->out && a->ldo < column) return 1;
+  if (a->activations == 1) {
+#if KVSERVE_HAS_GGUF_INT8
+    std::vector<q8::Part> int8_parts;
+    for (const kvserve::GgufMatmulArgs& part : each) {
+      const Problem p{nullptr, kFloat32, part.n, part.k, nullptr, part.ldx, part.out, part.out_dtype, part.ldo};
+      int8_parts.push_back({weight_of(part), p, part.type, (part.n + kTile - 1) / kTile});
+    }
+    q8::run(int8_parts, a->x, a->x_dtype == kBFloat16, a->ldx, a->rows, nullptr);
+    return 0;
+#else
+    return 4;
+#endif
+  }
 #if KVSERVE_HAS_GGUF_DOT
   if (a->x_dtype == kBFloat16 && a->rows <= dot::kFusedRows) {
     std::vector<dot::FusedPart> fused;

@@ -65,7 +65,8 @@ class DecodeProgram:
         out_ptr = self._buffer(out, weight.n, x.dtype)
         self._keep.append(weight)
         if isinstance(weight, GgufProduct):
-            call = args.GgufMatmulArgs(None, x_ptr, out_ptr, None, weight.n, weight.k, weight.n, weight.k, 0, 0, dtype, dtype, 0)
+            call = args.GgufMatmulArgs(None, x_ptr, out_ptr, None, weight.n, weight.k, weight.n, weight.k, 0, 0, dtype, dtype,
+                                      weight.parts[0].activations_code)  # fmt: skip
             self._add(call, "gguf", parts=ctypes.addressof(weight._parts), count=len(weight.parts))
         elif isinstance(weight, AmxWeight):
             self._require_bf16(x)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvserve.kernels import library
-from kvserve.kernels.gguf import GGUF_BLOCKS, GgufWeight, gguf_dequantize, gguf_weight
+from kvserve.kernels.gguf import GGUF_BLOCKS, GgufWeight, gguf_dequantize, gguf_int8_available, gguf_weight
 from kvserve.cache_dir import cache_root, file_digest, replaced_atomically
 from kvserve.model.config import ModelConfig, RopeConfig
 from kvserve.model.errors import ModelLoadError, describe
@@ -271,6 +271,7 @@ class Checkpoint:
     weight_files: tuple[Path, ...]  # safetensors files; () when the weights are read from the GGUF file itself
     metadata: dict  # GGUF scalar metadata; {} for HF directories
     weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks; "int8": an HF checkpoint's quantized at load
+    activations: str = "exact"  # how the blocks' products take their rows (GGUF_ACTIVATIONS of kernels/gguf.py)
 
 
 def gguf_index(path: Path) -> dict:
@@ -355,17 +356,31 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
     return "gguf"
 
 
-def load_checkpoint(path: Path, weight_format: str = "float") -> Checkpoint:
+def resolve_gguf_activations(gguf_activations: str, weight_format: str) -> str:
+    """How the projections on blocks ("gguf" and "int8" weights) take their rows: "exact" or "int8";
+    "exact" for float weights, which have no blocks. auto is exact: int8 rows cost 0.10-0.22%
+    perplexity on the three packaged models (`kvserve eval`, docs/models.md), over the +0.1% a
+    default may cost."""
+    if weight_format not in ("gguf", "int8") or gguf_activations == "auto":
+        return "exact"
+    if gguf_activations == "int8" and not gguf_int8_available():
+        raise ValueError("--gguf-activations int8 needs a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI (use exact or auto)")
+    return gguf_activations
+
+
+def load_checkpoint(path: Path, weight_format: str = "float", activations: str = "exact") -> Checkpoint:
     """Read a checkpoint's config and locate its weights (weight_format "float": dequantizing a GGUF
     once, then cached; "gguf": the file's own blocks, read at build; "int8": the float
     weights (a GGUF file's dequantized) quantized to Q8_0 at build)."""
+    activations = activations if weight_format in ("gguf", "int8") else "exact"
     if path.is_file() and weight_format == "gguf":
         index = gguf_index(path)
-        return Checkpoint(path, model_config_from_index(index), (), index["metadata"], "gguf")
+        return Checkpoint(path, model_config_from_index(index), (), index["metadata"], "gguf", activations)
+    held = "int8" if weight_format == "int8" else "float"
     if path.is_file():
         config, weight_file, metadata = load_gguf_checkpoint(path)
-        return Checkpoint(path, config, (weight_file,), metadata, "int8" if weight_format == "int8" else "float")
-    return Checkpoint(path, ModelConfig.from_hf_file(path), tuple(_safetensor_files(path)), {}, "int8" if weight_format == "int8" else "float")
+        return Checkpoint(path, config, (weight_file,), metadata, held, activations)
+    return Checkpoint(path, ModelConfig.from_hf_file(path), tuple(_safetensor_files(path)), {}, held, activations)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
@@ -479,9 +494,11 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
 Q8_0_LARGEST = 65504.0 * 127  # the fp16 scale's largest value times the largest code
 
 
-def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[GgufWeight, ...]], dtype: torch.dtype) -> None:
+def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[GgufWeight, ...]], dtype: torch.dtype, activations: str) -> None:
     """Give the projections, the embedding and the lm_head whose tensors are all quantized their
-    GGUF blocks (the tied lm_head reads the embedding's)."""
+    GGUF blocks (the tied lm_head reads the embedding's). The projections take their rows as
+    `activations` says; the lm_head's products stay exact (a greedy batch's argmax takes the exact
+    int8 screen, which must agree with the full product a smaller batch takes)."""
     modules = dict(model.named_modules())
     for param, parts in held.items():
         module = param.removesuffix(".weight")
@@ -495,7 +512,7 @@ def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[GgufW
         elif module == "lm_head":
             model.hold_gguf_lm_head(parts[0])
         else:
-            modules[module].hold_gguf(parts)
+            modules[module].hold_gguf(tuple(part.with_activations(activations) for part in parts))
 
 
 def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
@@ -522,7 +539,7 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
     for rotary in model.rotaries:
         fresh = type(rotary)(_rope_of(model, rotary), config.head_dim, max_positions)
         rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
-    _hold_gguf(model, config, held, dtype)
+    _hold_gguf(model, config, held, dtype, checkpoint.activations)
     params = dict(model.named_parameters())
     tied = {"lm_head.weight"} if config.tie_word_embeddings or model.gguf_lm_head is not None else set()
     missing = set(params) - set(state) - set(held) - tied
