@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/model_products.py [--model gemma-3-270m] [--rows 1 16 64 256] [--repeats 30]
 
-Three engines in one process, `--dtype bfloat16`: the GGUF blocks with int8 rows (`--weight-dtype
-gguf --gguf-activations int8`, where the CPU has AVX512-VNNI), with exact rows (`exact`), and bf16
-weights (`--weight-dtype bfloat16`). For each row
+Three engines in one process, `--dtype bfloat16`: the GGUF blocks with int8 rows ("gguf int8":
+`--weight-dtype gguf --gguf-activations int8`, where the CPU has AVX512-VNNI; its lm_head stays
+exact), with exact rows ("gguf"), and bf16 weights (`--weight-dtype bfloat16`). For each row
 count: one layer's four products (QKV, output, gate/up, down; the middle layer's) on random bf16
 rows, and the greedy lm_head (`greedy_tokens`: the bf16 weights' int8 screen, the GGUF blocks' full
 product) on real final hidden states, captured from the GGUF engine's own decode steps over prose.
@@ -32,7 +32,7 @@ from common import make_prompts  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kernels import gguf  # noqa: E402
 
-ENGINES = {"gguf": dict(weight_dtype="gguf", gguf_activations="int8"), "gguf exact": dict(weight_dtype="gguf", gguf_activations="exact"),
+ENGINES = {"gguf int8": dict(weight_dtype="gguf", gguf_activations="int8"), "gguf": dict(weight_dtype="gguf", gguf_activations="exact"),
            "bfloat16": dict(weight_dtype="bfloat16")}  # fmt: skip
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.rows) < 1:
         parser.error("--rows must be positive")
-    WEIGHTS = tuple(w for w in ENGINES if w != "gguf" or gguf.gguf_int8_available())
+    WEIGHTS = tuple(w for w in ENGINES if w != "gguf int8" or gguf.gguf_int8_available())
     engines = {w: LLM(args.model, dtype="bfloat16", kv_cache_memory=0.3, enable_prefix_caching=False, **ENGINES[w]) for w in WEIGHTS}
     models = {w: llm.engine.model for w, llm in engines.items()}
     first = WEIGHTS[0]
@@ -94,7 +94,7 @@ def main() -> None:
     types["lm_head"] = models[first].gguf_lm_head.type_name if models[first].gguf_lm_head is not None else "float"
     num_layers = len(models[first].layers)
     blocks = [w for w in WEIGHTS if w != "bfloat16"]
-    print(f"{args.model}: layer {middle} of {num_layers}, bf16 rows, medians of {args.repeats} (ms); gguf: int8 rows, the lm_head exact\n")
+    print(f"{args.model}: layer {middle} of {num_layers}, bf16 rows, medians of {args.repeats} (ms)\n")
     print("| rows | product (GGUF type) | " + " | ".join(f"{w} ms" for w in WEIGHTS) + " | " + " | ".join(f"bf16 / {w}" for w in blocks) + " |")
     print("|---:|---|" + "---:|" * (len(WEIGHTS) + len(blocks)))
     screened_tiles: list[str] = []

@@ -29,7 +29,8 @@ namespace screen8 {
 
 constexpr int kValues = 32;                   // Q8_0 codes per block
 constexpr int kBlockBytes = 34 * kTile;       // one block of a 16-row tile: fp16 d, then 32 codes, interleaved
-constexpr int kScreenRows = 8;                // rows screened together against a tile held in L1
+constexpr int kScreenRows = 4;                // rows screened together against kScreenTiles tiles held in L1
+constexpr int kScreenTiles = 3;
 
 inline float up(double v) {
   const float f = static_cast<float>(v);
@@ -118,37 +119,49 @@ inline void raise(std::atomic<float>& bar, float value) {
   }
 }
 
-// z[m] = each of the tile's 16 lanes' approximation for rows row0 .. row0 + MR - 1 (MR fixed, so
-// the sums stay in registers)
-template <int MR>
-void screen_rows(const __m512i* codes, const __m512* scales, int blocks, const QuantRows& q, int k, int row0, __m512* z) {
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+// z[m][t] = tile t's 16 lanes' approximations for rows row0 .. row0 + MR - 1, against NT tiles (MR
+// and NT fixed, so the sums stay in registers; each tile's codes tile_codes apart)
+template <int MR, int NT>
+void screen_rows(const __m512i* codes, int64_t tile_codes, const __m512* scales, int blocks, const QuantRows& q, int k, int row0, __m512 (*z)[kScreenTiles]) {
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   const int8_t* r = q.r.data() + static_cast<size_t>(row0) * k;
   for (int b = 0; b < blocks; ++b) {
-    __m512i sum[MR];
-    for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
+    __m512i sum[MR][NT];
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) sum[m][t] = _mm512_setzero_si512();
     for (int quad = 0; quad < 8; ++quad) {
-      const __m512i wq = codes[b * 8 + quad];
+      __m512i wq[NT];
+      for (int t = 0; t < NT; ++t) wq[t] = codes[t * tile_codes + b * 8 + quad];
       for (int m = 0; m < MR; ++m) {
         int32_t four;
         std::memcpy(&four, r + static_cast<size_t>(m) * k + b * kValues + 4 * quad, sizeof(four));
-        sum[m] = _mm512_dpbusd_epi32(sum[m], wq, _mm512_set1_epi32(four));
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int t = 0; t < NT; ++t) sum[m][t] = _mm512_dpbusd_epi32(sum[m][t], wq[t], a);
       }
     }
     for (int m = 0; m < MR; ++m) {
       const size_t at = static_cast<size_t>(row0 + m) * blocks + b;
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m], _mm512_set1_epi32(q.excess[at])));
-      acc[m] = _mm512_fmadd_ps(scales[b], _mm512_mul_ps(v, _mm512_set1_ps(q.scale[at])), acc[m]);
+      const __m512i excess = _mm512_set1_epi32(q.excess[at]);
+      const __m512 scale = _mm512_set1_ps(q.scale[at]);
+      for (int t = 0; t < NT; ++t)
+        acc[m][t] = _mm512_fmadd_ps(scales[t * blocks + b], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][t], excess)), scale), acc[m][t]);
     }
   }
-  for (int m = 0; m < MR; ++m) z[m] = acc[m];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) z[m][t] = acc[m][t];
 }
 
-using ScreenRows = void (*)(const __m512i*, const __m512*, int, const QuantRows&, int, int, __m512*);
+using ScreenRows = void (*)(const __m512i*, int64_t, const __m512*, int, const QuantRows&, int, int, __m512 (*)[kScreenTiles]);
 
-inline ScreenRows screen_rows_for(int rows) {
-  return for_rows<1, kScreenRows>(rows, ScreenRows{}, [](auto r) -> ScreenRows { return screen_rows<decltype(r)::value>; });
+template <int NT>
+ScreenRows screen_rows_for_tiles(int rows) {
+  return for_rows<1, kScreenRows>(rows, ScreenRows{}, [](auto r) -> ScreenRows { return screen_rows<decltype(r)::value, NT>; });
+}
+
+inline ScreenRows screen_rows_for(int rows, int tiles) {
+  return tiles == 3 ? screen_rows_for_tiles<3>(rows) : tiles == 2 ? screen_rows_for_tiles<2>(rows) : screen_rows_for_tiles<1>(rows);
 }
 
 // x (bf16 [rows, k], stride ldx) against the Q8_0 weight w: argmax [rows]; rescored (optional): the
@@ -172,42 +185,50 @@ inline void argmax(const Weight& w, const uint16_t* x, int64_t ldx, int rows, co
 #pragma omp parallel
   {
     std::vector<Candidate> mine;
-    // one tile's codes as vpdpbusd takes them ([block][quad][lane][4] bytes, + 128) and its d's
-    std::vector<__m512i> codes(static_cast<size_t>(blocks) * 8);
-    std::vector<__m512> scales(blocks);
+    // kScreenTiles tiles' codes as vpdpbusd takes them ([block][quad][lane][4] bytes, + 128) and their d's
+    const int64_t tile_codes = static_cast<int64_t>(blocks) * 8;
+    std::vector<__m512i> codes(static_cast<size_t>(tile_codes) * kScreenTiles);
+    std::vector<__m512> scales(static_cast<size_t>(blocks) * kScreenTiles);
     const __m512i index = _mm512_load_si512(transpose);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    for (int64_t t = tiles * me / threads; t < tiles * (me + 1) / threads; ++t) {
-      const uint8_t* tile = w.tiles + t * w.tile_bytes;
-      for (int b = 0; b < blocks; ++b) {
-        const uint8_t* blk = tile + static_cast<int64_t>(b) * kBlockBytes;
-        scales[b] = lanes_half(blk, 0).v;
-        for (int quad = 0; quad < 8; ++quad)
-          codes[b * 8 + quad] = _mm512_xor_si512(
-              _mm512_permutexvar_epi8(index, _mm512_loadu_si512(blk + (2 + 4 * quad) * kTile)), flip);
+    const int64_t end = tiles * (me + 1) / threads;
+    for (int64_t first = tiles * me / threads; first < end; first += kScreenTiles) {
+      const int group = static_cast<int>(std::min<int64_t>(kScreenTiles, end - first));
+      for (int g = 0; g < group; ++g) {
+        const uint8_t* tile = w.tiles + (first + g) * w.tile_bytes;
+        for (int b = 0; b < blocks; ++b) {
+          const uint8_t* blk = tile + static_cast<int64_t>(b) * kBlockBytes;
+          scales[g * blocks + b] = lanes_half(blk, 0).v;
+          for (int quad = 0; quad < 8; ++quad)
+            codes[g * tile_codes + b * 8 + quad] = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(index, _mm512_loadu_si512(blk + (2 + 4 * quad) * kTile)), flip);
+        }
       }
-      const int64_t left = w.n - t * kTile;
-      const __mmask16 valid = left >= kTile ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-      const float* tile_blocks = block_bound + t * blocks;
       for (int row0 = 0; row0 < rows; row0 += kScreenRows) {
         const int count = std::min(kScreenRows, rows - row0);
-        __m512 z[kScreenRows];
-        screen_rows_for(count)(codes.data(), scales.data(), blocks, q, k, row0, z);
-        for (int m = 0; m < count; ++m) {
-          const int row = row0 + m;
-          const float top = _mm512_mask_reduce_max_ps(valid, z[m]);
-          const float slack = rounding * tile_l1[t] * (q.x_max[row] + q.error_max[row]) + underflow;
-          const float bar = bars[row].load(std::memory_order_relaxed);
-          // two bounds on every lane's |x . w_i - z_i|: its L1 norm times the largest E_b (cheap: a tile
-          // under the bar with it can neither win nor raise the bar), and the sum over blocks
-          const float cheap = tile_l1[t] * q.error_max[row];
-          if (top + 1.001f * (cheap + slack) < bar) continue;
-          float blockwise = 0.0f;
-          for (int b = 0; b < blocks; ++b) blockwise += tile_blocks[b] * q.error[static_cast<size_t>(row) * blocks + b];
-          const float bound = 1.001f * (std::min(cheap, blockwise) + slack);
-          if (top - bound > bar) raise(bars[row], top - bound);
-          if (top + bound >= bar) mine.push_back({row, t, top + bound});  // (a bar just raised by this tile: it stays too)
+        __m512 z[kScreenRows][kScreenTiles];
+        screen_rows_for(count, group)(codes.data(), tile_codes, scales.data(), blocks, q, k, row0, z);
+        for (int g = 0; g < group; ++g) {
+          const int64_t t = first + g;
+          const int64_t left = w.n - t * kTile;
+          const __mmask16 valid = left >= kTile ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+          const float* tile_blocks = block_bound + t * blocks;
+          for (int m = 0; m < count; ++m) {
+            const int row = row0 + m;
+            const float top = _mm512_mask_reduce_max_ps(valid, z[m][g]);
+            const float slack = rounding * tile_l1[t] * (q.x_max[row] + q.error_max[row]) + underflow;
+            const float bar = bars[row].load(std::memory_order_relaxed);
+            // two bounds on every lane's |x . w_i - z_i|: its L1 norm times the largest E_b (cheap: a tile
+            // under the bar with it can neither win nor raise the bar), and the sum over blocks
+            const float cheap = tile_l1[t] * q.error_max[row];
+            if (top + 1.001f * (cheap + slack) < bar) continue;
+            float blockwise = 0.0f;
+            for (int b = 0; b < blocks; ++b) blockwise += tile_blocks[b] * q.error[static_cast<size_t>(row) * blocks + b];
+            const float bound = 1.001f * (std::min(cheap, blockwise) + slack);
+            if (top - bound > bar) raise(bars[row], top - bound);
+            if (top + bound >= bar) mine.push_back({row, t, top + bound});  // (a bar just raised by this tile: it stays too)
+          }
         }
       }
     }
