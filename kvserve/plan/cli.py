@@ -357,6 +357,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError("give --weights-gib (or --model, to compute the weights' size)")
             weight_bytes, held_as = planned_weight_bytes(args.model, model_config, args.weight_dtype, args.dtype)
             weights = weight_bytes / GIB
+            if args.memory_gib - weights - args.headroom_gib <= 0:
+                raise ValueError(_needs_by_weight_form(args, model_config, shape, kv_dtype, workload, weights, held_as))
         budget = Budget(args.memory_gib, weights, args.headroom_gib)
     result = plan(shape, kv_dtype, workload, budget)
     if budget is not None:
@@ -380,6 +382,24 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(result, budget, max(workload.seq_lens))
     return 1 if budget is not None and not result["fits"] else 0
+
+
+def _needs_by_weight_form(args, config: ModelConfig, shape: KVShape, kv_dtype: str, workload: Workload, weights_gib: float, held_as: str) -> str:
+    """Why a --memory-gib that the weights fill is refused, and what the workload needs with each form
+    the model's weights can be held in (the weights, the KV cache at the workload's peak, the headroom)."""
+    from kvserve.model.registry import resolve_model_path
+
+    path = resolve_model_path(args.model) if Path(args.model).suffix != ".json" else Path(args.model)
+    forms = [("gguf", args.dtype)] if path.is_file() and path.suffix != ".json" else []
+    forms += [("int8", args.dtype), ("bfloat16", "bfloat16"), ("float32", "float32")]
+    needs = []
+    for weight_dtype, dtype in forms:
+        weight_bytes, held = planned_weight_bytes(args.model, config, weight_dtype, dtype)
+        fit = plan(shape, kv_dtype, workload, Budget(MAX_GIB, weight_bytes / GIB, args.headroom_gib))
+        flags = f"--weight-dtype {weight_dtype}" + (f" --dtype {dtype}" if dtype != args.dtype else "")
+        needs.append(f"{held} ({flags}): {weight_bytes / GIB:.3f} GiB of weights, {fit['required_memory_gib']:.3f} GiB in all")
+    return (f"memory-gib {args.memory_gib} leaves nothing for the KV cache after {weights_gib:.3f} GiB of weights ({held_as}) and "
+            f"{args.headroom_gib:g} GiB of headroom. This workload needs, with the weights held as: " + "; ".join(needs))
 
 
 def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | None, budget: Budget | None) -> dict:
