@@ -75,12 +75,32 @@ def test_a_fused_projections_parts_give_each_parts_own_bits(rows):
         gguf.GgufProduct((parts[0], parts[1].with_activations("exact")))
 
 
-def test_non_finite_rows_give_nan_and_zero_rows_give_zero():
-    weight, _ = int8_weight("Q4_K", 32, 256)
-    x = torch.zeros(3, 256)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_non_finite_rows_give_nan_and_zero_rows_give_zero(type_name):
+    weight, _ = int8_weight(type_name, 32, 256)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5))
+    x[0] = 0
     x[1, 7] = float("inf")
-    out = gguf.gguf_matmul(x, weight)[0]
-    assert torch.equal(out[0], torch.zeros(32)) and out[1].isnan().all() and torch.equal(out[2], torch.zeros(32))
+    x[2, 5] = float("nan")  # one NaN among finite values: max ignores it, the check must not
+    x[3, 31] = float("nan")
+    x[4, 200] = -float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        out = gguf.gguf_matmul(x.to(dtype), weight, out_dtype=torch.float32)[0]
+        assert torch.equal(out[0], torch.zeros(32)) and out[1:5].isnan().all() and out[5].isfinite().all()
+
+
+def test_blocks_too_small_for_127_over_their_max_are_quantized_exactly():
+    """127 / max|x| overflows float32 below max|x| ~ 3.7e-37: such a block is quantized in double."""
+    weight, w64 = int8_weight("Q8_0", 16, 64)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    x[0, :32] *= 1e-38
+    x[1, 32:] *= 1e-37
+    x = x.float()
+    out = gguf.gguf_matmul(x, weight)[0].double()
+    blocks = x.double().reshape(2, 2, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    want = (torch.round(blocks * 127 / amax) * (amax.float() / 127).double()).reshape(2, 64) @ w64.T
+    assert torch.allclose(out, want, rtol=1e-3, atol=1e-42)
 
 
 def test_the_weight_says_how_its_rows_are_taken():

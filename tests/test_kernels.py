@@ -479,3 +479,15 @@ def test_a_prefill_over_cached_slots_on_sdpa_matches_the_reference(backend_name,
     ref = reference_attention(q, kv.key.float().nan_to_num(), kv.value.float(), table.tolist(), block_size, torch.arange(start, start + count), window)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+def test_every_kernel_source_is_in_the_builds_digest():
+    """The cached library is keyed by its sources' bytes: a header left out of the digest would keep an
+    old build after the header changed."""
+    from pathlib import Path
+
+    from kvserve.kernels import build
+
+    here = Path(build.__file__).parent
+    listed = set(build.SOURCES) | set(build.HEADERS)
+    assert {p.name for p in here.glob("*.h")} | {p.name for p in here.glob("*.cpp")} <= listed

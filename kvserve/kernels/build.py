@@ -29,7 +29,7 @@ SOURCES = [
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = [
-    "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_screen.h",
+    "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_int8.h", "gguf_screen.h",
     # paged_attention.cpp's paths, included into its one translation unit
     "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
 ]  # fmt: skip

@@ -43,27 +43,39 @@ struct Rows {
   int k = 0;
 };
 
-// A block of 32 floats' codes and scale; non-finite values give a NaN scale (the outputs are NaN,
-// as the float path's would be)
+// A block of 32 floats' codes and scale; a NaN or an infinity gives a NaN scale (the outputs are
+// NaN, as the float path's would be). 127 / max|x| overflows below max|x| ~ 3.7e-37: such a block
+// is quantized in double, to the same codes an exact 127 / max|x| would give.
 inline void quantize_block(__m512 lo, __m512 hi, int8_t* q, float* d, int32_t* sum16) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  if (!std::isfinite(amax)) {
+  if (nan || !std::isfinite(amax)) {
     std::memset(q, 0, 32);
     *d = std::numeric_limits<float>::quiet_NaN();
     sum16[0] = sum16[1] = 0;
     return;
   }
+  *d = amax / 127.0f;
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  if (!std::isfinite(inverse)) {
+    alignas(64) float v[32];
+    _mm512_store_ps(v, lo);
+    _mm512_store_ps(v + 16, hi);
+    sum16[0] = sum16[1] = 0;
+    for (int j = 0; j < 32; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(static_cast<double>(v[j]) * 127.0 / static_cast<double>(amax)));
+      sum16[j / 16] += q[j];
+    }
+    return;
+  }
   const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));  // round to nearest even
   const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(a));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(b));
-  *d = amax / 127.0f;
   sum16[0] = _mm512_reduce_add_epi32(a);
   sum16[1] = _mm512_reduce_add_epi32(b);
 }
 
-// (into a buffer of the calling thread, kept between calls: a decode step makes ~100 of them)
 inline const Rows& quantize(const void* x, bool bf16, int64_t ldx, int rows, int k) {
   thread_local Rows buffer;
   Rows& r = buffer;  // the caller's: inside the parallel loop below, `buffer` would name each worker's own

@@ -62,6 +62,8 @@ def check_rows(x: torch.Tensor, k: int, name: str) -> None:
         raise ValueError(f"{name}: x must be float32 or bf16 [rows > 0, {k}] with unit inner stride")
     if x.device.type != "cpu":
         raise ValueError(f"{name}: x must be on the CPU")
+    if x.shape[0] > 1 and x.stride(0) < k:
+        raise ValueError(f"{name}: x's rows must not overlap (row stride {x.stride(0)} < {k}): an expanded tensor needs .contiguous()")
 
 
 def float_matmul(
