@@ -119,13 +119,7 @@ inline void decode_block(const uint8_t* blk, Sink& sink) {
     constexpr int qs_at = T == kQ5_K ? 48 : 16;
     for (int s = 0; s < 8; ++s) {
       u8x16 sc, mn;
-      if (s < 4) {
-        sc = lanes(blk, 4 + s) & 63;
-        mn = lanes(blk, 8 + s) & 63;
-      } else {
-        sc = (lanes(blk, 12 + s - 4) & 0x0F) | ((lanes(blk, 4 + s - 4) >> 2) & 0x30);
-        mn = (lanes(blk, 12 + s - 4) >> 4) | ((lanes(blk, 8 + s - 4) >> 2) & 0x30);
-      }
+      k4_scale_min(blk, s, sc, mn);
       for (int l = 0; l < 32; l += 2) {
         const __m256i q = lane_pair(blk, qs_at + (s / 2) * 32 + l);
         __m256i codes = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(q, 4) : q, low4);

@@ -253,6 +253,17 @@ inline V16 to_float(i8x16 q) { return {__builtin_convertvector(q, f32x16)}; }
 inline void put(float* out, int row, V16 x) { std::memcpy(out + static_cast<int64_t>(row) * kTile, &x.v, sizeof(x.v)); }
 #endif
 
+// Q4_K / Q5_K: sub-block s's 6-bit scale and min of each lane's block (scale_min_k4, 16 rows at once)
+inline void k4_scale_min(const uint8_t* blk, int s, u8x16& sc, u8x16& mn) {
+  if (s < 4) {
+    sc = lanes(blk, 4 + s) & 63;
+    mn = lanes(blk, 8 + s) & 63;
+  } else {
+    sc = (lanes(blk, 12 + s - 4) & 0x0F) | ((lanes(blk, 4 + s - 4) >> 2) & 0x30);
+    mn = (lanes(blk, 12 + s - 4) >> 4) | ((lanes(blk, 8 + s - 4) >> 2) & 0x30);
+  }
+}
+
 // the fp16 at bytes j, j+1 of each lane's block, as float
 inline V16 lanes_half(const uint8_t* blk, int j) {
   const u16x16 bits = __builtin_convertvector(lanes(blk, j), u16x16) | (__builtin_convertvector(lanes(blk, j + 1), u16x16) << 8);
@@ -303,13 +314,7 @@ inline void dequantize_tile_block(const uint8_t* blk, Sink&& sink) {
     const int qs_at = T == kQ5_K ? 48 : 16;
     for (int s = 0; s < 8; ++s) {
       u8x16 sc, mn;
-      if (s < 4) {
-        sc = lanes(blk, 4 + s) & 63;
-        mn = lanes(blk, 8 + s) & 63;
-      } else {
-        sc = (lanes(blk, 12 + s - 4) & 0x0F) | ((lanes(blk, 4 + s - 4) >> 2) & 0x30);
-        mn = (lanes(blk, 12 + s - 4) >> 4) | ((lanes(blk, 8 + s - 4) >> 2) & 0x30);
-      }
+      k4_scale_min(blk, s, sc, mn);
       const V16 ds = d * to_float(sc), ms = dmin * to_float(mn);
       const int shift = (s & 1) * 4;
       for (int l = 0; l < 32; ++l) {
