@@ -15,6 +15,7 @@ its "T s" column (the whole job) gives its rate. Build it as docs/benchmarks.md 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kv.spec import KV_FORMATS  # noqa: E402
 from kvserve.model.registry import resolve_model_path  # noqa: E402
 
 
@@ -131,6 +133,18 @@ def weight_form(value: str) -> str:
     return value
 
 
+def kv_form(value: str) -> str:
+    if value != "auto" and value not in KV_FORMATS:
+        raise argparse.ArgumentTypeError(f"{value!r}: auto or one of {', '.join(KV_FORMATS)}")
+    return value
+
+
+def column_name(weight_dtype: str, kv_dtype: str, args: argparse.Namespace) -> str:
+    """kvserve's column: the flags that differ between its columns."""
+    flags = [f"--weight-dtype {weight_dtype}"] * (len(args.weight_dtypes) > 1) + [f"--kv-cache-dtype {kv_dtype}"] * (len(args.kv_cache_dtypes) > 1)
+    return f"kvserve ({', '.join(flags)})" if flags else "kvserve"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", help="alias, GGUF file or HF directory")
@@ -142,6 +156,8 @@ def main() -> None:
     parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], type=weight_form,
                         help="kvserve's --weight-dtype (auto, gguf, bfloat16, float32, int8), optionally with its "
                         "--gguf-activations after a colon (gguf:exact, gguf:int8): one column per value, each engine loaded in turn")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], type=kv_form,
+                        help="kvserve's --kv-cache-dtype (auto, bfloat16, int8, fp8_e4m3, ...): one column per value and weight form")
     parser.add_argument("--openvino-model", action="append", default=[], metavar="DIR",
                         help="an OpenVINO GenAI model directory (bench/export_openvino.py) to run beside kvserve on the same token "
                         "ids and threads; repeat for several (int4, int8)")
@@ -154,15 +170,16 @@ def main() -> None:
     if args.llama_batched_bench and not executable_file(args.llama_batched_bench):
         parser.error(f"--llama-batched-bench {args.llama_batched_bench}: not an executable file")
     ours, dtype = {}, None
-    for weight_dtype in args.weight_dtypes:
+    for weight_dtype, kv_dtype in itertools.product(args.weight_dtypes, args.kv_cache_dtypes):
         held, _, rows = weight_dtype.partition(":")
-        llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=held, gguf_activations=rows or "auto")
+        llm = LLM(model=args.model, max_num_seqs=max(parallel), enable_prefix_caching=False, weight_dtype=held, gguf_activations=rows or "auto",
+                  kv_cache_dtype=kv_dtype)  # fmt: skip
         dtype = llm.engine.config.dtype
         vocab = llm.engine.model.config.vocab_size
         kvserve_rate(llm, 2, 64, 4, vocab, seed=99)  # warm-up: the kernels' first calls, then each measured shape once
         for n in parallel:
             kvserve_rate(llm, n, args.prompt_len, 2, vocab, seed=1000 + n)
-        ours[weight_dtype] = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
+        ours[(weight_dtype, kv_dtype)] = {n: kvserve_rate(llm, n, args.prompt_len, args.new_tokens, vocab, seed=n) for n in parallel}
         del llm
     peers = {}
     for directory in args.openvino_model:
@@ -185,7 +202,7 @@ def main() -> None:
     print(f"{args.model} ({dtype}), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each; "
           "generated tok/s over the whole job")  # fmt: skip
     print(machine_line())
-    names = [f"kvserve (--weight-dtype {w})" if len(ours) > 1 else "kvserve" for w in ours]
+    names = [column_name(w, kv, args) for w, kv in ours]
     others = {**peers, **({"llama.cpp": theirs} if args.llama_batched_bench else {})}
     ratios = [(name, peer) for name in names for peer in others]
     print("| parallel | " + " | ".join(names + list(others)) + "".join(f" | {name} / {peer}" for name, peer in ratios) + " |")

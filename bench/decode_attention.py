@@ -50,11 +50,11 @@ def main() -> None:
                 blocks_per_seq = -(-max(contexts) // bs)
                 blocks = seqs * blocks_per_seq
                 spec = KVCacheSpec(1, kv_heads, dim, kv_dtype, bs, residual_dtype="bfloat16")
-                pool = PagedKVPool(spec, blocks, torch.device("cpu"), num_residual_blocks=8 * seqs if kivi else 0)
+                pool = PagedKVPool(spec, blocks, torch.device("cpu"))
                 layer = pool.layers[0]
                 # random K/V in every block; KIVI's are stored in its full-precision residual blocks
                 # and quantized from there, a chunk at a time, as the engine does
-                chunk = 8 if kivi else 256
+                chunk = min(8, pool.num_residual_blocks) if kivi else 256
                 for b in range(0, blocks, chunk):
                     n = min(chunk, blocks - b)
                     first = pool.first_residual if kivi else b

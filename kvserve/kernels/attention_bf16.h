@@ -191,6 +191,20 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
   float* s = scratch.scores.data();
 
   // scores, 16 keys at a time from each block's start
+  // int8 K/V on AVX512-VNNI: 16-bit integer products (attention_int8.h)
+  constexpr bool kInt8Path = DT == kInt8 && KVSERVE_INT8_ATTENTION;
+  const bool int16 = kInt8Path && kv.block_size <= kInt8MaxBlockSlots;
+  [[maybe_unused]] const int16_t* int16_queries = nullptr;
+  [[maybe_unused]] const float* query_scales = nullptr;
+#if KVSERVE_INT8_ATTENTION
+  if (int16) {
+    scratch.int16_queries.resize(static_cast<size_t>(count) * head_dim);
+    scratch.query_scales.resize(count);
+    int16_query_rows(scratch.int16_queries.data(), scratch.query_scales.data(), queries, count, head_dim);
+    int16_queries = scratch.int16_queries.data();
+    query_scales = scratch.query_scales.data();
+  }
+#endif
   __m512* partial = scratch.aligned<__m512>(static_cast<size_t>(count) * 16);
   for_each_block(kv, table, lo, hi, kv_head, [&](int64_t start, int64_t begin, int64_t end, int64_t offset, int64_t next) {
     for (int64_t j0 = 0; start + j0 < end; j0 += 16) {
@@ -208,12 +222,22 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
         if constexpr (kScaled) factor[j] = scale * scale_at(key_cache, offset, j0 + j);
         const uint8_t* key = key_cache + (offset + (j0 + j) * row_stride) * kElemBytes;
         for_each_row_block(count, [&](auto size, int r0) {
+#if KVSERVE_INT8_ATTENTION
+          if (int16) {
+            int8_key_partials_block<decltype(size)::value>(partial + r0 * 16, int16_queries + static_cast<size_t>(r0) * head_dim, head_dim, key, j);
+            return;
+          }
+#endif
           bf16_partials_block<decltype(size)::value, DT>(partial + r0 * 16, queries + static_cast<size_t>(r0) * head_dim, head_dim, key, j);
         });
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
       const __m512 by = _mm512_load_ps(factor);
-      for (int r = 0; r < count; ++r) _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, _mm512_mul_ps(reduce16(partial + r * 16), by));
+      for (int r = 0; r < count; ++r) {
+        __m512 scores = _mm512_mul_ps(reduce16(partial + r * 16), by);
+        if (int16) scores = _mm512_mul_ps(scores, _mm512_set1_ps(query_scales[r]));
+        _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, scores);
+      }
     }
   });
 
@@ -228,8 +252,14 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
   }
   const int64_t pitch = span + 2;
   scratch.probs.resize(static_cast<size_t>(count) * pitch);
-  std::vector<float> inv_sum(count);
-  bf16_probabilities<kScaled>(s, span, base, rows, value_scales.data(), scratch.probs.data(), pitch, inv_sum.data(), lse);
+  std::vector<float> inv_sum(count), weight_scales(count);
+#if KVSERVE_INT8_ATTENTION
+  if (int16)
+    int16_probabilities(s, span, base, rows, value_scales.data(), reinterpret_cast<int16_t*>(scratch.probs.data()), pitch, inv_sum.data(), lse,
+                        weight_scales.data());
+  else
+#endif
+    bf16_probabilities<kScaled>(s, span, base, rows, value_scales.data(), scratch.probs.data(), pitch, inv_sum.data(), lse);
 
   // values: acc [rows][chunks][2][16] float, dims in unpack order; slots paired at even offsets of
   // a block, a slot outside [lo, hi) read as zeros
@@ -246,14 +276,30 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
       if (next >= 0)
         for (int64_t j = 0; j < kv.block_size; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(value_cache + (next + j * row_stride + c * 32) * kElemBytes), _MM_HINT_T1);
+      // a value row's 32 dims from c * 32 as 16-bit lanes: bf16, or int16 codes on the int8 path
+      auto load_row = [&](int64_t j) {
+#if KVSERVE_INT8_ATTENTION
+        if (int16) return load_row_int16(value_cache + offset + j * row_stride, c);
+#endif
+        return (__m512i)load_row_bh<DT>(value_cache + (offset + j * row_stride) * kElemBytes, c);
+      };
       for (int i = 0; i < pair_count; ++i) {
         const int64_t j = from + 2 * i;
-        const __m512i v0 = start + j >= begin ? (__m512i)load_row_bh<DT>(value_cache + (offset + j * row_stride) * kElemBytes, c) : zero;
-        const __m512i v1 = j + 1 < to ? (__m512i)load_row_bh<DT>(value_cache + (offset + (j + 1) * row_stride) * kElemBytes, c) : zero;
+        const __m512i v0 = start + j >= begin ? load_row(j) : zero;
+        const __m512i v1 = j + 1 < to ? load_row(j + 1) : zero;
         pairs_lo[i] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
         pairs_hi[i] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
       }
       for_each_row_block(count, [&](auto size, int r0) {
+#if KVSERVE_INT8_ATTENTION
+        if (int16) {
+          int16_values_block<decltype(size)::value>(acc + static_cast<size_t>(r0) * chunks * 32,
+                                                    reinterpret_cast<const int16_t*>(scratch.probs.data()) + r0 * pitch, pitch, chunks, c,
+                                                    reinterpret_cast<const __m512i*>(pairs_lo), reinterpret_cast<const __m512i*>(pairs_hi),
+                                                    pair_count, start + from - base, weight_scales.data() + r0);
+          return;
+        }
+#endif
         bf16_values_block<decltype(size)::value>(acc + static_cast<size_t>(r0) * chunks * 32, scratch.probs.data() + r0 * pitch, pitch, chunks,
                                                  c, pairs_lo, pairs_hi, pair_count, start + from - base);
       });

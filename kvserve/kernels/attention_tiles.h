@@ -29,6 +29,8 @@ struct TileScratch {
   std::vector<float> vectors;  // 64-byte vectors for the bf16 path (partial sums, value pairs)
   std::vector<uint16_t> staged_queries;  // the AMX path's B tiles of queries
   std::vector<uint16_t> staged_values;   // the AMX path's B tiles of value pairs
+  std::vector<int16_t> int16_queries;    // [rows][head_dim]: the int8 keys' path (attention_bf16.h)
+  std::vector<float> query_scales;       // [rows]
 
   // n zeroed 64-byte vectors of type V, aligned
   template <typename V>

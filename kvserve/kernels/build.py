@@ -31,7 +31,7 @@ SOURCES = [
 HEADERS = [
     "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_int8.h", "gguf_screen.h",
     # paged_attention.cpp's paths, included into its one translation unit
-    "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
+    "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_int8.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
 ]  # fmt: skip
 # test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
 AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]

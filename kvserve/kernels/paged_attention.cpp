@@ -51,6 +51,7 @@ using namespace kvserve;
 #include "attention_common.h"
 #include "attention_rows.h"
 #include "attention_tiles.h"
+#include "attention_int8.h"
 #include "attention_bf16.h"
 #include "attention_amx.h"
 #include "attention_kivi_bf16.h"
