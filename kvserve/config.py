@@ -52,7 +52,7 @@ def _faster_in_a_timed_matmul() -> str:
 MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
-WEIGHT_DTYPES = ("auto", "gguf", "int8", "bfloat16", "float32")
+WEIGHT_DTYPES = ("auto", "gguf", "int8", "int4", "bfloat16", "float32")
 GGUF_ACTIVATIONS = ("auto", "int8", "exact")
 
 
@@ -60,7 +60,7 @@ GGUF_ACTIVATIONS = ("auto", "int8", "exact")
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
-    weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; int8 (HF checkpoints); bfloat16; float32
+    weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; int8 / int4 (any checkpoint, quantized at load); bfloat16; float32
     gguf_activations: str = "auto"  # products on GGUF / Q8_0 blocks: int8 rows (AVX512-VNNI) or exact; auto: exact
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
@@ -120,7 +120,7 @@ class EngineConfig:
         if self.weight_dtype in DTYPES and self.weight_dtype != dtype:
             raise ValueError(f"--weight-dtype {self.weight_dtype} holds the weights in the activations' dtype: it needs --dtype "
                              f"{self.weight_dtype} (--dtype is {dtype})")  # fmt: skip
-        if self.weight_dtype in ("gguf", "int8"):  # checked here too so that `kvserve eval` refuses a --config before loading
+        if self.weight_dtype in ("gguf", "int8", "int4"):  # checked here too so that `kvserve eval` refuses a --config before loading
             if dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"--weight-dtype {self.weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
             if torch.device(self.device).type != "cpu":

@@ -502,8 +502,9 @@ def test_a_budget_the_weights_fill_says_what_each_weight_form_needs():
     refused = run_plan(*workload, "--memory-gib", "1")
     assert refused.returncode == 2 and "leaves nothing for the KV cache" in refused.stderr
     needs = dict(re.findall(r"--weight-dtype (\w+)[^:]*\): [0-9.]+ GiB of weights, ([0-9.]+) GiB in all", refused.stderr))
-    assert set(needs) == {"gguf", "int8", "bfloat16", "float32"}
+    assert set(needs) == {"gguf", "int4", "int8", "bfloat16", "float32"}
     assert float(needs["gguf"]) < float(needs["int8"]) < float(needs["bfloat16"]) < float(needs["float32"])
+    assert float(needs["int4"]) < float(needs["int8"])
     gguf = plan_json(*workload, "--weight-dtype", "gguf", "--memory-gib", "8")
     assert gguf["required_memory_gib"] == float(needs["gguf"])
     assert plan_json(*workload, "--weight-dtype", "gguf", "--memory-gib", needs["gguf"])["fits"]

@@ -92,8 +92,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
 
     def weights_description(self) -> str:
-        """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)" or the dtype of their copies."""
-        held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
+        """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)", "int4 (Q4_1 blocks)" or the dtype of their copies."""
+        held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)", "int4": "int4 (Q4_1 blocks, Q8_0 embedding)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
         return held + (", int8 rows" if getattr(self, "gguf_activations", "exact") == "int8" else "")
 
     def _center_keys(self, vocab_size: int) -> None:
@@ -579,7 +579,7 @@ class LLMEngine:
 
     @property
     def weight_dtype(self) -> str:
-        """How the weights are held: "gguf" (the file's blocks), "int8" (Q8_0 blocks) or the --dtype of their copies."""
+        """How the weights are held: "gguf" (the file's blocks), "int8" (Q8_0 blocks), "int4" (Q4_1) or the --dtype of their copies."""
         held = getattr(self, "weight_format", "float")
         return self.config.dtype if held == "float" else held
 

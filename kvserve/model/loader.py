@@ -270,7 +270,7 @@ class Checkpoint:
     config: ModelConfig
     weight_files: tuple[Path, ...]  # safetensors files; () when the weights are read from the GGUF file itself
     metadata: dict  # GGUF scalar metadata; {} for HF directories
-    weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks; "int8": an HF checkpoint's quantized at load
+    weight_format: str = "float"  # "gguf": quantized tensors kept in their blocks; "int8" / "int4": quantized at load (QUANTIZED_AT_LOAD)
     activations: str = "exact"  # how the blocks' products take their rows (GGUF_ACTIVATIONS of kernels/gguf.py)
 
 
@@ -328,12 +328,13 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
         return "float"
     is_gguf = path.is_file()
     on_cpu = torch.device(device).type == "cpu" and library.cpu_kernels_available()
-    if weight_dtype == "int8":
+    if weight_dtype in QUANTIZED_AT_LOAD:
         if not on_cpu:
-            raise ValueError("--weight-dtype int8 computes on int8 blocks with the CPU kernels: it needs --device cpu and a C++ compiler")
+            raise ValueError(f"--weight-dtype {weight_dtype} computes on GGUF blocks with the CPU kernels: it needs --device cpu and a C++ "
+                             "compiler")  # fmt: skip
         if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--weight-dtype int8 takes float32 or bfloat16 activations; --dtype is {dtype}")
-        return "int8"
+            raise ValueError(f"--weight-dtype {weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
+        return weight_dtype
     if weight_dtype == "auto":
         if not (is_gguf and on_cpu and dtype == "float32"):
             return "float"
@@ -361,7 +362,7 @@ def resolve_gguf_activations(gguf_activations: str, weight_format: str) -> str:
     "exact" for float weights, which have no blocks. auto is exact: int8 rows cost 0.10-0.22%
     perplexity on the three packaged models (`kvserve eval`, docs/models.md), over the +0.1% a
     default may cost."""
-    if weight_format not in ("gguf", "int8") or gguf_activations == "auto":
+    if weight_format not in ("gguf", *QUANTIZED_AT_LOAD) or gguf_activations == "auto":
         return "exact"
     if gguf_activations == "int8" and not gguf_int8_available():
         raise ValueError("--gguf-activations int8 needs a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI (use exact or auto)")
@@ -370,13 +371,13 @@ def resolve_gguf_activations(gguf_activations: str, weight_format: str) -> str:
 
 def load_checkpoint(path: Path, weight_format: str = "float", activations: str = "exact") -> Checkpoint:
     """Read a checkpoint's config and locate its weights (weight_format "float": dequantizing a GGUF
-    once, then cached; "gguf": the file's own blocks, read at build; "int8": the float
-    weights (a GGUF file's dequantized) quantized to Q8_0 at build)."""
-    activations = activations if weight_format in ("gguf", "int8") else "exact"
+    once, then cached; "gguf": the file's own blocks, read at build; "int8" / "int4": the float
+    weights (a GGUF file's dequantized) quantized to Q8_0 / Q4_1 blocks at build)."""
+    activations = activations if weight_format in ("gguf", *QUANTIZED_AT_LOAD) else "exact"
     if path.is_file() and weight_format == "gguf":
         index = gguf_index(path)
         return Checkpoint(path, model_config_from_index(index), (), index["metadata"], "gguf", activations)
-    held = "int8" if weight_format == "int8" else "float"
+    held = weight_format if weight_format in QUANTIZED_AT_LOAD else "float"
     if path.is_file():
         config, weight_file, metadata = load_gguf_checkpoint(path)
         return Checkpoint(path, config, (weight_file,), metadata, held, activations)
@@ -455,16 +456,24 @@ def _gguf_groups(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[GgufWeight, ...]]:
+# --weight-dtype int8 / int4: the GGUF block type of the projections; the embedding and the lm_head
+# are Q8_0 in both (the lm_head's int8 screen reads Q8_0, and OpenVINO keeps them int8 under int4 too)
+QUANTIZED_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
+def _quantized_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]], weight_format: str) -> dict[str, tuple[GgufWeight, ...]]:
     """--weight-dtype int8: every projection, the embedding and the lm_head quantized to int8 with
-    a scale per 32 weights of a row (GGUF's Q8_0 blocks), computed by the GGUF kernels."""
+    a scale per 32 weights of a row (GGUF's Q8_0 blocks); int4: the projections to 4 bits with a
+    scale and a minimum per 32 weights (Q4_1, asymmetric groups of 32 as OpenVINO's int4_asym),
+    the embedding and lm_head to Q8_0. Computed by the GGUF kernels."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     held: dict[str, tuple[GgufWeight, ...]] = {}
     kept: list[str] = []  # weights whose rows are no whole number of blocks
     groups = _gguf_groups(config)
-    for param, names in tqdm(groups.items(), desc="quantizing weights to int8", unit="weight", leave=False):
+    for param, names in tqdm(groups.items(), desc=f"quantizing weights to {weight_format}", unit="weight", leave=False):
+        type_name = "Q8_0" if param in ("embed_tokens.weight", "lm_head.weight") else QUANTIZED_AT_LOAD[weight_format]
         if not all(name in getters for name in names):
             continue  # a missing tensor is reported by _internal_state
         parts = []
@@ -478,20 +487,21 @@ def _int8_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Ten
                 break
             weight = weight.float()
             largest = float(weight.abs().max()) if weight.numel() else 0.0
-            if not largest <= Q8_0_LARGEST:  # also NaN and inf
-                raise ValueError(f"weight {name} holds {largest:g}, beyond what Q8_0's fp16 scale reaches ({Q8_0_LARGEST:g}); "
-                                 "load it with --weight-dtype float32 or bfloat16")  # fmt: skip
-            rows = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
-            parts.append(gguf_weight(torch.from_numpy(rows), "Q8_0", n, k))
+            if not largest <= LARGEST_AT_LOAD[type_name]:  # also NaN and inf
+                raise ValueError(f"weight {name} holds {largest:g}, beyond what {type_name}'s fp16 scale reaches "
+                                 f"({LARGEST_AT_LOAD[type_name]:g}); load it with --weight-dtype float32 or bfloat16")  # fmt: skip
+            rows = quantize(weight.numpy(), GGMLQuantizationType[type_name])
+            parts.append(gguf_weight(torch.from_numpy(rows), type_name, n, k))
         else:
             held[param] = tuple(parts)
     if kept:
-        log.warning("--weight-dtype int8: %d of %d weights (%s) have rows that are no whole number of 32 values and stay in "
-                    "--dtype", len(kept), len(groups), ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))  # fmt: skip
+        log.warning("--weight-dtype %s: %d of %d weights (%s) have rows that are no whole number of 32 values and stay in "
+                    "--dtype", weight_format, len(kept), len(groups), ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))  # fmt: skip
     return held
 
 
-Q8_0_LARGEST = 65504.0 * 127  # the fp16 scale's largest value times the largest code
+# the largest |weight| a block holds: Q8_0's fp16 scale times its largest code; Q4_1's fp16 minimum
+LARGEST_AT_LOAD = {"Q8_0": 65504.0 * 127, "Q4_1": 65504.0}
 
 
 def _hold_gguf(model: CausalLM, config: ModelConfig, held: dict[str, tuple[GgufWeight, ...]], dtype: torch.dtype, activations: str) -> None:
@@ -529,8 +539,8 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
         state = _internal_state(config, floats.get, frozenset(held))
     else:
         getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
-        if checkpoint.weight_format == "int8":
-            held = _int8_weights(config, getters)
+        if checkpoint.weight_format in QUANTIZED_AT_LOAD:
+            held = _quantized_weights(config, getters, checkpoint.weight_format)
         state = _internal_state(config, lambda name: getters[name]() if name in getters else None, frozenset(held))
     with torch.device("meta"):
         model = CausalLM(config, max_positions)

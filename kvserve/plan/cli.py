@@ -60,6 +60,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                      help="how the engine holds the weights, as its flag: gguf, a GGUF file's quantized blocks (its tensor bytes); "
                      "int8, the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32 weights) and the norms in float32; "
+                     "int4, the projections in Q4_1 blocks (20 bytes per 32) and the embedding and lm_head in Q8_0; "
                      "float32 / bfloat16, every parameter at that size plus the lm_head's packed copy (and with bf16 on AVX512-VNNI "
                      "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
                      "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
@@ -105,21 +106,29 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
         raise ValueError(f"--weight-dtype gguf keeps a GGUF file's blocks; {model} is not a GGUF model")
     if weight_dtype == "gguf" or (weight_dtype == "auto" and is_gguf and dtype == "float32"):
         return sum(t["bytes"] for t in gguf_index(path)["tensors"]), "GGUF blocks"
-    if weight_dtype == "int8":
-        return int8_weight_bytes(config, dtype), "int8 (Q8_0 blocks)"
+    if weight_dtype in ("int8", "int4"):
+        return quantized_weight_bytes(config, dtype, weight_dtype), "int8 (Q8_0 blocks)" if weight_dtype == "int8" else "int4 (Q4_1 blocks)"
     held = dtype if weight_dtype == "auto" else weight_dtype
     # the native kernels' packed lm_head beside the row-major one (the embedding's, or the torch fallbacks')
     packed_lm_head = config.vocab_size * config.hidden_size * _DTYPE_BYTES[held]
     return model_weight_bytes(config, _DTYPE_BYTES[held]) + packed_lm_head, held
 
 
-def int8_weight_bytes(config: ModelConfig, dtype: str) -> int:
+def quantized_weight_bytes(config: ModelConfig, dtype: str, weight_dtype: str = "int8") -> int:
     """--weight-dtype int8: the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32
-    weights; a matrix whose rows are no whole number of blocks in --dtype), the norms in float32."""
+    weights; a matrix whose rows are no whole number of blocks in --dtype), the norms in float32;
+    int4: the projections in Q4_1 blocks (20 bytes per 32), the embedding and lm_head in Q8_0."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    matrices = [(config.vocab_size, h)] * (1 if config.tie_word_embeddings else 2) + [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * layers
-    held = sum(n * k * 34 // 32 if k % 32 == 0 else n * k * _DTYPE_BYTES[dtype] for n, k in matrices)
+    vocab = [(config.vocab_size, h)] * (1 if config.tie_word_embeddings else 2)
+    projections = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * layers
+    block_bytes = 34 if weight_dtype == "int8" else 20
+
+    def held_bytes(n: int, k: int, block: int) -> int:
+        return n * k * block // 32 if k % 32 == 0 else n * k * _DTYPE_BYTES[dtype]
+
+    matrices = vocab + projections
+    held = sum(held_bytes(n, k, 34) for n, k in vocab) + sum(held_bytes(n, k, block_bytes) for n, k in projections)
     if h % 32:  # a float lm_head: the native kernels' packed copy beside it, as for float weights
         held += config.vocab_size * h * _DTYPE_BYTES[dtype]
     return held + (model_weight_bytes(config, 1) - sum(n * k for n, k in matrices)) * 4
@@ -332,7 +341,7 @@ def _check_weight_dtype(weight_dtype: str, dtype: str) -> None:
     if weight_dtype in _DTYPE_BYTES and weight_dtype != dtype:
         raise ValueError(f"--weight-dtype {weight_dtype} holds the weights in the activations' dtype: it needs --dtype {weight_dtype} "
                          f"(--dtype is {dtype})")  # fmt: skip
-    if weight_dtype in ("gguf", "int8") and dtype not in ("float32", "bfloat16"):
+    if weight_dtype in ("gguf", "int8", "int4") and dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--weight-dtype {weight_dtype} takes float32 or bfloat16 activations; --dtype is {dtype}")
 
 
@@ -391,7 +400,7 @@ def _needs_by_weight_form(args, config: ModelConfig, shape: KVShape, kv_dtype: s
 
     path = resolve_model_path(args.model) if Path(args.model).suffix != ".json" else Path(args.model)
     forms = [("gguf", args.dtype)] if path.is_file() and path.suffix != ".json" else []
-    forms += [("int8", args.dtype), ("bfloat16", "bfloat16"), ("float32", "float32")]
+    forms += [("int4", args.dtype), ("int8", args.dtype), ("bfloat16", "bfloat16"), ("float32", "float32")]
     needs = []
     for weight_dtype, dtype in forms:
         weight_bytes, held = planned_weight_bytes(args.model, config, weight_dtype, dtype)
