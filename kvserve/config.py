@@ -105,6 +105,11 @@ class EngineConfig:
     # speculative decoding (engine/speculative.py): a SpeculativeConfig, or its dict / JSON object as vLLM takes it
     speculative_config: SpeculativeConfig | None = None
     threads: int | None = None  # CPU threads of the process's kernels (torch and ours); None: torch's default (all cores)
+    # LoRA adapters (kvserve/lora/): requests name one with a LoRARequest; vLLM's flags
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident as products (more in one step are held for that step)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    max_cpu_loras: int | None = None  # adapters kept as read (None: max_loras)
 
     def __post_init__(self) -> None:
         try:
@@ -167,6 +172,16 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        for name, top in (("max_loras", 256), ("max_lora_rank", 512), ("max_cpu_loras", 4096)):
+            value = getattr(self, name)
+            if value is None and name == "max_cpu_loras":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise ValueError(f"{name} must be an integer in [1, {top}], got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.eviction.active and KV_FORMATS[self.kv_cache_dtype].kind == "kivi":  # self.eviction validates the fields
             raise ValueError(f"kv_compression does not work with --kv-cache-dtype {self.kv_cache_dtype} (KIVI keys are quantized "
                              "per channel across tokens); use a float, int8 or fp8 cache")

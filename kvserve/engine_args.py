@@ -79,6 +79,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=None,
                        help="CPU threads the engine computes with (torch's and kvserve's kernels); default: one per core. "
                        "Replicas sharing a machine each take their share (kvserve cluster does)")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) over the base model; "
+                      "requests name one, and its identity keys their cached K/V")
+    lora.add_argument("--max-loras", type=int, default=1,
+                      help="adapters kept resident as products in the activations' dtype, least recently used out first "
+                      "(a step with more holds them all for that step; default: %(default)s)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused (default: %(default)s)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept as read, so a request for one reads no files (default: --max-loras)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the K/V of prompt prefixes already computed (system prompts, documents, earlier turns); "
                        "--no-enable-prefix-caching turns it off")

@@ -34,6 +34,8 @@ from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
+from kvserve.lora.manager import LoRAHandle, LoRAManager
+from kvserve.lora.request import LoRARequest
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
@@ -89,7 +91,11 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             self.speculator.draft = DraftModel(config, checkpoint.config, spec.model, spec.draft_kv_cache_memory)
         attention = create_backend(backend, self.pool)
-        self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"))
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager(checkpoint.config, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                                    config.torch_dtype, self.device, native=backend == "cpu_paged")  # fmt: skip
+        self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"), self.lora)
 
     def weights_description(self) -> str:
         """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)", "int4 (Q4_1 blocks)" or the dtype of their copies."""
@@ -216,12 +222,15 @@ class LLMEngine:
         stream: bool = False,
         queue: bool = True,
         compress_at: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """Queue a request. With ``stream``, step() hands out an output for it every step holding
         only what is new; otherwise only its finished output. A compressing request compresses its
         first `compress_at` prompt tokens before it computes the rest (None: the whole prompt), so
-        what follows, a question say, is read against the compressed cache."""
+        what follows, a question say, is read against the compressed cache. A request with a
+        lora_request runs with that adapter (enable_lora); its K/V are cached under the adapter's identity."""
         validate_cache_salt(cache_salt)
+        lora = self._lora_handle(lora_request)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -246,11 +255,18 @@ class LLMEngine:
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
-                       eviction=self.eviction_policy(params), compress_at=compress_at, grammar=self._grammar(params))  # fmt: skip
+                       eviction=self.eviction_policy(params), compress_at=compress_at, grammar=self._grammar(params), lora=lora)  # fmt: skip
         self.requests[request_id] = seq
         if queue:
             self.scheduler.add(seq)
         return seq
+
+    def _lora_handle(self, lora_request: LoRARequest | None) -> LoRAHandle | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        return self.lora.resolve(lora_request)
 
     def _grammar(self, params: SamplingParams, output_token_ids: Seq[int] = ()):
         """A matcher of the request's structured outputs (None without), past the output tokens given."""
@@ -266,7 +282,7 @@ class LLMEngine:
 
     def add_request_group(
         self, prompt: str | list[int], params: Seq[SamplingParams], request_ids: Seq[str] | None = None, cache_salt: str | None = None,
-        stream: bool = False,
+        stream: bool = False, lora_request: LoRARequest | None = None,
     ) -> list[Sequence]:
         """n samples of one prompt (parallel sampling): the prompt is computed once, by the first;
         the others share its blocks from there, the partly filled last block copied per sample."""
@@ -275,10 +291,10 @@ class LLMEngine:
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
         if len(ids) != len(params):
             raise ValueError(f"got {len(ids)} request ids for {len(params)} samples")
-        first = self.add_request(prompt, params[0], ids[0], cache_salt, stream)
+        first = self.add_request(prompt, params[0], ids[0], cache_salt, stream, lora_request=lora_request)
         seqs = [first]
         for sp, rid in zip(params[1:], ids[1:]):
-            seq = self.add_request(first.prompt_token_ids, sp, rid, cache_salt, stream, queue=False)
+            seq = self.add_request(first.prompt_token_ids, sp, rid, cache_salt, stream, queue=False, lora_request=lora_request)
             seq.prompt = first.prompt
             if first.eviction is not None:  # each sample compacts its own blocks in place: none are shared
                 self.scheduler.add(seq)

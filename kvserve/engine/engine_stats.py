@@ -28,6 +28,15 @@ def prefix_cache_stats(engine: LLMEngine) -> dict:
     }
 
 
+def lora_stats(engine: LLMEngine) -> dict | None:
+    """The adapters of the running and waiting requests (vLLM's lora_requests_info), and the bytes resident."""
+    if engine.lora is None:
+        return None
+    names = lambda seqs: sorted({s.lora.request.lora_name for s in seqs if s.lora is not None})  # noqa: E731
+    return {"max_lora": engine.lora.max_loras, "running": names(engine.scheduler.running), "waiting": names(engine.scheduler.waiting),
+            "resident_bytes": engine.lora.resident_bytes}  # fmt: skip
+
+
 def stats(engine: LLMEngine) -> dict:
     """The engine's counters and settings, the prefix cache's and the KV tiers' among them (the server takes one each step)."""
     return {
@@ -56,6 +65,7 @@ def stats(engine: LLMEngine) -> dict:
         "kv_quant_sink_block": bool(engine.kv_spec.quant_sink_blocks),
         "kv_quant_residual_free_blocks": engine.kv.residual_pool.num_free_blocks if engine.kv.residual_pool is not None else 0,
         "kv_cache_usage": engine.kv.usage,
+        "lora": lora_stats(engine),
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_compression": engine.config.kv_compression,
         "snapkv_query": engine.config.snapkv_query,

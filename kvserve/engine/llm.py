@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
+from kvserve.lora.request import LoRARequest
 from kvserve.config import EngineConfig
 from kvserve.engine.beam import BeamSearchOutput, BeamSearchParams
 from kvserve.engine.engine import LLMEngine
@@ -40,10 +41,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; one output per prompt and sample (n of them in a row for
         SamplingParams(n=...)), in order. Requests with different `cache_salt`s never share
-        prefix-cache blocks."""
+        prefix-cache blocks. lora_request: one adapter for every prompt, or one per prompt (None: the
+        base model), on an engine with enable_lora."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -62,7 +65,13 @@ class LLM:
                 engine.validate_prompt_tokens(prompt)
         for sp in set(params):
             engine.eviction_policy(sp)
-        seqs = [seq for p, sp in zip(prompts, params) for seq in engine.add_request_group(p, sp.samples(), cache_salt=cache_salt)]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        for lora in {id(r): r for r in loras if r is not None}.values():
+            engine._lora_handle(lora)  # a bad adapter fails here, before anything is queued
+        seqs = [seq for p, sp, lora in zip(prompts, params, loras)
+                for seq in engine.add_request_group(p, sp.samples(), cache_salt=cache_salt, lora_request=lora)]  # fmt: skip
         progress = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm or len(seqs) < 2)
         tokens_before = engine.generation_tokens_total
 

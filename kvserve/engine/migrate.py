@@ -33,6 +33,8 @@ def export_request(engine: LLMEngine, request_id: str, with_records: bool = True
         raise ValueError("a request with prompt logprobs (echo with logprobs) cannot migrate: its scores stay here")
     if seq.beam_group is not None:
         raise ValueError("a beam of a beam search cannot migrate alone: its group chooses between its beams here")
+    if seq.lora is not None:
+        raise ValueError("a request running a LoRA adapter cannot migrate: the adapter is not part of its state")
     identity = root_hash(engine.cache_identity)
     records = []
     if with_records and engine.pool is not None:

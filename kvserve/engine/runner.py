@@ -11,6 +11,8 @@ from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence, TokenLogprobs
 from kvserve.kv.manager import KVCacheManager
+from kvserve.lora.manager import LoRAManager
+from kvserve.lora.rows import LoRARows
 from kvserve.model.transformer import CausalLM
 
 # Up to this many sampled rows draw from the int8 screen (kernels.sampling.screened_sample): each row
@@ -23,8 +25,10 @@ PROMPT_LOGPROB_ROWS = 32
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, attention: AttentionBackend, kv: KVCacheManager, device: torch.device, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, attention: AttentionBackend, kv: KVCacheManager, device: torch.device, sampler: Sampler,
+                 lora: LoRAManager | None = None) -> None:  # fmt: skip
         self.model = model
+        self.lora = lora
         self.attention = attention
         self.sampler = sampler
         self.kv = kv
@@ -108,7 +112,8 @@ class ModelRunner:
         ids = torch.from_numpy(input_ids).to(self.device)
         every_row = len(sample_rows) == len(input_ids) and bool((sample_rows == np.arange(len(input_ids))).all())  # a decode step
         rows = None if every_row else torch.from_numpy(sample_rows).to(self.device)
-        hidden = self.model(ids, self.attention, meta, output_rows=rows)
+        lora = self._lora_rows(batch) if self.lora is not None else None
+        hidden = self.model(ids, self.attention, meta, output_rows=rows, lora=lora)
         at = len(samplers)
         for seq, _, n in captures:
             seq.captured.append(hidden[at : at + n].clone())
@@ -118,6 +123,16 @@ class ModelRunner:
             scored.append((seq, first, hidden[at : at + len(rows)]))
             at += len(rows)
         return samplers, hidden[: len(samplers)], scored, positions
+
+    def _lora_rows(self, batch: ScheduledBatch) -> LoRARows | None:
+        """Each flat row's adapter, laid out as prepare() lays the rows out (decodes, then prefill chunks)."""
+        if all(seq.lora is None for seq, _ in batch.entries):
+            return None
+        handles = [s.lora for s, n in batch.entries if n == 1]
+        for seq, n in batch.entries:
+            if n > 1:
+                handles.extend([seq.lora] * n)
+        return self.lora.rows(handles)
 
     def _prompt_rows(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, np.ndarray]]:
         """For each sequence still scoring its prompt: the first prompt position this step scores and the

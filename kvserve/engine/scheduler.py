@@ -98,7 +98,7 @@ class Scheduler:
             if seq.request_id in self.loading or seq.held:
                 continue  # its prefix is on its way from a tier (or it is a beam its group holds); the others go on
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
-            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.cache_salt, self._hit_limit(seq))
+            hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.prefix_salt, self._hit_limit(seq))
             if self.kv.offloader is not None and seq.eviction is None:
                 job = self.kv.start_tier_load(seq.request_id, seq.token_ids, hit, self._hit_limit(seq))
                 if job is not None:
@@ -118,7 +118,7 @@ class Scheduler:
                 self.migrated_hit_tokens += hit.num_tokens
             elif seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
-                self.kv.record_hit(hit, seq.prompt_len, seq.cache_salt)
+                self.kv.record_hit(hit, seq.prompt_len, seq.prefix_salt)
             n = seq.next_chunk(budget)
             if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
                 raise RuntimeError(f"{seq.request_id} was admitted and its first {n} tokens find no free blocks: can_admit counted short")

@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine.output_text import OutputText
 from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.hashing import adapter_salt
 from kvserve.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Sequence:
     penalty_counts: dict[int, int] | None = None  # every token seen -> its count in the output (penalties only)
     num_preemptions: int = 0
     migrated: bool = False  # imported from another engine (live migration): its cached-token count is the source's
+    lora: "LoRAHandle | None" = None  # the LoRA adapter it runs with (kvserve/lora/manager.py)
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)
@@ -95,6 +97,11 @@ class Sequence:
         """(token ids seen in the prompt or the output, their counts in the output)."""
         counts = self.penalty_counts or {}
         return np.fromiter(counts.keys(), np.int64, len(counts)), np.fromiter(counts.values(), np.int32, len(counts))
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What keys its blocks beside the cache identity: its cache_salt and its adapter's identity."""
+        return adapter_salt(self.cache_salt, self.lora.identity if self.lora is not None else None)
 
     @property
     def prompt_len(self) -> int:

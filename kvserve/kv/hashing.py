@@ -62,6 +62,14 @@ def validate_cache_salt(salt: object) -> None:
         salt.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("cache_salt must be valid Unicode text (it holds an unpaired surrogate)") from None
+    if "\x00" in salt:
+        raise ValueError("cache_salt must not hold a NUL character")
+
+
+def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
+    """The salt a request's blocks are keyed with: its cache_salt, and its LoRA adapter's identity
+    after a NUL, which no cache_salt holds (so no salt alone names an adapter's blocks)."""
+    return salt if adapter is None else f"{salt or ''}\x00lora:{adapter}"
 
 
 def salt_key(salt: str | None) -> bytes:

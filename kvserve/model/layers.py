@@ -219,13 +219,23 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     native = False
+    layer = 0  # the decoder layer's index: where LoRA rows find this layer's adapter products
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the step's kvserve.lora.rows.LoRARows for x's rows, when any row uses an adapter."""
+        gate_up = self.gate_up_proj.forward(x)
+        if lora is not None:
+            gate_up = lora.add(self.layer, "gate_up", x, gate_up)
         if self.native:
-            return self.down_proj.forward(fused.gated_activation(self.gate_up_proj.forward(x), self.activation))
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
+            hidden = fused.gated_activation(gate_up, self.activation)
+            return self._down(hidden, lora)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.activation == "gelu_tanh":
             act = F.gelu(gate, approximate="tanh")
         else:
             act = F.silu(gate)
-        return self.down_proj.forward(act * up)
+        return self._down(act * up, lora)
+
+    def _down(self, hidden: torch.Tensor, lora) -> torch.Tensor:
+        out = self.down_proj.forward(hidden)
+        return out if lora is None else lora.add(self.layer, "down", hidden, out)

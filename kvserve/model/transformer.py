@@ -51,12 +51,15 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
 
     def forward(
-        self, x: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, rows: torch.Tensor | None = None
+        self, x: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, rows: torch.Tensor | None = None, lora=None
     ) -> torch.Tensor:
-        """Stores every token's K/V; returns the output of ``rows`` only when given (else of all)."""
+        """Stores every token's K/V; returns the output of ``rows`` only when given (else of all).
+        lora: the step's LoRARows (kvserve/lora/rows.py) for x's rows, when any row uses an adapter."""
         tokens = x.shape[0]
         positions = meta.positions
         qkv = self.qkv_proj.forward(x)
+        if lora is not None:
+            qkv = lora.add(self.layer, "qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.native:
@@ -77,7 +80,9 @@ class Attention(nn.Module):
             out = out.index_select(0, rows)
             if out.shape[0] == 0:  # a step in which no sequence samples still stores its K/V
                 return x.new_empty(0, x.shape[1])
-        return self.o_proj.forward(out)
+            lora = lora.select(rows) if lora is not None else None
+        projected = self.o_proj.forward(out)
+        return projected if lora is None else lora.add(self.layer, "o", out, projected)
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +91,7 @@ class DecoderLayer(nn.Module):
         gemma = config.is_gemma
         self.self_attn = Attention(config, layer, rotary)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "gelu_tanh" if gemma else "silu")
+        self.mlp.layer = layer
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma)
@@ -102,21 +108,23 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         next_norm: RMSNorm | None,
         rows: torch.Tensor | None = None,
+        lora=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the residual stream; normed: input_layernorm(x). Returns the new residual stream and
         next_norm of it (the next layer's input norm, fused with this layer's last residual add).
         With ``rows``, everything after the attention runs for those rows only (the last layer of a
         prefill: no later layer reads the other rows, and their K/V are already stored)."""
-        attn = self.self_attn.forward(normed, attention, meta, rows)
+        attn = self.self_attn.forward(normed, attention, meta, rows, lora)
         if rows is not None:
             x = x.index_select(0, rows)
             if x.shape[0] == 0:
                 return x, None
+            lora = lora.select(rows) if lora is not None else None
         if self.sandwich:
             x, normed = residual_add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            return residual_add_norm(x, self.mlp.forward(normed), self.post_feedforward_layernorm, next_norm)
+            return residual_add_norm(x, self.mlp.forward(normed, lora), self.post_feedforward_layernorm, next_norm)
         x, normed = residual_add_norm(x, attn, None, self.post_attention_layernorm)
-        return residual_add_norm(x, self.mlp.forward(normed), None, next_norm)
+        return residual_add_norm(x, self.mlp.forward(normed, lora), None, next_norm)
 
 
 class CausalLM(nn.Module):
@@ -186,23 +194,26 @@ class CausalLM(nn.Module):
                 module.native = True
 
     def forward(
-        self, input_ids: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, output_rows: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata, output_rows: torch.Tensor | None = None,
+        lora=None,
     ) -> torch.Tensor:
         """Returns the last layer's hidden states [T, hidden], or only those of ``output_rows`` (the
-        rows that sample, in that order); norm and logits run only where sampled."""
+        rows that sample, in that order); norm and logits run only where sampled. lora: the step's
+        LoRARows (kvserve/lora/rows.py) when any row uses an adapter (the decode program does not
+        take them: such steps run layer by layer)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         layers = list(self.layers)  # modules' forward called directly: nn.Module's call machinery is ~1 us each, 100+ a step
         normed = layers[0].input_layernorm.forward(x)
-        if output_rows is None and self.fused_decode and FusedDecode.applies(meta, x.shape[0]):
+        if output_rows is None and lora is None and self.fused_decode and FusedDecode.applies(meta, x.shape[0]):
             fused = self._fused_decode_for(attention, x.shape[0], x.dtype)
             if fused is not None:
                 return fused.run(x, normed, meta)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i < last else None
-            x, normed = layer.forward(x, normed, attention, meta, next_norm, output_rows if i == last else None)
+            x, normed = layer.forward(x, normed, attention, meta, next_norm, output_rows if i == last else None, lora)
         return x
 
     def _fused_decode_for(self, attention: AttentionBackend, rows: int, dtype: torch.dtype) -> FusedDecode | None:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.engine.engine import LLMEngine
-from kvserve.server import serving_chat, serving_completions, serving_health, serving_kv, serving_models
+from kvserve.server import serving_chat, serving_completions, serving_health, serving_kv, serving_lora, serving_models
 from kvserve.server.access import AccessGuard
 from kvserve.server.async_engine import EngineDeadError, RequestAborted
 from kvserve.server.config import ServerConfig
@@ -56,6 +56,7 @@ def create_app(serving: OpenAIServing) -> FastAPI:
     serving_completions.register_routes(app, serving)
     serving_chat.register_routes(app, serving)
     serving_models.register_routes(app, serving)
+    serving_lora.register_routes(app, serving)
     serving_kv.register_routes(app, serving)
     serving_health.register_routes(app, serving)
     return app

@@ -21,6 +21,11 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     flag("--host", default="127.0.0.1", help="address to bind")
     flag("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
     flag("--served-model-name", default=None, help="model name clients send and /v1/models lists (default: --model)")
+    flag("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+         help="LoRA adapters (PEFT directories) served by name with --enable-lora: a request whose `model` is NAME runs with it; "
+         "/v1/models lists each with the base model as its parent")
+    flag("--allow-runtime-lora-updating", action="store_true",
+         help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name} (behind --api-key)")
     flag("--chat-template", default=None, help="Jinja chat template, inline or a file path; overrides the model's own")
     flag("--max-waiting-requests", type=int, default=_DEFAULTS.max_waiting_requests,
          help="answer 503 at once when this many requests are already waiting")

@@ -98,8 +98,10 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 class Submission:
     """One API request in the engine: (prompt, sample) pairs, each an engine request."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, groups: list[PromptGroup], cache_salt: str | None, stream: bool) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, groups: list[PromptGroup], cache_salt: str | None, stream: bool,
+                 lora_request=None) -> None:  # fmt: skip
         self.engine = engine
+        self.lora_request = lora_request  # the adapter every sample runs with (None: the base model)
         self.request_id = request_id
         self.groups = groups
         self.cache_salt = cache_salt
@@ -235,7 +237,7 @@ class AsyncEngine:
 
     def submit(
         self, request_id: str, groups: list[PromptGroup], cache_salt: str | None = None, stream: bool = False,
-        timeout: float | None = None, elapsed: float = 0.0, imported=None,
+        timeout: float | None = None, elapsed: float = 0.0, imported=None, lora_request=None,
     ) -> Submission:
         """Admit every sample of every prompt, or none (raising). `timeout` counts from the request's
         arrival, `elapsed` seconds ago. `imported`: a migrated request's (RequestState, decoded KV
@@ -244,7 +246,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         if not self._accepting:
             raise EngineDrainingError("the server is shutting down")
-        sub = Submission(self, request_id, groups, cache_salt, stream)
+        sub = Submission(self, request_id, groups, cache_salt, stream, lora_request)
         sub.imported = imported
         with self._lock:
             if self.num_waiting() + sub.num_samples > self.max_waiting_requests:
@@ -315,7 +317,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-                self.metrics.observe_finished(out)
+                self.metrics.observe_finished(out, sub.lora_request.lora_name if sub.lora_request is not None else None)
             if out.beams is not None:  # a beam search: its best beams are the group's choices
                 g, _ = sub.index[out.request_id]
                 group = sub.groups[g]
@@ -340,7 +342,7 @@ class AsyncEngine:
                     self.engine.add_beam_search(group.token_ids, group.beam, ids[0], sub.cache_salt)
                     added.append(ids[0])
                     continue
-                self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream)
+                self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream, sub.lora_request)
                 added.extend(ids)
         except Exception as exc:  # noqa: BLE001 - validated before admission; reported to this request alone
             for rid in added:

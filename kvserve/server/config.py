@@ -23,6 +23,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' name=path (vLLM's form; its JSON form is not taken)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules takes name=path, got {text!r}")
+    return name.strip(), path.strip()
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -44,6 +52,8 @@ class ServerConfig:
     grammar_compile_memory_mb: int = 1024  # memory one compile may take (then a 400)
     dashboard_show_tokens: bool = False  # the KV page's prefix tree shows the cached tokens' text
     disable_fastapi_docs: bool = False  # serve no /docs, /redoc, /openapi.json (vLLM's flag)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter directory): the `model` names that pick an adapter
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's switch)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -106,4 +116,5 @@ class ServerConfig:
         if values.get("request_timeout") == 0:
             values["request_timeout"] = None
         values["migration_targets"] = tuple((values.get("migration_targets") or "").split(","))
+        values["lora_modules"] = tuple(parse_lora_module(m) for m in values.get("lora_modules") or ())
         return cls(**values)

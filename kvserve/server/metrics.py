@@ -5,6 +5,8 @@ Only request ids ever reach logs; no prompt text, token ids or salts are exporte
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvserve.outputs import RequestOutput
@@ -30,6 +32,11 @@ class ServerMetrics:
 
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)")
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self._lora_info = Gauge("kvserve:lora_requests_info", "LoRA adapters of the running and waiting requests (labels), "
+                                "the time of the last update (value), as vLLM's", ["max_lora", "running_lora_adapters",
+                                "waiting_lora_adapters"], registry=r)  # fmt: skip
+        self._lora_labels: tuple[str, str, str] | None = None
+        self._lora_requests = Counter("kvserve:lora_requests", "Requests finished per LoRA adapter", labels + ["lora_name"], registry=r)
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool")
         self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free")
@@ -116,6 +123,17 @@ class ServerMetrics:
                                          "timeout, out_of_memory, dropped (its clients left), rejected (the client's queue was full: "
                                          "a 429)", labels + ["outcome"], registry=r)  # fmt: skip
 
+    def _update_lora(self, lora: dict | None) -> None:
+        """vLLM's lora_requests_info: one series, the adapters running and waiting as labels, the time as its value."""
+        if lora is None:
+            return
+        labels = (str(lora["max_lora"]), ",".join(lora["running"]), ",".join(lora["waiting"]))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set(time.time())
+
     def update_from_stats(self, stats: dict) -> None:
         """Refresh gauges and move counters by what the engine counted since the last call."""
         if not self._cache_config_set:
@@ -125,6 +143,7 @@ class ServerMetrics:
             self._cache_config_set = True
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
         self.num_requests_running.set(stats["num_running"])
+        self._update_lora(stats.get("lora"))
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_blocks_total.set(stats["num_blocks"])
         self.kv_cache_blocks_free.set(stats["num_free_blocks"])
@@ -194,8 +213,10 @@ class ServerMetrics:
             counter.inc(delta)
         self._last_totals[key] = total
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput, lora_name: str | None = None) -> None:
         m = out.metrics
+        if lora_name is not None:
+            self._lora_requests.labels(self._model_name, lora_name).inc()
         arrival = m["arrival_time"]
         if "first_scheduled_time" in m:
             self.queue_time.observe(m["first_scheduled_time"] - arrival)

@@ -30,7 +30,8 @@ class ServingChat:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
         serving = self.serving
-        serving.check_model(body.model)
+        lora = serving.check_model(body.model)
+        model_name = lora.lora_name if lora is not None else serving.model_name  # what responses name
         serving.note_unknown_fields(body)
         serving.check_choices(1, body.n)
         tools, tool_choice = serving.request_tools(body)
@@ -70,12 +71,12 @@ class ServingChat:
             raise APIError(400, f"{'tools' if calling else 'echo'} is not supported with use_beam_search by this server",
                            "tools" if calling else "echo")  # fmt: skip
         groups = [PromptGroup(ids, params, beam)]
-        sub = serving.submit(request, groups, body.cache_salt, body.stream)
+        sub = serving.submit(request, groups, body.cache_salt, body.stream, lora_request=lora)
         request_id = f"chatcmpl-{sub.request_id}"
         created = int(time.time())
 
         def envelope(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
-            return {"id": request_id, "object": obj, "created": created, "model": serving.model_name, "choices": choices}
+            return {"id": request_id, "object": obj, "created": created, "model": model_name, "choices": choices}
 
         started: set[int] = set()  # choices whose first chunk (the one that names the role, as OpenAI's) went out
         parsers: dict[int, ToolCallParser] = {}  # with tools: each choice's text split into content and tool calls

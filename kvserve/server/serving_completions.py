@@ -53,7 +53,8 @@ class ServingCompletions:
 
     async def create(self, body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         serving = self.serving
-        serving.check_model(body.model)
+        lora = serving.check_model(body.model)
+        model_name = lora.lora_name if lora is not None else serving.model_name  # what responses name
         serving.note_unknown_fields(body)
         num_prompts = len(prompt_list(body.prompt))
         serving.check_choices(num_prompts, body.n)
@@ -83,7 +84,7 @@ class ServingCompletions:
             raise APIError(400, "echo is not supported with use_beam_search by this server", "echo")
         await serving.compile_grammar(groups[0].params[0].structured_outputs, body.structured_field, request)
         echoed_texts = await asyncio.to_thread(self._echo_texts, body.prompt, prompts) if body.echo else None
-        sub = serving.submit(request, groups, body.cache_salt, body.stream)
+        sub = serving.submit(request, groups, body.cache_salt, body.stream, lora_request=lora)
         request_id = f"cmpl-{sub.request_id}"
         created = int(time.time())
         n = body.n
@@ -116,7 +117,7 @@ class ServingCompletions:
             return c
 
         def envelope(choices: list[dict]) -> dict:
-            return {"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
+            return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
                     "choices": choices}
 
         if body.stream:

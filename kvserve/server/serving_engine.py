@@ -27,6 +27,8 @@ from kvserve.engine.sequence import TokenLogprobs
 from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.lora.request import LoRARequest
+from kvserve.server.serving_lora import LoRAModules
 from kvserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -126,6 +128,14 @@ class OpenAIServing:
         self.grammar_compiler = None if engine.grammars is None else IsolatedGrammarCompiler(
             engine.grammars, config.grammar_compile_timeout, config.grammar_compile_workers, config.grammar_compile_memory_mb << 20)
         self._unknown_fields: set[str] = set()
+        self.lora_modules = LoRAModules(engine, (self.model_name, engine.config.model))
+        if config.lora_modules and engine.lora is None:
+            raise ValueError("--lora-modules needs --enable-lora")
+        for name, path in config.lora_modules:
+            try:
+                self.lora_modules.load(name, path)
+            except APIError as exc:
+                raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from None
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
     def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,
@@ -135,10 +145,16 @@ class OpenAIServing:
         return error_response(status, message, param, kind, reason)
 
     # ------------------------------------------------------------------ checks before admission
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.engine.config.model):
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found",
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for a name not served."""
+        if model is None or model in (self.model_name, self.engine.config.model):
+            return None
+        adapter = self.lora_modules.request_for(model)
+        if adapter is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.lora_modules.names][:8])
+            raise APIError(404, f"model {reprlib.repr(model)} does not exist; this server serves {served}", "model", "model_not_found",
                            "model_not_found")  # fmt: skip
+        return adapter
 
     def note_unknown_fields(self, body) -> None:
         """Fields OpenAI does not define (a router's additions, vLLM extensions not implemented) are ignored: each
@@ -320,11 +336,14 @@ class OpenAIServing:
         except GrammarError as exc:
             raise APIError(400, f"{field}: {exc}", field) from None
 
-    def submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None) -> Submission:
+    def submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None,
+               lora_request: LoRARequest | None = None) -> Submission:  # fmt: skip
         arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
+        if lora_request is not None and any(g.beam is not None for g in groups):
+            raise APIError(400, "use_beam_search is not supported with a LoRA adapter by this server", "use_beam_search")
         try:
             return self.async_engine.submit(request_id_of(request), groups, cache_salt, stream, self.config.request_timeout,
-                                            time.monotonic() - arrival, imported)  # fmt: skip
+                                            time.monotonic() - arrival, imported, lora_request)  # fmt: skip
         except EngineOverloadedError as exc:
             # a router (smg) retries a 503 on another replica; a client learns when to come back
             raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded", "overloaded",

@@ -66,10 +66,10 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kvserve",
-            "max_model_len": serving.engine.max_model_len,
-        }]}
+        base = {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kvserve",
+                "max_model_len": serving.engine.max_model_len}  # fmt: skip
+        adapters = [{**base, "id": name, "parent": serving.model_name} for name in serving.lora_modules.names]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -1,0 +1,163 @@
+"""A PEFT LoRA adapter read from its directory and checked against the base model.
+
+adapter_config.json says the rank r, lora_alpha, use_rslora and the target modules; the weights are
+lora_A [r, in] and lora_B [out, r] per targeted projection in adapter_model.safetensors. A row's
+projection becomes W x + (B A x) * scaling, scaling = alpha / r (alpha / sqrt(r) with rslora), as
+peft computes it. What this engine cannot serve exactly is refused with the file and the reason:
+modules_to_save (whole modules replaced), DoRA, fan_in_fan_out weights, trained biases, per-module
+rank or alpha patterns, an unknown module, a shape the base does not have, a rank over the limit.
+
+The identity, a SHA-256 of the config fields that change the result and of every tensor's name,
+shape, dtype and bytes, keys the adapter's K/V in the prefix cache: two adapters under one name,
+or one adapter under two names, are told apart by their contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve.model.config import ModelConfig
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served, naming the file and what is wrong."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"LoRA adapter {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass
+class LoRAAdapter:
+    path: Path
+    rank: int
+    scaling: float
+    identity: str  # hex SHA-256 of what the adapter computes
+    # (layer, module) -> (A [r, in], B [out, r]) in float32 as read
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """[out, in] of a base projection."""
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h), "up_proj": (i, h),
+            "down_proj": (h, i)}[module]  # fmt: skip
+
+
+def read_config(path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(path, f"{CONFIG_FILE} is missing (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(file, f"larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(file, f"not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(file, "not a JSON object")
+    return config
+
+
+def check_config(file: Path, config: dict, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a config this engine serves exactly; AdapterError otherwise."""
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise AdapterError(file, f"peft_type {kind!r}: only LORA adapters are served")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(file, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(file, f"rank {rank} is over --max-lora-rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(file, f"lora_alpha must be a number, got {alpha!r}")
+    for name, why in (("modules_to_save", "replaces whole modules"), ("rank_pattern", "gives modules their own ranks"),
+                      ("alpha_pattern", "gives modules their own alphas"), ("layers_to_transform", "adapts some layers only")):  # fmt: skip
+        if config.get(name):
+            raise AdapterError(file, f"{name} {why}, which kvserve does not serve")
+    if config.get("use_dora"):
+        raise AdapterError(file, "use_dora: DoRA adapters are not served")
+    if config.get("fan_in_fan_out"):
+        raise AdapterError(file, "fan_in_fan_out weights are not served")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(file, f"bias {config.get('bias')!r}: adapters with trained biases are not served")
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise AdapterError(file, f"target_modules must name projections among {', '.join(TARGETS)}, got {targets!r}")
+    if isinstance(targets, list):
+        unknown = sorted({n.rsplit(".", 1)[-1] for n in names} - set(TARGETS))
+        if unknown:
+            raise AdapterError(file, f"target module(s) {', '.join(unknown)} unknown; kvserve adapts {', '.join(TARGETS)}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def load_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check an adapter directory against the base model's shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(path, "not a directory")
+    config = read_config(path)
+    rank, scaling = check_config(path / CONFIG_FILE, config, max_rank)
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(path, f"{WEIGHTS_FILE} is missing")
+    digest = hashlib.sha256(json.dumps({"rank": rank, "scaling": scaling}, sort_keys=True).encode())
+    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(file), framework="pt") as tensors:
+            for key in sorted(tensors.keys()):
+                match = _KEY.match(key)
+                if match is None:
+                    raise AdapterError(file, f"tensor {key!r} is no lora_A / lora_B weight of {', '.join(TARGETS)} in a decoder layer")
+                layer, module, which = int(match[1]), match[2], match[3]
+                if module not in TARGETS:
+                    raise AdapterError(file, f"tensor {key!r}: module {module!r} unknown; kvserve adapts {', '.join(TARGETS)}")
+                if not 0 <= layer < model.num_layers:
+                    raise AdapterError(file, f"tensor {key!r}: layer {layer}, the base model has {model.num_layers}")
+                tensor = tensors.get_tensor(key)
+                if not tensor.is_floating_point():
+                    raise AdapterError(file, f"tensor {key!r} holds {tensor.dtype}, not floats")
+                out, inner = module_shape(model, module)
+                want = (rank, inner) if which == "A" else (out, rank)
+                if tuple(tensor.shape) != want:
+                    raise AdapterError(file, f"tensor {key!r} has shape {tuple(tensor.shape)}; rank {rank} on this base model needs {want}")
+                tensor = tensor.float()
+                if not bool(torch.isfinite(tensor).all()):
+                    raise AdapterError(file, f"tensor {key!r} holds NaN or infinity")
+                digest.update(f"{layer}.{module}.{which}".encode())
+                digest.update(tensor.contiguous().numpy().tobytes())
+                pieces.setdefault((layer, module), {})[which] = tensor
+    except SafetensorError as exc:
+        raise AdapterError(file, f"not a readable safetensors file ({exc})") from None
+    except OSError as exc:
+        raise AdapterError(file, f"cannot be read ({exc.strerror or exc})") from None
+    weights = {}
+    for (layer, module), parts in pieces.items():
+        if set(parts) != {"A", "B"}:
+            raise AdapterError(file, f"layer {layer} {module} has lora_{''.join(parts)} without lora_{'B' if 'A' in parts else 'A'}")
+        weights[(layer, module)] = (parts["A"], parts["B"])
+    if not weights:
+        raise AdapterError(file, "holds no LoRA weights")
+    return LoRAAdapter(path, rank, scaling, digest.hexdigest(), weights)

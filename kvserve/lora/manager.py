@@ -1,0 +1,95 @@
+"""The adapters an engine holds: each request's adapter read and checked when the request arrives
+(a bad adapter fails the request before any work), up to max_cpu_loras kept as read (float32, LRU)
+and up to max_loras resident as products in the activations' dtype (LRU), made again on demand.
+A step with more distinct adapters than max_loras holds them all for that step."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.lora.adapter import LoRAAdapter, load_adapter
+from kvserve.lora.request import LoRARequest
+from kvserve.lora.rows import LoRARows, ResidentAdapter
+from kvserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAHandle:
+    """A request's adapter: what it asked for and the weights it runs with to its end."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+
+    @property
+    def identity(self) -> str:
+        return self.adapter.identity
+
+
+class LoRAManager:
+    def __init__(self, model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
+                 device: torch.device, native: bool) -> None:  # fmt: skip
+        self.model = model
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype, self.device, self.native = dtype, device, native
+        self._read: OrderedDict[int, LoRAHandle] = OrderedDict()  # lora_int_id -> handle, LRU
+        self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> products, LRU
+        self._lock = threading.Lock()  # the server loads adapters off the engine's thread
+
+    def resolve(self, request: LoRARequest) -> LoRAHandle:
+        """The handle of a request's adapter, read from its directory unless held (AdapterError if bad)."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a kvserve.LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            held = self._read.get(request.lora_int_id)
+            if held is not None:
+                if (held.request.lora_name, held.request.lora_path) != (request.lora_name, request.lora_path):
+                    raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {held.request.lora_name!r} at "
+                                     f"{held.request.lora_path}; {request.lora_name!r} at {request.lora_path} needs another id")  # fmt: skip
+                self._read.move_to_end(request.lora_int_id)
+                return held
+        handle = LoRAHandle(request, load_adapter(request.lora_path, self.model, self.max_lora_rank))
+        with self._lock:
+            self._read[request.lora_int_id] = handle
+            while len(self._read) > self.max_cpu_loras:
+                self._read.popitem(last=False)
+        return handle
+
+    def forget(self, lora_int_id: int) -> bool:
+        """Drop a held adapter (running requests keep their handle's weights)."""
+        with self._lock:
+            return self._read.pop(lora_int_id, None) is not None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.nbytes for r in self._resident.values())
+
+    def rows(self, handles: list[LoRAHandle | None]) -> LoRARows | None:
+        """The step's LoRARows for rows using these adapters (None: no adapter)."""
+        slots = np.full(len(handles), -1, dtype=np.int64)
+        adapters: list[ResidentAdapter] = []
+        index: dict[str, int] = {}
+        for row, handle in enumerate(handles):
+            if handle is None:
+                continue
+            slot = index.get(handle.identity)
+            if slot is None:
+                slot = index[handle.identity] = len(adapters)
+                adapters.append(self._resident_for(handle))
+            slots[row] = slot
+        if adapters:
+            while len(self._resident) > max(self.max_loras, len(adapters)):
+                self._resident.popitem(last=False)
+        return LoRARows.of(slots, adapters, self.device)
+
+    def _resident_for(self, handle: LoRAHandle) -> ResidentAdapter:
+        resident = self._resident.get(handle.identity)
+        if resident is None:
+            resident = ResidentAdapter(handle.adapter, self.model, self.dtype, self.device, self.native)
+            self._resident[handle.identity] = resident
+        self._resident.move_to_end(handle.identity)
+        return resident

@@ -1,0 +1,97 @@
+"""LoRA adapters by name: --lora-modules at start, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter at run time (with --allow-runtime-lora-updating, behind --api-key as all
+of /v1/), and the `model` field of a request picking one. Adapters are read and checked off the
+event loop; a bad one is a 400 naming the file and what is wrong. Unloading forgets the name:
+requests already running finish on the weights they started with."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import reprlib
+import threading
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from kvserve.lora.adapter import AdapterError
+from kvserve.lora.request import MAX_LORA_NAME_CHARS, LoRARequest
+from kvserve.server.errors import APIError
+
+MAX_PATH_CHARS = 4096
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class LoRAModules:
+    """The server's adapter names -> LoRARequests (ids given in order of loading)."""
+
+    def __init__(self, engine, base_names: tuple[str, ...]) -> None:
+        self.engine = engine
+        self.base_names = base_names
+        self._ids = itertools.count(1)
+        self._by_name: dict[str, LoRARequest] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def request_for(self, model: str) -> LoRARequest | None:
+        return self._by_name.get(model)
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Read, check and name an adapter (blocking: call it off the event loop)."""
+        if self.engine.lora is None:
+            raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora", "lora_name")
+        if not 1 <= len(name) <= MAX_LORA_NAME_CHARS or not name.isprintable():
+            raise APIError(400, f"lora_name must be 1 to {MAX_LORA_NAME_CHARS} printable characters", "lora_name")
+        if not 1 <= len(path) <= MAX_PATH_CHARS or "\x00" in path:
+            raise APIError(400, f"lora_path must be a directory path of at most {MAX_PATH_CHARS} characters", "lora_path")
+        with self._lock:
+            if name in self.base_names or name in self._by_name:
+                raise APIError(400, f"lora_name {reprlib.repr(name)} is already served", "lora_name")
+            request = LoRARequest(name, next(self._ids), path)
+        try:
+            self.engine.lora.resolve(request)
+        except AdapterError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        with self._lock:
+            if name in self._by_name:
+                raise APIError(400, f"lora_name {reprlib.repr(name)} is already served", "lora_name")
+            self._by_name[name] = request
+        return request
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            request = self._by_name.pop(name, None)
+        if request is None:
+            raise APIError(404, f"no LoRA adapter named {reprlib.repr(name)} is loaded", "lora_name", "not_found_error", "lora_not_found")
+        self.engine.lora.forget(request.lora_int_id)
+
+
+def register_routes(app: FastAPI, serving) -> None:
+    modules: LoRAModules = serving.lora_modules
+    if not serving.config.allow_runtime_lora_updating:
+        return
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        request = await asyncio.to_thread(modules.load, body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        modules.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

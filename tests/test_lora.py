@@ -1,0 +1,179 @@
+"""LoRA adapters against peft: adapters made here with peft on the tiny models of every family,
+saved with save_pretrained and served by kvserve; greedy tokens equal peft's and logits agree to
+float32 tolerance; a batch mixing the base model and three adapters gives each request its alone
+bits (also chunked and after prefix hits); the adapter's identity keys its cached blocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tiny_models import FAMILIES, hf_model
+from kvserve import LLM, LoRARequest, SamplingParams
+from test_models_vs_transformers import engine_last_logits
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def make_adapter(base: Path, out: Path, seed: int, rank: int = 8, targets=TARGETS, **lora) -> Path:
+    """A peft LoRA adapter of random (not zero) weights on the model at `base`, saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+                                                      lora_dropout=0.0, **lora))  # fmt: skip
+    with torch.no_grad():  # peft's init leaves B at small values: make the adapter move the tokens
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(out))
+    return out
+
+
+def peft_model(base: Path, adapter: Path):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_root):
+    """Three adapters per family (llama, qwen2, qwen3, gemma3), made once."""
+    from tiny_models import tiny_model_dir
+
+    made = {}
+    for family in FAMILIES:
+        base = tiny_model_dir(family, tiny_root)
+        root = tmp_path_factory.mktemp(f"lora-{family}")
+        made[family] = (base, [make_adapter(base, root / f"a{i}", seed=i, rank=4 * (i + 1), targets=TARGETS if i != 2 else ["q_proj", "v_proj"])
+                               for i in range(3)])  # fmt: skip
+    return made
+
+
+def lora_llm(base: Path, **settings) -> LLM:
+    return LLM(str(base), **{"dtype": "float32", "kv_cache_memory": 0.02, "enable_lora": True, "max_loras": 4, "max_lora_rank": 16, **settings})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logits_match_peft(adapters, family):
+    base, paths = adapters[family]
+    llm = lora_llm(base)
+    for i, path in enumerate(paths):
+        reference = peft_model(base, path)
+        request = LoRARequest(f"a{i}", i + 1, str(path))
+        for prompt in random_prompts(2, 14, 20, seed=i):
+            with torch.no_grad():
+                ref = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
+                ref_logits = reference(input_ids=torch.tensor([prompt])).logits[0, -1]
+            got = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=request)[0].token_ids
+            assert got == ref, (family, i)
+            engine = llm.engine
+            seq = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), lora_request=request)
+            samplers, logits = engine.runner.forward(engine.scheduler.schedule())
+            engine.abort_request(seq.request_id)
+            rel = (logits[0] - ref_logits).abs().max() / ref_logits.abs().max()
+            assert rel < 1e-4, f"{family} adapter {i}: last-position logits differ by {rel:.2e}"
+        # the adapter changes the model: the base's tokens differ somewhere
+        base_tokens = llm.generate(random_prompts(2, 14, 20, seed=i), GREEDY, use_tqdm=False)
+        lora_tokens = llm.generate(random_prompts(2, 14, 20, seed=i), GREEDY, use_tqdm=False, lora_request=request)
+        assert [o.token_ids for o in base_tokens] != [o.token_ids for o in lora_tokens]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_mixed_batch_gives_each_request_its_alone_bits(adapters, dtype):
+    """The base model and three adapters in one batch, chunked prefills, then again after prefix hits:
+    every request's tokens and logprobs are those it gets alone."""
+    base, paths = adapters["gemma3"]
+    requests = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    prompts = random_prompts(8, 20, 60, seed=3)
+    loras = [requests[i % 4] for i in range(8)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+    def traces(outs):
+        return [(o.token_ids, [(t.token_id, t.logprob) for t in o.logprobs]) for o in outs]
+
+    settings = dict(dtype=dtype) if dtype != "float32" else {}
+    alone_llm = LLM(str(base), kv_cache_memory=0.02, enable_lora=True, max_loras=4, max_lora_rank=16, enable_prefix_caching=False,
+                    **{"dtype": "float32", **settings})  # fmt: skip
+    alone = [traces(alone_llm.generate([p], params, use_tqdm=False, lora_request=r))[0] for p, r in zip(prompts, loras)]
+    together = LLM(str(base), kv_cache_memory=0.02, enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=48,
+                   **{"dtype": "float32", **settings})  # fmt: skip
+    assert traces(together.generate(prompts, params, use_tqdm=False, lora_request=loras)) == alone
+    # again: every prompt's blocks are cached under its own adapter, and the hits give the same bits
+    again = together.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert traces(again) == alone
+    assert all(o.num_cached_tokens > 0 for o in again)
+
+
+def test_the_adapter_identity_keys_the_cached_blocks(adapters):
+    """The same prompt under adapter a, then b, then a: b reuses nothing cached under a, a's repeat
+    reuses its blocks; the base model reuses neither."""
+    base, paths = adapters["llama"]
+    llm = lora_llm(base)
+    a, b = LoRARequest("a", 1, str(paths[0])), LoRARequest("b", 2, str(paths[1]))
+    prompt = random_prompts(1, 70, 70, seed=9)[0]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    cached = []
+    for request in (a, b, a, None, b):
+        cached.append(llm.generate([prompt], params, use_tqdm=False, lora_request=request)[0].num_cached_tokens)
+    assert cached[0] == 0 and cached[1] == 0 and cached[2] >= 64 and cached[3] == 0 and cached[4] >= 64
+    # the same weights under another name and id share the blocks (the identity is the contents)
+    same = LoRARequest("a-again", 7, str(paths[0]))
+    assert llm.generate([prompt], params, use_tqdm=False, lora_request=same)[0].num_cached_tokens >= 64
+
+
+def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_path):
+    from kvserve.lora.adapter import AdapterError
+
+    base, paths = adapters["qwen2"]
+    llm = lora_llm(base, max_lora_rank=8)
+    with pytest.raises(AdapterError, match="rank 12 is over --max-lora-rank 8"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 1, str(paths[2])))
+    with pytest.raises(AdapterError, match="not a directory"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 2, str(tmp_path / "missing")))
+
+    def variant(name: str, change) -> Path:
+        import shutil
+
+        out = tmp_path / name
+        shutil.copytree(paths[0], out)
+        change(out)
+        return out
+
+    def edit_config(**fields):
+        def change(out: Path) -> None:
+            config = json.loads((out / "adapter_config.json").read_text())
+            config.update(fields)
+            (out / "adapter_config.json").write_text(json.dumps(config))
+
+        return change
+
+    cases = [
+        (edit_config(modules_to_save=["lm_head"]), "modules_to_save replaces whole modules"),
+        (edit_config(target_modules=["q_proj", "lm_head"]), "target module.s. lm_head unknown"),
+        (edit_config(use_dora=True), "DoRA"),
+        (lambda out: (out / "adapter_model.safetensors").write_bytes(b"\x00" * 40), "not a readable safetensors file"),
+        (lambda out: (out / "adapter_config.json").write_text("{"), "not valid JSON"),
+    ]
+    for n, (change, words) in enumerate(cases):
+        with pytest.raises(AdapterError, match=words):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{n}", 10 + n, str(variant(f"bad{n}", change))))
+    # an adapter made for another base: shapes differ
+    other_base, other_paths = adapters["gemma3"]
+    with pytest.raises(AdapterError, match="has shape|the base model has"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 30, str(other_paths[0])))
+    # a base engine without enable_lora
+    plain = LLM(str(base), dtype="float32", kv_cache_memory=0.02)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        plain.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(paths[0])))
+    # nothing was left queued by the refusals
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter"):
+        ok = LoRARequest("a", 1, str(paths[0]))
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=ok)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("z", 1, str(paths[2])))

@@ -1,0 +1,88 @@
+"""LoRA adapters through the HTTP API of a real `kvserve serve`, with a real HTTP client: the request's
+`model` picks an adapter (--lora-modules), /v1/models lists each with its parent, adapters load and
+unload at run time behind the API key while requests run, bad adapters are 400s, and the metrics
+count requests per adapter."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from server_process import launch_server, stop_server
+from test_lora import make_adapter
+from kvserve import LLM, LoRARequest, SamplingParams
+
+KEY = "lora-test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [5, 17, 99, 23, 41, 8, 77, 12, 64, 3, 19, 31]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_root, tmp_path_factory):
+    from tiny_models import tiny_model_dir
+
+    base = tiny_model_dir("llama", tiny_root)
+    root = tmp_path_factory.mktemp("lora-server")
+    a, b = make_adapter(base, root / "a", seed=1), make_adapter(base, root / "b", seed=2)
+    proc, url = launch_server(["--model", str(base), "--port", "0", "--dtype", "float32", "--kv-cache-memory", "0.02", "--enable-lora",
+                               "--max-loras", "2", "--lora-modules", f"ada={a}", "--allow-runtime-lora-updating", "--api-key", KEY])  # fmt: skip
+    yield base, a, b, url
+    stop_server(proc)
+
+
+def complete(url: str, model: str, max_tokens: int = 12, **extra) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+
+
+def offline_text(base, adapter, max_tokens: int = 12) -> str:
+    llm = LLM(str(base), dtype="float32", kv_cache_memory=0.02, enable_lora=True)
+    lora = LoRARequest("x", 1, str(adapter)) if adapter is not None else None
+    return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False,
+                        lora_request=lora)[0].text  # fmt: skip
+
+
+def test_the_model_field_picks_the_adapter(served):
+    base, a, _, url = served
+    models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
+    base_name = models[0]["id"]
+    assert [(m["id"], m.get("parent")) for m in models] == [(base_name, None), ("ada", base_name)]
+    got = complete(url, "ada")
+    assert got.status_code == 200, got.text
+    assert got.json()["model"] == "ada"
+    assert got.json()["choices"][0]["text"] == offline_text(base, a)
+    plain = complete(url, base_name).json()["choices"][0]["text"]
+    assert plain == offline_text(base, None) and plain != got.json()["choices"][0]["text"]
+    missing = complete(url, "nope")
+    assert missing.status_code == 404 and "ada" in missing.json()["error"]["message"]
+    metrics = httpx.get(url + "/metrics", headers=AUTH).text
+    assert 'kvserve:lora_requests_total{lora_name="ada"' in metrics
+    assert "kvserve:lora_requests_info{" in metrics
+
+
+def test_adapters_load_and_unload_at_run_time_while_requests_run(served, tmp_path):
+    base, a, b, url = served
+    load = lambda body, headers=AUTH: httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=60)  # noqa: E731
+    unload = lambda name: httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH, timeout=60)  # noqa: E731
+    assert load({"lora_name": "bee", "lora_path": str(b)}, headers={}).status_code == 401
+    assert load({"lora_name": "bee", "lora_path": str(b)}).status_code == 200
+    assert load({"lora_name": "bee", "lora_path": str(b)}).status_code == 400  # already served
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}')
+    refused = load({"lora_name": "bad", "lora_path": str(bad)})
+    assert refused.status_code == 400 and "modules_to_save" in refused.json()["error"]["message"] and str(bad) in refused.json()["error"]["message"]
+    assert load({"lora_name": "gone", "lora_path": str(tmp_path / "missing")}).status_code == 400
+    assert load({"lora_name": 5}).status_code == 400
+    # a long request on bee runs to its end while bee is unloaded
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(long=complete(url, "bee", max_tokens=150)))
+    thread.start()
+    assert complete(url, "bee").json()["choices"][0]["text"] == offline_text(base, b)
+    assert unload("bee").status_code == 200
+    thread.join(timeout=120)
+    assert results["long"].status_code == 200 and results["long"].json()["usage"]["completion_tokens"] == 150
+    assert complete(url, "bee").status_code == 404
+    assert unload("bee").status_code == 404
