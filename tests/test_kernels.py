@@ -96,7 +96,7 @@ def test_argument_structs_match_the_c_layout():
     from kvserve.kernels.args import layout_mismatches
     from kvserve.kernels.build import load_kernels
 
-    assert len(STRUCTS) == 21
+    assert len(STRUCTS) == 22
     assert layout_mismatches(load_kernels()) == []
 
 

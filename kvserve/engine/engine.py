@@ -93,6 +93,7 @@ class LLMEngine:
         attention = create_backend(backend, self.pool)
         self.lora = None
         if config.enable_lora:
+            self.model.lora_enabled = True
             self.lora = LoRAManager(checkpoint.config, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
                                     config.torch_dtype, self.device, native=backend == "cpu_paged")  # fmt: skip
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"), self.lora)

@@ -223,6 +223,25 @@ struct GatedActivationArgs {
   int32_t activation;   // 0 gelu_tanh, 1 silu
 };
 
+// LoRA products of one fused projection for a step's rows (lora.cpp): out[i] += B_s (A_s x[i]) for
+// row i's adapter slot s = slots[i] (-1: none). A_s [ranks[s], k] and B_s transposed [ranks[s], n]
+// (scaling folded in), in the activations' dtype.
+struct LoraArgs {
+  void* out;              // [rows, n], row stride out_stride, accumulated
+  const void* x;          // [rows, k], row stride x_stride
+  int64_t out_stride;
+  int64_t x_stride;
+  int64_t rows;
+  const int32_t* slots;   // [rows]
+  const void* const* a;   // [adapters]
+  const void* const* bt;  // [adapters]
+  const int32_t* ranks;   // [adapters]
+  int32_t adapters;
+  int32_t k;
+  int32_t n;
+  int32_t dtype;          // of x, out, A and B: float32 or bf16
+};
+
 struct HadamardArgs {
   void* out[3];           // [tokens, heads[i], dim], token stride out_stride[i], heads packed; may be x[i]
   const void* x[3];       // [tokens, heads[i], dim], token stride x_stride[i], heads packed

@@ -100,6 +100,13 @@ class QkNormRopeArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class LoraArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("x", _p), ("out_stride", _i64), ("x_stride", _i64), ("rows", _i64), ("slots", _p), ("a", _p), ("bt", _p), ("ranks", _p),
+        ("adapters", _i32), ("k", _i32), ("n", _i32), ("dtype", _i32),
+    ]  # fmt: skip
+
+
 class HadamardArgs(ctypes.Structure):
     _fields_ = [
         ("out", _p * 3), ("x", _p * 3), ("x_stride", _i64 * 3), ("out_stride", _i64 * 3), ("heads", _i32 * 3), ("count", _i32), ("tokens", _i64), ("signs", _p),
@@ -163,7 +170,7 @@ class DecodeOp(ctypes.Structure):
 
 STRUCTS = (
     KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, GgufPart, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
-    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, BiasAddArgs, DecodeStep, DecodeOp,
+    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, LoraArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, BiasAddArgs, DecodeStep, DecodeOp,
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ int kvserve_paged_decode_attention(const DecodeAttentionArgs* args);
 int kvserve_add_rms_norm(const AddRmsNormArgs* args);
 int kvserve_gated_activation(const GatedActivationArgs* args);
 int kvserve_hadamard(const HadamardArgs* args);
+int kvserve_lora(const LoraArgs* args);
 }
 
 namespace {
@@ -41,6 +42,7 @@ enum OpKind : int32_t {
   kGatedActivation = 9,
   kHadamard = 10,
   kBiasAdd = 11,
+  kLora = 12,
 };
 
 int copy_kv(const KVCopyArgs& a) {
@@ -121,6 +123,11 @@ int run_op(const DecodeOp& op, const DecodeStep& step) {
       auto& a = *static_cast<HadamardArgs*>(op.args);
       a.tokens = rows;
       return kvserve_hadamard(&a);
+    }
+    case kLora: {
+      auto& a = *static_cast<LoraArgs*>(op.args);
+      a.rows = rows;
+      return a.adapters == 0 ? 0 : kvserve_lora(&a);
     }
     case kBiasAdd: {
       auto& a = *static_cast<BiasAddArgs*>(op.args);

@@ -23,7 +23,7 @@ from kvserve.kernels.products import AmxWeight, FloatPackedWeight, PackedWeight
 
 OP_KINDS = {
     "gguf": 0, "amx": 1, "packed": 2, "float": 3, "qk_norm_rope": 4, "kv_copy": 5, "kv_store": 6, "decode_attention": 7,
-    "add_rms_norm": 8, "gated_activation": 9, "hadamard": 10, "bias_add": 11,
+    "add_rms_norm": 8, "gated_activation": 9, "hadamard": 10, "bias_add": 11, "lora": 12,
 }  # fmt: skip
 Product = GgufProduct | AmxWeight | PackedWeight | FloatPackedWeight
 
@@ -81,6 +81,18 @@ class DecodeProgram:
             self._add(call, "float")
         else:
             raise TypeError(f"decode program: no product kernel for {type(weight).__name__}")
+
+    def lora(self, x: torch.Tensor, out: torch.Tensor) -> args.LoraArgs:
+        """out += each row's LoRA adapter product of x (kernels/lora.cpp), after the projection of x into
+        out. The step's adapters are set on the returned arguments before each run (set_lora); none
+        (adapters 0) makes it a no-op."""
+        if x.dtype != out.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("decode program: LoRA rows in float32 or bf16, x and out alike")
+        call = args.LoraArgs()
+        call.x, call.out = self._buffer(x, x.shape[1]), self._buffer(out, out.shape[1])
+        call.x_stride, call.out_stride, call.k, call.n, call.dtype = x.stride(0), out.stride(0), x.shape[1], out.shape[1], _DTYPE_CODES[x.dtype]
+        self._add(call, "lora")
+        return call
 
     def bias_add(self, out: torch.Tensor, bias: torch.Tensor) -> None:
         """out[r] += bias ([width], out's dtype), as Linear adds its bias after the product."""

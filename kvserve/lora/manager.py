@@ -39,6 +39,7 @@ class LoRAManager:
         self._read: OrderedDict[int, LoRAHandle] = OrderedDict()  # lora_int_id -> handle, LRU
         self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> products, LRU
         self._lock = threading.Lock()  # the server loads adapters off the engine's thread
+        self._last: tuple[np.ndarray, list[ResidentAdapter], LoRARows | None] | None = None  # decode steps repeat their layout
 
     def resolve(self, request: LoRARequest) -> LoRAHandle:
         """The handle of a request's adapter, read from its directory unless held (AdapterError if bad)."""
@@ -84,12 +85,17 @@ class LoRAManager:
         if adapters:
             while len(self._resident) > max(self.max_loras, len(adapters)):
                 self._resident.popitem(last=False)
-        return LoRARows.of(slots, adapters, self.device)
+        last = self._last
+        if last is not None and len(last[1]) == len(adapters) and all(a is b for a, b in zip(last[1], adapters)) and np.array_equal(last[0], slots):
+            return last[2]
+        rows = LoRARows.of(slots, adapters, self.device)
+        self._last = (slots, adapters, rows)
+        return rows
 
     def _resident_for(self, handle: LoRAHandle) -> ResidentAdapter:
         resident = self._resident.get(handle.identity)
         if resident is None:
-            resident = ResidentAdapter(handle.adapter, self.model, self.dtype, self.device, self.native)
+            resident = ResidentAdapter(handle.adapter, self.model, self.dtype, self.device)
             self._resident[handle.identity] = resident
         self._resident.move_to_end(handle.identity)
         return resident

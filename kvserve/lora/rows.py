@@ -1,62 +1,47 @@
-"""The LoRA products of one step: each adapter's A and B as projections of the model's own kind
-(model/layers.py Linear, so on the CPU kernels whose rows keep their bits whatever rides with
-them), run once per adapter over the rows that use it and added into the base projection's output
-slice; rows without an adapter take no part. The fused projections (qkv, gate_up) add each part's
-product into its slice of the output."""
+"""The LoRA products of one step. Each adapter is held per fused projection (qkv, o, gate_up,
+down) as A, its parts' lora_A stacked [sum r, in], and B^T, their lora_B times scaling transposed
+and block-diagonal [sum r, out] (zero where a part is not adapted). On the CPU kernels one native
+call per projection adds every row's adapter product into the base projection's output
+(kernels/lora.cpp: a row's result in one fixed order, so the same bits alone or batched); elsewhere
+torch does, once per adapter over the rows that use it. Rows without an adapter take no part."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from kvserve.kernels.lora import LoraCall, lora_available
 from kvserve.lora.adapter import LoRAAdapter, module_shape
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import Linear
 
 # the model's fused projections and the PEFT modules they are made of, in output order
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
-@dataclass
-class LoRAPart:
-    offset: int  # the part's first output column in the fused projection
-    a: Linear  # [r, in]
-    b: Linear  # [out, r]
-    scaling: float
-
-
 class ResidentAdapter:
-    """An adapter's products in the activations' dtype on the model's device, per (layer, fused projection)."""
+    """An adapter's A and B^T per (layer, fused projection), in the activations' dtype on the model's device."""
 
-    def __init__(self, adapter: LoRAAdapter, config: ModelConfig, dtype: torch.dtype, device: torch.device, native: bool) -> None:
+    def __init__(self, adapter: LoRAAdapter, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.identity = adapter.identity
         self.nbytes = 0
-        self.parts: dict[tuple[int, str], list[LoRAPart]] = {}
+        self.products: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(config.num_layers):
             for fused, modules in FUSED.items():
-                offset, parts = 0, []
-                for module in modules:
-                    out, inner = module_shape(config, module)
-                    if (layer, module) in adapter.weights:
-                        a, b = adapter.weights[(layer, module)]
-                        parts.append(LoRAPart(offset, self._linear(a, dtype, device, native), self._linear(b, dtype, device, native),
-                                              adapter.scaling))  # fmt: skip
-                        self.nbytes += (a.numel() + b.numel()) * dtype.itemsize
-                    offset += out
-                if parts:
-                    self.parts[(layer, fused)] = parts
-
-    @staticmethod
-    def _linear(weight: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool) -> Linear:
-        out, inner = weight.shape
-        with torch.device("meta"):
-            linear = Linear(inner, out, bias=False)
-        linear.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
-        if native:
-            linear.enable_native()
-        return linear
+                shapes = [module_shape(config, m) for m in modules]
+                adapted = [(i, adapter.weights[(layer, m)]) for i, m in enumerate(modules) if (layer, m) in adapter.weights]
+                if not adapted:
+                    continue
+                a_stack = torch.cat([a for _, (a, _) in adapted])
+                bt = torch.zeros(a_stack.shape[0], sum(out for out, _ in shapes))
+                rank = 0
+                for i, (a, b) in adapted:
+                    column = sum(out for out, _ in shapes[:i])
+                    bt[rank : rank + a.shape[0], column : column + b.shape[0]] = (b * adapter.scaling).t()
+                    rank += a.shape[0]
+                held = tuple(t.to(device=device, dtype=dtype).contiguous() for t in (a_stack, bt))
+                self.products[(layer, fused)] = held
+                self.nbytes += sum(t.numel() * t.element_size() for t in held)
 
 
 class LoRARows:
@@ -65,13 +50,15 @@ class LoRARows:
     def __init__(self, slots: torch.Tensor, adapters: list[ResidentAdapter]) -> None:
         self.slots = slots
         self.adapters = adapters
-        self.groups = [(adapters[s], (slots == s).nonzero().flatten()) for s in torch.unique(slots).tolist() if s >= 0]
+        self.native = lora_available(adapters[0].products[next(iter(adapters[0].products))][0].dtype, slots.device)
+        self._calls: dict[tuple[int, str], LoraCall | None] = {}
+        self._groups: list[tuple[ResidentAdapter, torch.Tensor]] | None = None
 
     @classmethod
     def of(cls, row_slots: np.ndarray, adapters: list[ResidentAdapter], device: torch.device) -> LoRARows | None:
         if not adapters or not (row_slots >= 0).any():
             return None
-        return cls(torch.from_numpy(row_slots).to(device), adapters)
+        return cls(torch.from_numpy(row_slots.astype(np.int32)).to(device), adapters)
 
     def select(self, rows: torch.Tensor) -> LoRARows:
         """The same for a subset of the rows (the last layer's sampled rows), in that order."""
@@ -79,12 +66,38 @@ class LoRARows:
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base projection of x) plus each row's adapter product, in place."""
-        for adapter, rows in self.groups:
-            parts = adapter.parts.get((layer, fused))
-            if not parts:
-                continue
-            xs = x.index_select(0, rows)
-            for part in parts:
-                delta = part.b.forward(part.a.forward(xs)) * part.scaling
-                out[:, part.offset : part.offset + delta.shape[1]].index_add_(0, rows, delta.to(out.dtype))
+        if self.native and x.dtype in (torch.float32, torch.bfloat16) and out.dtype == x.dtype and x.stride(1) == 1 and out.stride(1) == 1:
+            call = self._call(layer, fused)
+            return call.add(x, out) if call is not None else out
+        for adapter, rows in self._torch_groups():
+            held = adapter.products.get((layer, fused))
+            if held is not None:
+                a, bt = held
+                delta = F.linear(F.linear(x.index_select(0, rows).to(a.dtype), a), bt.t())
+                out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+    def native_call(self, layer: int, fused: str) -> LoraCall | None:
+        """The native call of this projection's adapter products (None: no adapter has it)."""
+        return self._call(layer, fused)
+
+    def _call(self, layer: int, fused: str) -> LoraCall | None:
+        key = (layer, fused)
+        if key not in self._calls:
+            held = [adapter.products.get(key) for adapter in self.adapters]
+            present = [i for i, h in enumerate(held) if h is not None]
+            if not present:
+                self._calls[key] = None
+            else:
+                slots = self.slots
+                if len(present) < len(held):  # adapters without this projection: their rows take none here
+                    remap = torch.full((len(held) + 1,), -1, dtype=torch.int32)
+                    remap[torch.tensor(present)] = torch.arange(len(present), dtype=torch.int32)
+                    slots = remap[slots.long()]  # slot -1 reads remap[-1], which is -1
+                self._calls[key] = LoraCall(slots.contiguous(), [held[i][0] for i in present], [held[i][1] for i in present])
+        return self._calls[key]
+
+    def _torch_groups(self) -> list[tuple[ResidentAdapter, torch.Tensor]]:
+        if self._groups is None:
+            self._groups = [(self.adapters[s], (self.slots == s).nonzero().flatten()) for s in torch.unique(self.slots).tolist() if s >= 0]
+        return self._groups

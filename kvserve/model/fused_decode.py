@@ -32,6 +32,8 @@ class FusedDecode:
         self.capacity = capacity
         self.program = DecodeProgram(capacity)
         self.steps = 0
+        # with LoRA enabled, an op after each projection adds the step's adapter products (none: a no-op)
+        self.lora_ops: dict[tuple[int, str], args.LoraArgs] = {}
 
         def buffer(width: int) -> torch.Tensor:
             return torch.empty(capacity, width, dtype=dtype)
@@ -52,6 +54,7 @@ class FusedDecode:
             program.product(attn.qkv_proj.native_weight(dtype), self.normed, qkv)
             if attn.qkv_proj.bias is not None:  # Qwen2
                 program.bias_add(qkv, attn.qkv_proj.bias)
+            self._lora(model, attn.layer, "qkv", self.normed, qkv)
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             program.qk_norm_rope(qkv, q, k, attn.num_heads, attn.num_kv_heads, attn.head_dim, *norms, attn.eps, attn.rotary.cos, attn.rotary.sin)
             if rotation is not None:
@@ -66,15 +69,22 @@ class FusedDecode:
             if rotation is not None:
                 program.hadamard(rotation, (attended,), inverse=True)
             program.product(attn.o_proj.native_weight(dtype), attended, projected)
+            self._lora(model, attn.layer, "o", attended, projected)
             # DecoderLayer.forward's residual adds: Gemma's sandwich norms, or none around the sublayers
             sandwich = layer.sandwich
             self._add_norm(layer.post_attention_layernorm if sandwich else None,
                            layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, projected)  # fmt: skip
             program.product(mlp.gate_up_proj.native_weight(dtype), self.normed, gate_up)
+            self._lora(model, attn.layer, "gate_up", self.normed, gate_up)
             program.gated_activation(gate_up, activated, mlp.activation)
             program.product(mlp.down_proj.native_weight(dtype), activated, projected)
+            self._lora(model, attn.layer, "down", activated, projected)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
             self._add_norm(layer.post_feedforward_layernorm if sandwich else None, next_norm, projected)
+
+    def _lora(self, model: CausalLM, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if model.lora_enabled:
+            self.lora_ops[(layer, fused)] = self.program.lora(x, out)
 
     def _add_norm(self, addend_norm, norm, addend: torch.Tensor) -> None:
         """layers.residual_add_norm into the program's buffers. Without either norm (a Llama model's last
@@ -120,9 +130,15 @@ class FusedDecode:
         """A step of decode rows only, with no SnapKV window scored."""
         return meta.num_decode_tokens == tokens and not meta.prefills and not meta.window_scores
 
-    def run(self, x: torch.Tensor, normed: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, x: torch.Tensor, normed: torch.Tensor, meta: AttentionMetadata, lora=None) -> torch.Tensor:
         """The last layer's residual stream [rows, hidden] (a new tensor) from the embedded rows x and
-        their first input norm."""
+        their first input norm; lora: the step's LoRARows (kvserve/lora/rows.py), if any row has an adapter."""
+        for key, call in self.lora_ops.items():
+            native = lora.native_call(*key) if lora is not None else None
+            if native is None:
+                call.adapters = 0
+            else:
+                native.set_on(call)
         rows = x.shape[0]
         self.residual[:rows].copy_(x)
         self.normed[:rows].copy_(normed)

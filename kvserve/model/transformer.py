@@ -157,6 +157,7 @@ class CausalLM(nn.Module):
         self._native_logits: torch.Tensor | None = None  # see _native_logits_buffer
         self._screen_scratch: torch.Tensor | None = None  # screened_sample's approximations, reused
         self.fused_decode = True  # decode steps' layers run as one kernel program where they can (model/fused_decode.py)
+        self.lora_enabled = False  # LoRA rows may come (engine enable_lora): the decode program carries their ops
         self._fused: FusedDecode | None = None
         self._fused_backend: weakref.ref | None = None  # the program's backend: a new one (another pool) builds another
         self._fused_dtype: torch.dtype | None = None
@@ -206,10 +207,11 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         layers = list(self.layers)  # modules' forward called directly: nn.Module's call machinery is ~1 us each, 100+ a step
         normed = layers[0].input_layernorm.forward(x)
-        if output_rows is None and lora is None and self.fused_decode and FusedDecode.applies(meta, x.shape[0]):
+        lora_native = lora is None or lora.native
+        if output_rows is None and lora_native and self.fused_decode and FusedDecode.applies(meta, x.shape[0]):
             fused = self._fused_decode_for(attention, x.shape[0], x.dtype)
-            if fused is not None:
-                return fused.run(x, normed, meta)
+            if fused is not None and (lora is None or fused.lora_ops):
+                return fused.run(x, normed, meta, lora)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i < last else None
