@@ -36,6 +36,8 @@ SECTIONS = (
     # (title, subcommand, argument group titles to include, what the section is)
     ("Engine flags (`serve`, `generate`, `eval`, `cluster`)", "serve", ("engine",),
      "The model, its dtype, the KV cache (format, size, prefix caching, eviction) and the scheduler's limits."),
+    ("LoRA adapters (`serve`, `generate`, `eval`, `cluster`)", "serve", ("LoRA adapters",),
+     "Fine-tunes served over one base model; see [LoRA adapters](lora.md)."),
     ("`kvserve serve`", "serve", ("server", None),
      "The OpenAI-compatible HTTP server; see [server and API](server-and-api.md) and "
      "[hardening and security](hardening-and-security.md). Takes the engine flags too."),

@@ -177,3 +177,26 @@ def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_p
         ok = LoRARequest("a", 1, str(paths[0]))
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=ok)
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("z", 1, str(paths[2])))
+
+
+def test_the_host_tier_keeps_adapters_apart(adapters):
+    """A prompt under adapter a, pushed out of a 24-block pool into the host tier by other traffic:
+    under b it reuses nothing, under a it comes back from the tier with a's first tokens."""
+    base, paths = adapters["llama"]
+    llm = lora_llm(base, num_kv_blocks=24, max_num_seqs=2, kv_offload_host_gib=0.002)
+    a, b = LoRARequest("a", 1, str(paths[0])), LoRARequest("b", 2, str(paths[1]))
+    prompt, *others = random_prompts(5, 90, 120, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(prompts, request):
+        return [llm.generate([p], params, use_tqdm=False, lora_request=request)[0] for p in prompts]
+
+    first = run([prompt], a)[0]
+    run(others, None)
+    under_b = run([prompt], b)[0]
+    assert under_b.num_cached_tokens == 0 and under_b.token_ids != first.token_ids
+    run(others, None)
+    again = run([prompt], a)[0]
+    assert again.num_cached_tokens >= 64 and again.token_ids == first.token_ids
+    assert [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
+    assert sum(t["hit_tokens"] for t in llm.stats()["kv_tiers"].values()) >= 64
