@@ -200,3 +200,44 @@ def test_the_host_tier_keeps_adapters_apart(adapters):
     assert again.num_cached_tokens >= 64 and again.token_ids == first.token_ids
     assert [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
     assert sum(t["hit_tokens"] for t in llm.stats()["kv_tiers"].values()) >= 64
+
+
+def test_the_native_call_matches_float64_and_leaves_rows_without_an_adapter_alone():
+    """kernels/lora.cpp: two adapters (one on all three parts of a fused projection, one on its last
+    part only) over rows of either or none: each part's product lands in its own columns."""
+    from kvserve.kernels import library
+    from kvserve.kernels.lora import LoraCall
+
+    if not library.cpu_kernels_available():
+        pytest.skip("no native kernels")
+    g = torch.Generator().manual_seed(0)
+    k, widths = 40, [24, 8, 8]
+    n = sum(widths)
+    layouts = [[3, 4, 0, 24, 4, 24, 8, 4, 32, 8], [1, 8, 32, 8]]
+    adapters = []
+    for layout in layouts:
+        rank = sum(layout[1::3])
+        a = torch.randn(rank, k, generator=g)
+        bt = torch.randn(sum(r * w for r, w in zip(layout[1::3], layout[3::3])), generator=g)
+        adapters.append((a, bt, torch.tensor(layout, dtype=torch.int32)))
+    slots = torch.tensor([0, -1, 1, 0, -1, 1, 1], dtype=torch.int32)
+    x = torch.randn(7, k, generator=g)
+    out = torch.randn(7, n, generator=g)
+    before = out.clone()
+    LoraCall(slots, n, *map(list, zip(*adapters))).add(x, out)
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            assert torch.equal(out[row], before[row])
+            continue
+        a, bt, layout = adapters[slot]
+        h = x[row].double() @ a.double().t()
+        expected = before[row].double().clone()
+        first = at = 0
+        for p in range(layout[0]):
+            rank, column, width = layout[1 + 3 * p : 4 + 3 * p].tolist()
+            expected[column : column + width] += h[first : first + rank] @ bt[at : at + rank * width].double().view(rank, width)
+            first, at = first + rank, at + rank * width
+        torch.testing.assert_close(out[row].double(), expected, rtol=1e-5, atol=1e-5)
+    bad = [(a, bt, torch.tensor([1, 8, 36, 8], dtype=torch.int32)) for a, bt, _ in adapters[1:]]  # columns past n
+    with pytest.raises(ValueError, match="lora"):
+        LoraCall(torch.tensor([0], dtype=torch.int32), n, *map(list, zip(*bad))).add(x[:1], out[:1])

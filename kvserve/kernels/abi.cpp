@@ -94,7 +94,7 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     return n;
   }
   if (!std::strcmp(name, "LoraArgs")) {
-    const int64_t layout[] = {static_cast<int64_t>(sizeof(LoraArgs)), KVSERVE_FIELD(LoraArgs, out), KVSERVE_FIELD(LoraArgs, x), KVSERVE_FIELD(LoraArgs, out_stride), KVSERVE_FIELD(LoraArgs, x_stride), KVSERVE_FIELD(LoraArgs, rows), KVSERVE_FIELD(LoraArgs, slots), KVSERVE_FIELD(LoraArgs, a), KVSERVE_FIELD(LoraArgs, bt), KVSERVE_FIELD(LoraArgs, ranks), KVSERVE_FIELD(LoraArgs, adapters), KVSERVE_FIELD(LoraArgs, k), KVSERVE_FIELD(LoraArgs, n), KVSERVE_FIELD(LoraArgs, dtype)};
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(LoraArgs)), KVSERVE_FIELD(LoraArgs, out), KVSERVE_FIELD(LoraArgs, x), KVSERVE_FIELD(LoraArgs, out_stride), KVSERVE_FIELD(LoraArgs, x_stride), KVSERVE_FIELD(LoraArgs, rows), KVSERVE_FIELD(LoraArgs, slots), KVSERVE_FIELD(LoraArgs, a), KVSERVE_FIELD(LoraArgs, bt), KVSERVE_FIELD(LoraArgs, parts), KVSERVE_FIELD(LoraArgs, adapters), KVSERVE_FIELD(LoraArgs, k), KVSERVE_FIELD(LoraArgs, n), KVSERVE_FIELD(LoraArgs, dtype)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
     if (n > capacity) return -1;
     std::memcpy(out, layout, sizeof(layout));

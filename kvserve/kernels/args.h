@@ -224,8 +224,9 @@ struct GatedActivationArgs {
 };
 
 // LoRA products of one fused projection for a step's rows (lora.cpp): out[i] += B_s (A_s x[i]) for
-// row i's adapter slot s = slots[i] (-1: none). A_s [ranks[s], k] and B_s transposed [ranks[s], n]
-// (scaling folded in), in the activations' dtype.
+// row i's adapter slot s = slots[i] (-1: none), in the activations' dtype. A_s is [rank, k], the
+// parts' lora_A stacked; parts[s] = {count, then per part: its rank r, first column c, width w},
+// and bt[s] holds each part's B^T [r, w] (scaling folded in) one after the other.
 struct LoraArgs {
   void* out;              // [rows, n], row stride out_stride, accumulated
   const void* x;          // [rows, k], row stride x_stride
@@ -235,7 +236,7 @@ struct LoraArgs {
   const int32_t* slots;   // [rows]
   const void* const* a;   // [adapters]
   const void* const* bt;  // [adapters]
-  const int32_t* ranks;   // [adapters]
+  const int32_t* const* parts;  // [adapters]
   int32_t adapters;
   int32_t k;
   int32_t n;

@@ -102,7 +102,7 @@ class QkNormRopeArgs(ctypes.Structure):
 
 class LoraArgs(ctypes.Structure):
     _fields_ = [
-        ("out", _p), ("x", _p), ("out_stride", _i64), ("x_stride", _i64), ("rows", _i64), ("slots", _p), ("a", _p), ("bt", _p), ("ranks", _p),
+        ("out", _p), ("x", _p), ("out_stride", _i64), ("x_stride", _i64), ("rows", _i64), ("slots", _p), ("a", _p), ("bt", _p), ("parts", _p),
         ("adapters", _i32), ("k", _i32), ("n", _i32), ("dtype", _i32),
     ]  # fmt: skip
 

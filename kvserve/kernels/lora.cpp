@@ -1,7 +1,8 @@
 // LoRA products of one fused projection over a step's rows, every adapter in one call
-// (kvserve/lora/rows.py): out[i] += B_s (A_s x[i]) for row i's adapter slot s (-1: none). A row's
-// result is computed by one thread in one fixed order (the rank's sums over k, then each output's
-// over the rank, in float32 and rounded once into out), so it has the same bits alone or batched,
+// (kvserve/lora/rows.py): out[i] += B_s (A_s x[i]) for row i's adapter slot s (-1: none), each part
+// of a fused projection (q, k, v; gate, up) into its own columns from its own ranks. A row's result
+// is computed by one thread in one fixed order (the rank's sums over k, then each output's over its
+// part's ranks, in float32 and rounded once into out), so it has the same bits alone or batched,
 // whatever adapters ride with it.
 
 #include <cstdint>
@@ -24,7 +25,9 @@ void lora_rows(const LoraArgs& a) {
   for (int64_t i = 0; i < a.rows; ++i) {
     const int s = a.slots[i];
     if (s < 0) continue;
-    const int rank = a.ranks[s];
+    const int32_t* parts = a.parts[s];
+    int rank = 0;
+    for (int p = 0; p < parts[0]; ++p) rank += parts[1 + 3 * p];
     const T* x = static_cast<const T*>(a.x) + i * a.x_stride;
     const T* A = static_cast<const T*>(a.a[s]);
     const T* BT = static_cast<const T*>(a.bt[s]);
@@ -55,11 +58,19 @@ void lora_rows(const LoraArgs& a) {
       for (int d = 0; d < a.k; ++d) sum += xs[d] * Elem<DT>::load(row[d]);
       h[r] = sum;
     }
-    for (r = 0; r < rank; ++r) {
-      const T* row = BT + static_cast<int64_t>(r) * a.n;
-      const float hr = h[r];
+    const T* block = BT;
+    int first = 0;
+    for (int p = 0; p < parts[0]; ++p) {  // each part's outputs from its own ranks
+      const int part_rank = parts[1 + 3 * p], column = parts[2 + 3 * p], width = parts[3 + 3 * p];
+      float* into = acc.data() + column;
+      for (r = 0; r < part_rank; ++r) {
+        const T* row = block + static_cast<int64_t>(r) * width;
+        const float hr = h[first + r];
 #pragma omp simd
-      for (int j = 0; j < a.n; ++j) acc[j] += Elem<DT>::load(row[j]) * hr;
+        for (int j = 0; j < width; ++j) into[j] += Elem<DT>::load(row[j]) * hr;
+      }
+      block += static_cast<int64_t>(part_rank) * width;
+      first += part_rank;
     }
     for (int j = 0; j < a.n; ++j) out[j] = Elem<DT>::store(Elem<DT>::load(out[j]) + acc[j]);
   }
@@ -70,8 +81,17 @@ void lora_rows(const LoraArgs& a) {
 extern "C" int kvserve_lora(const kvserve::LoraArgs* args) {
   const kvserve::LoraArgs& a = *args;
   if (a.rows < 0 || a.k <= 0 || a.n <= 0 || a.adapters < 0 || !a.out || !a.x || !a.slots || a.out_stride < a.n || a.x_stride < a.k) return 1;
-  for (int s = 0; s < a.adapters; ++s)
-    if (a.ranks[s] <= 0 || a.ranks[s] > kMaxRank || !a.a[s] || !a.bt[s]) return 1;
+  for (int s = 0; s < a.adapters; ++s) {
+    const int32_t* parts = a.parts[s];
+    if (!parts || !a.a[s] || !a.bt[s] || parts[0] <= 0 || parts[0] > 8) return 1;
+    int rank = 0;
+    for (int p = 0; p < parts[0]; ++p) {
+      const int r = parts[1 + 3 * p], c = parts[2 + 3 * p], w = parts[3 + 3 * p];
+      if (r <= 0 || c < 0 || w <= 0 || c + w > a.n) return 1;
+      rank += r;
+    }
+    if (rank > kMaxRank) return 1;
+  }
   for (int64_t i = 0; i < a.rows; ++i)
     if (a.slots[i] < -1 || a.slots[i] >= a.adapters) return 1;
   switch (a.dtype) {

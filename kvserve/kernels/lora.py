@@ -17,25 +17,27 @@ def lora_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class LoraCall:
-    """The fixed part of one projection's call for a step: each adapter's A [r, k] and B^T [r, n]
-    and the rows' adapter slots (int32, -1: none). The tensors must outlive the call object."""
+    """The fixed part of one projection's call for a step: each adapter's A [rank, k], its parts'
+    B^T blocks one after the other (flat) and their layout (int32: count, then rank, first column
+    and width per part), and the rows' adapter slots (int32, -1: none). The tensors must outlive
+    the call object."""
 
-    def __init__(self, slots: torch.Tensor, a: list[torch.Tensor], bt: list[torch.Tensor]) -> None:
+    def __init__(self, slots: torch.Tensor, n: int, a: list[torch.Tensor], bt: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
         self._library = _require()
         self.slots = slots
-        self.k, self.n = a[0].shape[1], bt[0].shape[1]
+        self.k, self.n = a[0].shape[1], n
         self.dtype = a[0].dtype
         self._a = (ctypes.c_void_p * len(a))(*[t.data_ptr() for t in a])
         self._bt = (ctypes.c_void_p * len(bt))(*[t.data_ptr() for t in bt])
-        self._ranks = (ctypes.c_int32 * len(a))(*[t.shape[0] for t in a])
+        self._parts = (ctypes.c_void_p * len(parts))(*[t.data_ptr() for t in parts])
         call = self._call = args.LoraArgs()
         call.slots, call.a, call.bt = slots.data_ptr(), ctypes.addressof(self._a), ctypes.addressof(self._bt)
-        call.ranks, call.adapters, call.k, call.n = ctypes.addressof(self._ranks), len(a), self.k, self.n
+        call.parts, call.adapters, call.k, call.n = ctypes.addressof(self._parts), len(a), self.k, self.n
         call.dtype = _DTYPE_CODES[self.dtype]
 
     def set_on(self, call: args.LoraArgs) -> None:
         """Point a decode program's LoRA op (its buffers already set) at these adapters and slots."""
-        call.slots, call.a, call.bt, call.ranks, call.adapters = self._call.slots, self._call.a, self._call.bt, self._call.ranks, self._call.adapters
+        call.slots, call.a, call.bt, call.parts, call.adapters = self._call.slots, self._call.a, self._call.bt, self._call.parts, self._call.adapters
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each row's adapter product of x, in place: x [rows, k] and out [rows, n] of the

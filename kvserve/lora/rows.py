@@ -1,11 +1,13 @@
 """The LoRA products of one step. Each adapter is held per fused projection (qkv, o, gate_up,
-down) as A, its parts' lora_A stacked [sum r, in], and B^T, their lora_B times scaling transposed
-and block-diagonal [sum r, out] (zero where a part is not adapted). On the CPU kernels one native
+down) as A, its parts' lora_A stacked [sum r, in], and each part's (lora_B times scaling)^T
+[r, part width] for its own output columns. On the CPU kernels one native
 call per projection adds every row's adapter product into the base projection's output
 (kernels/lora.cpp: a row's result in one fixed order, so the same bits alone or batched); elsewhere
 torch does, once per adapter over the rows that use it. Rows without an adapter take no part."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,29 +21,51 @@ from kvserve.model.config import ModelConfig
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+@dataclass(frozen=True)
+class HeldProduct:
+    """One fused projection's adapter product: A [sum r, in], the parts' lora_A stacked; bt, each
+    part's (lora_B times scaling)^T [r, width] flattened one after the other; parts, int32: the count,
+    then each part's rank, first output column and width; and the projection's output width."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    parts: torch.Tensor
+    n: int
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The product for rows x as torch computes it (off the CPU kernels)."""
+        h = F.linear(x.to(self.a.dtype), self.a)
+        out = h.new_zeros(x.shape[0], self.n)
+        layout = self.parts.tolist()
+        first = at = 0
+        for p in range(layout[0]):
+            rank, column, width = layout[1 + 3 * p : 4 + 3 * p]
+            block = self.bt[at : at + rank * width].view(rank, width)
+            out[:, column : column + width] = h[:, first : first + rank] @ block
+            first, at = first + rank, at + rank * width
+        return out
+
+
 class ResidentAdapter:
-    """An adapter's A and B^T per (layer, fused projection), in the activations' dtype on the model's device."""
+    """An adapter's products per (layer, fused projection), in the activations' dtype on the model's device."""
 
     def __init__(self, adapter: LoRAAdapter, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.identity = adapter.identity
         self.nbytes = 0
-        self.products: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.products: dict[tuple[int, str], HeldProduct] = {}
         for layer in range(config.num_layers):
             for fused, modules in FUSED.items():
-                shapes = [module_shape(config, m) for m in modules]
+                widths = [module_shape(config, m)[0] for m in modules]
                 adapted = [(i, adapter.weights[(layer, m)]) for i, m in enumerate(modules) if (layer, m) in adapter.weights]
                 if not adapted:
                     continue
                 a_stack = torch.cat([a for _, (a, _) in adapted])
-                bt = torch.zeros(a_stack.shape[0], sum(out for out, _ in shapes))
-                rank = 0
-                for i, (a, b) in adapted:
-                    column = sum(out for out, _ in shapes[:i])
-                    bt[rank : rank + a.shape[0], column : column + b.shape[0]] = (b * adapter.scaling).t()
-                    rank += a.shape[0]
-                held = tuple(t.to(device=device, dtype=dtype).contiguous() for t in (a_stack, bt))
+                bt = torch.cat([(b * adapter.scaling).t().reshape(-1) for _, (_, b) in adapted])
+                layout = [len(adapted)] + [v for i, (a, _) in adapted for v in (a.shape[0], sum(widths[:i]), widths[i])]
+                held = HeldProduct(a_stack.to(device=device, dtype=dtype).contiguous(), bt.to(device=device, dtype=dtype).contiguous(),
+                                   torch.tensor(layout, dtype=torch.int32), sum(widths))  # fmt: skip
                 self.products[(layer, fused)] = held
-                self.nbytes += sum(t.numel() * t.element_size() for t in held)
+                self.nbytes += held.a.numel() * held.a.element_size() + held.bt.numel() * held.bt.element_size()
 
 
 class LoRARows:
@@ -50,7 +74,7 @@ class LoRARows:
     def __init__(self, slots: torch.Tensor, adapters: list[ResidentAdapter]) -> None:
         self.slots = slots
         self.adapters = adapters
-        self.native = lora_available(adapters[0].products[next(iter(adapters[0].products))][0].dtype, slots.device)
+        self.native = lora_available(next(iter(adapters[0].products.values())).a.dtype, slots.device)
         self._calls: dict[tuple[int, str], LoraCall | None] = {}
         self._groups: list[tuple[ResidentAdapter, torch.Tensor]] | None = None
 
@@ -72,9 +96,7 @@ class LoRARows:
         for adapter, rows in self._torch_groups():
             held = adapter.products.get((layer, fused))
             if held is not None:
-                a, bt = held
-                delta = F.linear(F.linear(x.index_select(0, rows).to(a.dtype), a), bt.t())
-                out.index_add_(0, rows, delta.to(out.dtype))
+                out.index_add_(0, rows, held.delta(x.index_select(0, rows)).to(out.dtype))
         return out
 
     def native_call(self, layer: int, fused: str) -> LoraCall | None:
@@ -94,7 +116,8 @@ class LoRARows:
                     remap = torch.full((len(held) + 1,), -1, dtype=torch.int32)
                     remap[torch.tensor(present)] = torch.arange(len(present), dtype=torch.int32)
                     slots = remap[slots.long()]  # slot -1 reads remap[-1], which is -1
-                self._calls[key] = LoraCall(slots.contiguous(), [held[i][0] for i in present], [held[i][1] for i in present])
+                chosen = [held[i] for i in present]
+                self._calls[key] = LoraCall(slots.contiguous(), chosen[0].n, [h.a for h in chosen], [h.bt for h in chosen], [h.parts for h in chosen])
         return self._calls[key]
 
     def _torch_groups(self) -> list[tuple[ResidentAdapter, torch.Tensor]]:
