@@ -241,3 +241,19 @@ def test_the_native_call_matches_float64_and_leaves_rows_without_an_adapter_alon
     bad = [(a, bt, torch.tensor([1, 8, 36, 8], dtype=torch.int32)) for a, bt, _ in adapters[1:]]  # columns past n
     with pytest.raises(ValueError, match="lora"):
         LoraCall(torch.tensor([0], dtype=torch.int32), n, *map(list, zip(*bad))).add(x[:1], out[:1])
+
+
+def test_the_planner_counts_the_bytes_an_adapter_holds_resident(adapters):
+    import json as jsonlib
+
+    from test_plan import run_plan
+
+    base, paths = adapters["qwen2"]
+    llm = lora_llm(base)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(paths[1])))  # rank 8, all projections
+    resident = llm.stats()["lora"]["resident_bytes"]
+    proc = run_plan("--model", str(base), "--seq-lens", "100", "--memory-gib", "1", "--dtype", "float32", "--max-loras", "3",
+                    "--max-lora-rank", "8", "--json")  # fmt: skip
+    planned = jsonlib.loads(proc.stdout)
+    assert planned["lora_bytes_per_adapter"] == resident > 0 and planned["lora_bytes"] == 3 * resident
+    assert "3 LoRA adapters of rank 8" in planned["weights_held_as"]

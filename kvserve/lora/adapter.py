@@ -62,6 +62,12 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
             "down_proj": (h, i)}[module]  # fmt: skip
 
 
+def adapter_bytes(config: ModelConfig, rank: int, element_bytes: int, modules: tuple[str, ...] = TARGETS) -> int:
+    """The bytes an adapter of this rank on these projections holds resident (kvserve/lora/rows.py:
+    lora_A [r, in] and lora_B [out, r] of each, in the activations' dtype), per the planner too."""
+    return config.num_layers * sum(rank * sum(module_shape(config, m)) for m in modules) * element_bytes
+
+
 def read_config(path: Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():

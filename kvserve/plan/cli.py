@@ -65,6 +65,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                      "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
                      "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
+    mem.add_argument("--max-loras", type=int, default=0,
+                     help="LoRA adapters resident (the engine's --enable-lora --max-loras), each counted at --max-lora-rank on all "
+                     "seven projections in --dtype beside the weights (default: %(default)s, none)")
+    mem.add_argument("--max-lora-rank", type=int, default=16, help="the adapters' rank, as the engine's flag (default: %(default)s)")
     mem.add_argument("--kv-offload-host-gib", type=float, default=None,
                      help="a host-memory KV tier's budget, as the engine's flag: how many tokens it holds (besides the pool)")
     mem.add_argument("--kv-offload-disk-gib", type=float, default=None,
@@ -336,6 +340,14 @@ def _print_plan(result: dict, budget: Budget | None, longest: int) -> None:
         )
 
 
+def _lora_bytes(args: argparse.Namespace, config: ModelConfig) -> int:
+    from kvserve.lora.adapter import adapter_bytes
+
+    if not 0 <= args.max_loras <= 256 or not 1 <= args.max_lora_rank <= 512:
+        raise ValueError("--max-loras must be in [0, 256] and --max-lora-rank in [1, 512]")
+    return args.max_loras * adapter_bytes(config, args.max_lora_rank, _DTYPE_BYTES[args.dtype])
+
+
 def _check_weight_dtype(weight_dtype: str, dtype: str) -> None:
     """The engine's rules for --weight-dtype against --dtype, so a plan never suggests what it refuses."""
     if weight_dtype in _DTYPE_BYTES and weight_dtype != dtype:
@@ -365,11 +377,16 @@ def run_plan(args: argparse.Namespace) -> int:
             if model_config is None:
                 raise ValueError("give --weights-gib (or --model, to compute the weights' size)")
             weight_bytes, held_as = planned_weight_bytes(args.model, model_config, args.weight_dtype, args.dtype)
-            weights = weight_bytes / GIB
+            weights = (weight_bytes + _lora_bytes(args, model_config)) / GIB
+            if args.max_loras:
+                held_as += f" + {args.max_loras} LoRA adapters of rank {args.max_lora_rank}"
             if args.memory_gib - weights - args.headroom_gib <= 0:
                 raise ValueError(_needs_by_weight_form(args, model_config, shape, kv_dtype, workload, weights, held_as))
         budget = Budget(args.memory_gib, weights, args.headroom_gib)
     result = plan(shape, kv_dtype, workload, budget)
+    if args.max_loras and model_config is not None:
+        result["lora_bytes_per_adapter"] = _lora_bytes(args, model_config) // args.max_loras
+        result["lora_bytes"] = _lora_bytes(args, model_config)
     if budget is not None:
         result["weights_held_as"] = held_as
         result["weights_bytes"] = int(budget.weights_gib * GIB)
