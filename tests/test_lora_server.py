@@ -86,3 +86,18 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(served, tmp_pat
     assert results["long"].status_code == 200 and results["long"].json()["usage"]["completion_tokens"] == 150
     assert complete(url, "bee").status_code == 404
     assert unload("bee").status_code == 404
+
+
+def test_cluster_replicas_get_every_adapter_flag():
+    import argparse
+
+    from kvserve.engine_args import add_engine_args
+    from kvserve.server.args import add_server_args
+    from kvserve.server.cluster import replica_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    add_server_args(parser)
+    args = parser.parse_args(["--enable-lora", "--max-loras", "3", "--lora-modules", "x=/a", "y=/b", "--allow-runtime-lora-updating"])
+    assert replica_flags(args, add_server_args, skip=()) == ["--lora-modules", "x=/a", "y=/b", "--allow-runtime-lora-updating"]
+    assert replica_flags(args, add_engine_args, skip=()) == ["--enable-lora", "--max-loras", "3"]

@@ -96,6 +96,8 @@ def replica_flags(args: argparse.Namespace, add_args: Callable[[argparse.Argumen
             argv.append(flag if value else f"--no-{flag[2:]}")
         elif action.nargs == 0:  # store_true / store_false
             argv.append(flag)
+        elif isinstance(value, (list, tuple)):  # nargs="+" (--lora-modules)
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv
