@@ -257,3 +257,20 @@ def test_the_planner_counts_the_bytes_an_adapter_holds_resident(adapters):
     planned = jsonlib.loads(proc.stdout)
     assert planned["lora_bytes_per_adapter"] == resident > 0 and planned["lora_bytes"] == 3 * resident
     assert "3 LoRA adapters of rank 8" in planned["weights_held_as"]
+
+
+def test_the_torch_products_off_the_cpu_kernels_agree(adapters, monkeypatch):
+    """Where the native call does not run (another device), torch computes each adapter's parts over
+    its rows: the same greedy tokens and logprobs to float32 rounding."""
+    import kvserve.lora.rows as rows
+
+    base, paths = adapters["qwen3"]
+    requests = [LoRARequest("a", 1, str(paths[0])), None, LoRARequest("c", 3, str(paths[2]))]
+    prompts = random_prompts(3, 20, 40, seed=6)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    native = lora_llm(base).generate(prompts, params, use_tqdm=False, lora_request=requests)
+    monkeypatch.setattr(rows, "lora_available", lambda dtype, device: False)
+    fallback = lora_llm(base).generate(prompts, params, use_tqdm=False, lora_request=requests)
+    for a, b in zip(native, fallback):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
