@@ -23,7 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "Q5_K, Q6_K; one copy, the file's size) and computes on them in float32 (or on int8 rows: --gguf-activations); bfloat16 / float32 dequantize them "
                        "into --dtype (which must match); int8 quantizes the projections, embedding and lm_head (of a Hugging Face "
                        "checkpoint, or a GGUF file's dequantized) to int8 with a scale per 32 weights of a row (GGUF's Q8_0 layout, 8.5 bits a weight; weight-only, the "
-                       "activations stay in --dtype); int4 quantizes the projections to 4 bits with a scale and a minimum per 32 weights (GGUF's Q4_1, asymmetric groups of 32: 5 bits a weight) and the embedding and lm_head to Q8_0. auto: gguf for GGUF files where --dtype is float32 on the CPU (with "
+                       "activations stay in --dtype); int4 quantizes the q, k, o, gate and up projections to 4 bits with a scale and a minimum per 32 weights (GGUF's Q4_1, asymmetric groups of 32: 5 bits a weight) and v, down, the embedding and the lm_head to Q8_0 (as llama.cpp's Q4_K_M keeps v and down at more bits). auto: gguf for GGUF files where --dtype is float32 on the CPU (with "
                        "bf16 activations the AMX and bf16-dot kernels run on bf16 weights), else --dtype. "
                        "See docs/models.md")
     group.add_argument("--gguf-activations", default="auto", choices=list(GGUF_ACTIVATIONS),

@@ -1,5 +1,5 @@
-"""--weight-dtype int4: a float checkpoint's projections quantized at load to 4 bits with a scale and
-a minimum per 32 weights (GGUF's Q4_1 blocks, asymmetric groups of 32), the embedding and lm_head
+"""--weight-dtype int4: a float checkpoint's q, k, o, gate and up projections quantized at load to 4 bits with a scale and
+a minimum per 32 weights (GGUF's Q4_1 blocks, asymmetric groups of 32), v, down, the embedding and lm_head
 to Q8_0, all computed by the GGUF kernels. Each held block is gguf-py's quantization of the
 checkpoint's tensor; the model gives the bits of a float32 model whose weights are those blocks'
 values; the planner counts what the engine holds."""
@@ -46,12 +46,13 @@ def test_projections_are_held_as_q4_1_and_the_embedding_as_q8_0(tiny_dir, family
     assert np.array_equal(gguf_dequantize(model.gguf_lm_head).numpy(), block_values(lm_head, "Q8_0"))
     layer = model.layers[1]
     qkv = layer.self_attn.qkv_proj
-    assert [p.type_name for p in qkv.gguf] == ["Q4_1"] * 3 and qkv.weight.numel() == 0
+    assert [p.type_name for p in qkv.gguf] == ["Q4_1", "Q4_1", "Q8_0"] and qkv.weight.numel() == 0
     for part, name in zip(qkv.gguf, "qkv"):
-        assert np.array_equal(gguf_dequantize(part).numpy(), block_values(tensors[f"model.layers.1.self_attn.{name}_proj.weight"], "Q4_1"))
+        kind = "Q8_0" if name == "v" else "Q4_1"
+        assert np.array_equal(gguf_dequantize(part).numpy(), block_values(tensors[f"model.layers.1.self_attn.{name}_proj.weight"], kind))
     assert [p.type_name for p in layer.mlp.gate_up_proj.gguf] == ["Q4_1", "Q4_1"]
-    assert layer.mlp.down_proj.gguf[0].type_name == "Q4_1"
-    assert llm.engine.weights_description() == "int4 (Q4_1 blocks, Q8_0 embedding)"
+    assert layer.mlp.down_proj.gguf[0].type_name == "Q8_0"
+    assert llm.engine.weights_description() == "int4 (Q4_1 blocks; v, down and embedding Q8_0)"
     assert llm.engine.weight_dtype == "int4"
 
 
@@ -64,14 +65,15 @@ def test_int4_weights_give_the_bits_of_float32_weights_of_the_same_values(tiny_d
     from safetensors.torch import save_file
 
     tensors = hf_tensors(source)
-    quantized = {name: torch.from_numpy(block_values(t, "Q8_0" if "embed_tokens" in name else "Q4_1")) if t.dim() == 2 else t
+    eight_bit = ("embed_tokens", "v_proj", "down_proj")
+    quantized = {name: torch.from_numpy(block_values(t, "Q8_0" if any(n in name for n in eight_bit) else "Q4_1")) if t.dim() == 2 else t
                  for name, t in tensors.items()}  # fmt: skip
     save_file(quantized, str(rounded / "model.safetensors"))
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True, logprobs=2)]  # fmt: skip
     dense = LLM(str(rounded), weight_dtype="float32", dtype="float32", kv_cache_memory=0.02, skip_tokenizer_init=True)
     assert traces(int4_llm(source), params) == traces(dense, params)
-    assert not torch.equal(quantized["model.layers.0.mlp.down_proj.weight"], tensors["model.layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(quantized["model.layers.0.mlp.up_proj.weight"], tensors["model.layers.0.mlp.up_proj.weight"])
 
 
 def test_int4_is_checked_and_counted_like_the_other_weight_dtypes(tiny_dir, tiny_root, tmp_path):
@@ -102,7 +104,7 @@ def test_int4_is_checked_and_counted_like_the_other_weight_dtypes(tiny_dir, tiny
     from kvserve.model.errors import ModelLoadError
     from test_int8_weights import with_tensor
 
-    huge = hf_tensors(directory)["model.layers.0.mlp.down_proj.weight"].clone()
+    huge = hf_tensors(directory)["model.layers.0.mlp.up_proj.weight"].clone()
     huge[0, 0] = -1e6
-    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj.weight holds 1e\+06, beyond what Q4_1"):
-        int4_llm(with_tensor(directory, tmp_path / "int4-huge", "model.layers.0.mlp.down_proj.weight", huge))
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.up_proj.weight holds 1e\+06, beyond what Q4_1"):
+        int4_llm(with_tensor(directory, tmp_path / "int4-huge", "model.layers.0.mlp.up_proj.weight", huge))

@@ -61,6 +61,7 @@ NO_TOKENIZER = "this engine has no tokenizer (--skip-tokenizer-init, or no token
 class LLMEngine:
     # tests only: called with each step's batch before the forward pass, to raise inside a step
     step_fault_hook: Callable[[ScheduledBatch], None] | None = None
+    lora: LoRAManager | None = None  # the adapters it holds (enable_lora); none for a simulated engine
 
     def __init__(self, config: EngineConfig) -> None:
         if config.threads is not None:
@@ -100,7 +101,7 @@ class LLMEngine:
 
     def weights_description(self) -> str:
         """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)", "int4 (Q4_1 blocks)" or the dtype of their copies."""
-        held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)", "int4": "int4 (Q4_1 blocks, Q8_0 embedding)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
+        held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)", "int4": "int4 (Q4_1 blocks; v, down and embedding Q8_0)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
         return held + (", int8 rows" if getattr(self, "gguf_activations", "exact") == "int8" else "")
 
     def _center_keys(self, vocab_size: int) -> None:

@@ -456,16 +456,18 @@ def _gguf_groups(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-# --weight-dtype int8 / int4: the GGUF block type of the projections; the embedding and the lm_head
-# are Q8_0 in both (the lm_head's int8 screen reads Q8_0, and OpenVINO keeps them int8 under int4 too)
+# --weight-dtype int8 / int4: the GGUF block type of the projections. The embedding and the lm_head
+# are Q8_0 in both (the lm_head's int8 screen reads Q8_0, and OpenVINO keeps them int8 under int4
+# too); int4 keeps v_proj and down_proj in Q8_0 as well, as llama.cpp's Q4_K_M keeps them at 6 bits
+# (Qwen2.5-Coder-0.5B: +11.2% perplexity so, +19.3% with them in Q4_1; docs/models.md)
 QUANTIZED_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
 
 
 def _quantized_weights(config: ModelConfig, getters: dict[str, Callable[[], torch.Tensor]], weight_format: str) -> dict[str, tuple[GgufWeight, ...]]:
     """--weight-dtype int8: every projection, the embedding and the lm_head quantized to int8 with
-    a scale per 32 weights of a row (GGUF's Q8_0 blocks); int4: the projections to 4 bits with a
-    scale and a minimum per 32 weights (Q4_1, asymmetric groups of 32 as OpenVINO's int4_asym),
-    the embedding and lm_head to Q8_0. Computed by the GGUF kernels."""
+    a scale per 32 weights of a row (GGUF's Q8_0 blocks); int4: the q, k, o, gate and up projections
+    to 4 bits with a scale and a minimum per 32 weights (Q4_1, asymmetric groups of 32 as OpenVINO's
+    int4_asym), v_proj, down_proj, the embedding and lm_head to Q8_0. Computed by the GGUF kernels."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -473,11 +475,12 @@ def _quantized_weights(config: ModelConfig, getters: dict[str, Callable[[], torc
     kept: list[str] = []  # weights whose rows are no whole number of blocks
     groups = _gguf_groups(config)
     for param, names in tqdm(groups.items(), desc=f"quantizing weights to {weight_format}", unit="weight", leave=False):
-        type_name = "Q8_0" if param in ("embed_tokens.weight", "lm_head.weight") else QUANTIZED_AT_LOAD[weight_format]
+        kept_8bit = param in ("embed_tokens.weight", "lm_head.weight") or param.endswith("down_proj.weight")
         if not all(name in getters for name in names):
             continue  # a missing tensor is reported by _internal_state
         parts = []
         for name in names:
+            type_name = "Q8_0" if kept_8bit or name.endswith("v_proj.weight") else QUANTIZED_AT_LOAD[weight_format]
             weight = getters[name]()
             if weight.dim() != 2:
                 raise ValueError(f"weight {name} has shape {tuple(weight.shape)}: a matrix was expected")

@@ -60,7 +60,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                      help="how the engine holds the weights, as its flag: gguf, a GGUF file's quantized blocks (its tensor bytes); "
                      "int8, the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32 weights) and the norms in float32; "
-                     "int4, the projections in Q4_1 blocks (20 bytes per 32) and the embedding and lm_head in Q8_0; "
+                     "int4, the q, k, o, gate and up projections in Q4_1 blocks (20 bytes per 32), v, down, the embedding and lm_head in Q8_0; "
                      "float32 / bfloat16, every parameter at that size plus the lm_head's packed copy (and with bf16 on AVX512-VNNI "
                      "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
                      "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
@@ -121,18 +121,21 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
 def quantized_weight_bytes(config: ModelConfig, dtype: str, weight_dtype: str = "int8") -> int:
     """--weight-dtype int8: the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32
     weights; a matrix whose rows are no whole number of blocks in --dtype), the norms in float32;
-    int4: the projections in Q4_1 blocks (20 bytes per 32), the embedding and lm_head in Q8_0."""
+    int4: the q, k, o, gate and up projections in Q4_1 blocks (20 bytes per 32), the rest in Q8_0."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     vocab = [(config.vocab_size, h)] * (1 if config.tie_word_embeddings else 2)
-    projections = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * layers
-    block_bytes = 34 if weight_dtype == "int8" else 20
+    four_bit = weight_dtype == "int4"
+    # int4 keeps v_proj and down_proj in Q8_0 (model/loader.py)
+    projections = [(q + kv, h), (h, q), (2 * i, h)] * layers
+    eight_bit = [(kv, h), (h, i)] * layers
+    block_bytes = 20 if four_bit else 34
 
     def held_bytes(n: int, k: int, block: int) -> int:
         return n * k * block // 32 if k % 32 == 0 else n * k * _DTYPE_BYTES[dtype]
 
-    matrices = vocab + projections
-    held = sum(held_bytes(n, k, 34) for n, k in vocab) + sum(held_bytes(n, k, block_bytes) for n, k in projections)
+    matrices = vocab + projections + eight_bit
+    held = sum(held_bytes(n, k, 34) for n, k in vocab + eight_bit) + sum(held_bytes(n, k, block_bytes) for n, k in projections)
     if h % 32:  # a float lm_head: the native kernels' packed copy beside it, as for float weights
         held += config.vocab_size * h * _DTYPE_BYTES[dtype]
     return held + (model_weight_bytes(config, 1) - sum(n * k for n, k in matrices)) * 4
