@@ -134,7 +134,7 @@ def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_p
     llm = lora_llm(base, max_lora_rank=8)
     with pytest.raises(AdapterError, match="rank 12 is over --max-lora-rank 8"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 1, str(paths[2])))
-    with pytest.raises(AdapterError, match="not a directory"):
+    with pytest.raises(AdapterError, match="does not exist"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 2, str(tmp_path / "missing")))
 
     def variant(name: str, change) -> Path:
@@ -159,10 +159,21 @@ def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_p
         (edit_config(use_dora=True), "DoRA"),
         (lambda out: (out / "adapter_model.safetensors").write_bytes(b"\x00" * 40), "not a readable safetensors file"),
         (lambda out: (out / "adapter_config.json").write_text("{"), "not valid JSON"),
+        (lambda out: (out / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000), "not valid JSON"),
+        (edit_config(alora_invocation_tokens=[5, 9]), "alora_invocation_tokens"),
+        (edit_config(layer_replication=[[0, 2], [0, 2]]), "layer_replication"),
+        (edit_config(use_dora="false"), "use_dora"),
+        (edit_config(lora_alpha=1e30), "lora_alpha must be a number of magnitude"),
     ]
     for n, (change, words) in enumerate(cases):
         with pytest.raises(AdapterError, match=words):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{n}", 10 + n, str(variant(f"bad{n}", change))))
+    for path, words in ((tmp_path / ("a" * 300), "cannot be read"), (tmp_path / "missing", "does not exist"),
+                        ("https://huggingface.co/x/y", "a URL")):  # fmt: skip
+        with pytest.raises(AdapterError, match=words):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("p", 40, str(path)))
+    with pytest.raises(ValueError, match="lora_path must be a non-empty str"):
+        LoRARequest("p", 41, tmp_path)
     # an adapter made for another base: shapes differ
     other_base, other_paths = adapters["gemma3"]
     with pytest.raises(AdapterError, match="has shape|the base model has"):

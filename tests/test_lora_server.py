@@ -86,6 +86,19 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(served, tmp_pat
     assert results["long"].status_code == 200 and results["long"].json()["usage"]["completion_tokens"] == 150
     assert complete(url, "bee").status_code == 404
     assert unload("bee").status_code == 404
+    # a named adapter is held as loaded: its files may go (nothing is read again), and bad names are 400s
+    import shutil
+
+    moved = shutil.copytree(b, tmp_path / "moved")
+    assert load({"lora_name": "moved", "lora_path": str(moved)}).status_code == 200
+    shutil.rmtree(moved)
+    assert complete(url, "moved").json()["choices"][0]["text"] == offline_text(base, b)
+    for name in ("x,y", 'q"t', "", "a" * 300):
+        assert load({"lora_name": name, "lora_path": str(b)}).status_code == 400
+    long_path = load({"lora_name": "long", "lora_path": "/tmp/" + "a" * 300})
+    assert long_path.status_code == 400 and "cannot be read" in long_path.json()["error"]["message"]
+    assert unload("moved").status_code == 200
+    assert 'lora_name="moved"' not in httpx.get(url + "/metrics", headers=AUTH).text
 
 
 def test_cluster_replicas_get_every_adapter_flag():

@@ -29,6 +29,17 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
+MAX_ALPHA = 1e6
+# config fields that change what an adapter computes beyond W x + (B A x) * scaling: set, they are refused
+UNSERVED = {
+    "modules_to_save": "replaces whole modules", "rank_pattern": "gives modules their own ranks",
+    "alpha_pattern": "gives modules their own alphas", "layers_to_transform": "adapts some layers only",
+    "layers_pattern": "adapts some layers only", "use_dora": "(DoRA) rescales the weights",
+    "fan_in_fan_out": "stores the weights transposed", "alora_invocation_tokens": "(activated LoRA) starts at invocation tokens",
+    "layer_replication": "repeats layers", "trainable_token_indices": "trains embedding rows",
+    "use_qalora": "pools the inputs (QA-LoRA)", "lora_bias": "trains a bias beside lora_B", "target_parameters": "adapts parameters",
+    "megatron_config": "shards the weights",
+}  # fmt: skip
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -70,14 +81,20 @@ def adapter_bytes(config: ModelConfig, rank: int, element_bytes: int, modules: t
 
 def read_config(path: Path) -> dict:
     file = path / CONFIG_FILE
-    if not file.is_file():
+    if not file.exists():
         raise AdapterError(path, f"{CONFIG_FILE} is missing (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not file.is_file():
+        raise AdapterError(file, "not a regular file")
     if file.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterError(file, f"larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        config = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(file, f"not valid JSON ({exc})") from None
+        with open(file, "rb") as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise AdapterError(file, f"larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise AdapterError(file, f"not valid JSON ({str(exc)[:200] or type(exc).__name__})") from None
     if not isinstance(config, dict):
         raise AdapterError(file, "not a JSON object")
     return config
@@ -93,16 +110,11 @@ def check_config(file: Path, config: dict, max_rank: int) -> tuple[int, float]:
         raise AdapterError(file, f"r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise AdapterError(file, f"rank {rank} is over --max-lora-rank {max_rank}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(file, f"lora_alpha must be a number, got {alpha!r}")
-    for name, why in (("modules_to_save", "replaces whole modules"), ("rank_pattern", "gives modules their own ranks"),
-                      ("alpha_pattern", "gives modules their own alphas"), ("layers_to_transform", "adapts some layers only")):  # fmt: skip
-        if config.get(name):
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA:
+        raise AdapterError(file, f"lora_alpha must be a number of magnitude at most {MAX_ALPHA:g}, got {alpha!r}")
+    for name, why in UNSERVED.items():
+        if config.get(name) not in (None, False, [], {}):
             raise AdapterError(file, f"{name} {why}, which kvserve does not serve")
-    if config.get("use_dora"):
-        raise AdapterError(file, "use_dora: DoRA adapters are not served")
-    if config.get("fan_in_fan_out"):
-        raise AdapterError(file, "fan_in_fan_out weights are not served")
     if config.get("bias", "none") != "none":
         raise AdapterError(file, f"bias {config.get('bias')!r}: adapters with trained biases are not served")
     targets = config.get("target_modules")
@@ -119,11 +131,24 @@ def check_config(file: Path, config: dict, max_rank: int) -> tuple[int, float]:
 
 def load_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read and check an adapter directory against the base model's shapes."""
+    if not isinstance(path, (str, Path)):
+        raise AdapterError(Path(str(path)), "the path must be a string")
+    if str(path).startswith(("http://", "https://", "hf://")):
+        raise AdapterError(Path(str(path)), "a URL: adapters are read from a local directory (nothing is downloaded)")
+    path = Path(path)
+    try:
+        if not path.exists():
+            raise AdapterError(path, "does not exist (adapters are read from a local directory; hub ids are not downloaded)")
+        if not path.is_dir():
+            raise AdapterError(path, "not a directory (a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors)")
+        return _load(path, model, max_rank)
+    except OSError as exc:
+        raise AdapterError(path, f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+
+
+def _load(path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
-    if not path.is_dir():
-        raise AdapterError(path, "not a directory")
     config = read_config(path)
     rank, scaling = check_config(path / CONFIG_FILE, config, max_rank)
     file = path / WEIGHTS_FILE
@@ -157,8 +182,6 @@ def load_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAda
                 pieces.setdefault((layer, module), {})[which] = tensor
     except SafetensorError as exc:
         raise AdapterError(file, f"not a readable safetensors file ({exc})") from None
-    except OSError as exc:
-        raise AdapterError(file, f"cannot be read ({exc.strerror or exc})") from None
     weights = {}
     for (layer, module), parts in pieces.items():
         if set(parts) != {"A", "B"}:

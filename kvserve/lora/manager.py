@@ -37,24 +37,30 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device, self.native = dtype, device, native
         self._read: OrderedDict[int, LoRAHandle] = OrderedDict()  # lora_int_id -> handle, LRU
+        self._pinned: dict[int, LoRAHandle] = {}  # the server's named adapters: never read again until forgotten
         self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> products, LRU
         self._lock = threading.Lock()  # the server loads adapters off the engine's thread
         self._last: tuple[np.ndarray, list[ResidentAdapter], LoRARows | None] | None = None  # decode steps repeat their layout
 
-    def resolve(self, request: LoRARequest) -> LoRAHandle:
-        """The handle of a request's adapter, read from its directory unless held (AdapterError if bad)."""
+    def resolve(self, request: LoRARequest, pin: bool = False) -> LoRAHandle:
+        """The handle of a request's adapter, read from its directory unless held (AdapterError if bad).
+        pin: keep it outside the LRU (the server's named adapters) until forget()."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a kvserve.LoRARequest, got {type(request).__name__}")
         with self._lock:
-            held = self._read.get(request.lora_int_id)
+            held = self._pinned.get(request.lora_int_id) or self._read.get(request.lora_int_id)
             if held is not None:
                 if (held.request.lora_name, held.request.lora_path) != (request.lora_name, request.lora_path):
                     raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {held.request.lora_name!r} at "
                                      f"{held.request.lora_path}; {request.lora_name!r} at {request.lora_path} needs another id")  # fmt: skip
-                self._read.move_to_end(request.lora_int_id)
+                if request.lora_int_id in self._read:
+                    self._read.move_to_end(request.lora_int_id)
                 return held
         handle = LoRAHandle(request, load_adapter(request.lora_path, self.model, self.max_lora_rank))
         with self._lock:
+            if pin:
+                self._pinned[request.lora_int_id] = handle
+                return handle
             self._read[request.lora_int_id] = handle
             while len(self._read) > self.max_cpu_loras:
                 self._read.popitem(last=False)
@@ -63,7 +69,8 @@ class LoRAManager:
     def forget(self, lora_int_id: int) -> bool:
         """Drop a held adapter (running requests keep their handle's weights)."""
         with self._lock:
-            return self._read.pop(lora_int_id, None) is not None
+            pinned = self._pinned.pop(lora_int_id, None) is not None
+            return self._read.pop(lora_int_id, None) is not None or pinned
 
     @property
     def resident_bytes(self) -> int:

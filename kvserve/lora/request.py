@@ -22,4 +22,4 @@ class LoRARequest:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError("lora_path must be the directory of the adapter's PEFT files")
+            raise ValueError(f"lora_path must be a non-empty str, the directory of the adapter's PEFT files (got {type(self.lora_path).__name__})")

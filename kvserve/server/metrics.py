@@ -213,6 +213,13 @@ class ServerMetrics:
             counter.inc(delta)
         self._last_totals[key] = total
 
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter's series go (runtime loads must not grow the series without end)."""
+        try:
+            self._lora_requests.remove(self._model_name, name)
+        except KeyError:
+            pass
+
     def observe_finished(self, out: RequestOutput, lora_name: str | None = None) -> None:
         m = out.metrics
         if lora_name is not None:

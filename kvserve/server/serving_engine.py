@@ -38,7 +38,7 @@ from kvserve.server.async_engine import (
     RequestAborted,
     Submission,
 )
-from kvserve.server.config import ServerConfig
+from kvserve.server.config import is_loopback, ServerConfig
 from kvserve.server.errors import NO_TOKENIZER, APIError, aborted_body, error_response
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import Migrator
@@ -128,14 +128,19 @@ class OpenAIServing:
         self.grammar_compiler = None if engine.grammars is None else IsolatedGrammarCompiler(
             engine.grammars, config.grammar_compile_timeout, config.grammar_compile_workers, config.grammar_compile_memory_mb << 20)
         self._unknown_fields: set[str] = set()
-        self.lora_modules = LoRAModules(engine, (self.model_name, engine.config.model))
-        if config.lora_modules and engine.lora is None:
-            raise ValueError("--lora-modules needs --enable-lora")
+        self.lora_modules = LoRAModules(engine, (self.model_name, engine.config.model), self.metrics.forget_lora)
+        if (config.lora_modules or config.allow_runtime_lora_updating) and engine.lora is None:
+            raise ValueError(f"--{'lora-modules' if config.lora_modules else 'allow-runtime-lora-updating'} needs --enable-lora")
+        if config.allow_runtime_lora_updating and config.api_key is None and not is_loopback(config.host):
+            log.warning("--allow-runtime-lora-updating without --api-key on %s: anyone who reaches the port can load adapters "
+                        "from this machine's files", config.host)  # fmt: skip
         for name, path in config.lora_modules:
             try:
                 self.lora_modules.load(name, path)
             except APIError as exc:
                 raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from None
+        if config.lora_modules:
+            log.info("LoRA adapters served: %s", ", ".join(name for name, _ in config.lora_modules))
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
     def reject(self, request_id: str, where: str, status: int, message: str, kind: str, reason: str,

@@ -37,8 +37,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class LoRAModules:
     """The server's adapter names -> LoRARequests (ids given in order of loading)."""
 
-    def __init__(self, engine, base_names: tuple[str, ...]) -> None:
+    def __init__(self, engine, base_names: tuple[str, ...], on_unload=None) -> None:
         self.engine = engine
+        self.on_unload = on_unload  # called with the name of each adapter unloaded (its metrics series go)
         self.base_names = base_names
         self._ids = itertools.count(1)
         self._by_name: dict[str, LoRARequest] = {}
@@ -55,8 +56,9 @@ class LoRAModules:
         """Read, check and name an adapter (blocking: call it off the event loop)."""
         if self.engine.lora is None:
             raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora", "lora_name")
-        if not 1 <= len(name) <= MAX_LORA_NAME_CHARS or not name.isprintable():
-            raise APIError(400, f"lora_name must be 1 to {MAX_LORA_NAME_CHARS} printable characters", "lora_name")
+        if not 1 <= len(name) <= MAX_LORA_NAME_CHARS or not name.isprintable() or any(c in name for c in ',"\\'):
+            raise APIError(400, f"lora_name must be 1 to {MAX_LORA_NAME_CHARS} printable characters without commas, quotes or "
+                           "backslashes", "lora_name")  # fmt: skip
         if not 1 <= len(path) <= MAX_PATH_CHARS or "\x00" in path:
             raise APIError(400, f"lora_path must be a directory path of at most {MAX_PATH_CHARS} characters", "lora_path")
         with self._lock:
@@ -64,7 +66,7 @@ class LoRAModules:
                 raise APIError(400, f"lora_name {reprlib.repr(name)} is already served", "lora_name")
             request = LoRARequest(name, next(self._ids), path)
         try:
-            self.engine.lora.resolve(request)
+            self.engine.lora.resolve(request, pin=True)
         except AdapterError as exc:
             raise APIError(400, str(exc), "lora_path") from None
         with self._lock:
@@ -79,6 +81,8 @@ class LoRAModules:
         if request is None:
             raise APIError(404, f"no LoRA adapter named {reprlib.repr(name)} is loaded", "lora_name", "not_found_error", "lora_not_found")
         self.engine.lora.forget(request.lora_int_id)
+        if self.on_unload is not None:
+            self.on_unload(name)
 
 
 def register_routes(app: FastAPI, serving) -> None:
