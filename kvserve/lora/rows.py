@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.lora import LoraCall, lora_available
+from kvserve.kernels.lora import LORA_DTYPES, LoraCall, lora_available
 from kvserve.lora.adapter import LoRAAdapter, module_shape
 from kvserve.model.config import ModelConfig
 
@@ -90,8 +90,8 @@ class LoRARows:
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base projection of x) plus each row's adapter product, in place."""
-        if self.native and x.dtype in (torch.float32, torch.bfloat16) and out.dtype == x.dtype and x.stride(1) == 1 and out.stride(1) == 1:
-            call = self._call(layer, fused)
+        if self.native and x.dtype in LORA_DTYPES and out.dtype == x.dtype and x.stride(1) == 1 and out.stride(1) == 1:
+            call = self.native_call(layer, fused)
             return call.add(x, out) if call is not None else out
         for adapter, rows in self._torch_groups():
             held = adapter.products.get((layer, fused))
@@ -100,10 +100,7 @@ class LoRARows:
         return out
 
     def native_call(self, layer: int, fused: str) -> LoraCall | None:
-        """The native call of this projection's adapter products (None: no adapter has it)."""
-        return self._call(layer, fused)
-
-    def _call(self, layer: int, fused: str) -> LoraCall | None:
+        """The native call of this projection's adapter products (None: no adapter has it), built once a step."""
         key = (layer, fused)
         if key not in self._calls:
             held = [adapter.products.get(key) for adapter in self.adapters]
