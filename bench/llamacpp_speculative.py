@@ -78,8 +78,8 @@ def main() -> None:
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path, model_config_from_index(gguf_index(path)).architecture)
-    prompts = {"edit": tokenizer.apply_chat_template([{"role": "user", "content": edit_prompt()}]),
-               "chat": tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}])}  # fmt: skip
+    prompts = {"edit": tokenizer.apply_chat_template([{"role": "user", "content": edit_prompt()}], add_generation_prompt=True),
+               "chat": tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True)}  # fmt: skip
     spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.size_n), "--spec-ngram-simple-size-m", str(args.size_m),
             "--spec-draft-n-max", str(args.size_m)]  # fmt: skip
     rows = []

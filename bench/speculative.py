@@ -69,7 +69,7 @@ def main() -> None:
         spec["disable_by_batch_size"] = None if args.disable_by_batch_size == 0 else args.disable_by_batch_size
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}
     tok = engines["plain"].tokenizer
-    template = lambda text: tok.apply_chat_template([{"role": "user", "content": text}])  # noqa: E731
+    template = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)  # noqa: E731
     edit, chat = template(edit_prompt()), template(CHAT_PROMPT)
     workloads = {"edit": [edit], "chat": [chat], "chat-sampled": [chat], "batch16": [edit, chat] * 8, "batch64": [edit, chat] * 32}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)

@@ -32,7 +32,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], chat_template) for p in prompts]
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], chat_template=chat_template,
+                                                       add_generation_prompt=True) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.kernels.build import cpu_flags
 from kvserve.engine.speculative import SpeculativeConfig
+from kvserve.kv.conversation_pins import ConversationKVConfig
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.spec import KV_FORMATS, MAX_KV_QUANT_RESIDUAL, block_size_for, normalize_kv_dtype
@@ -92,6 +93,9 @@ class EngineConfig:
     sink_tokens: int = 4
     snapkv_query: str = "both"  # window: the prompt's last tokens score (its question); generic: a generic question does; both
     snapkv_question_weight: float = 10.0  # snapkv both: the generic question's mean scores against the window's
+    # stored conversations (the Responses API's store): their blocks pinned between turns (kv/conversation_pins.py)
+    conversation_kv_share: float = 0.1  # of the pool, at most
+    conversation_kv_ttl: float = 300.0  # seconds
     kv_offload_host_gib: float = 0.0  # a host-memory tier under the pool for blocks leaving it (0: none)
     kv_offload_disk_dir: str | None = None  # a local disk tier (survives restarts)
     kv_offload_disk_gib: float | None = None  # the disk tier's budget (8 GiB when a directory is given)
@@ -171,6 +175,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         self._validate_offload()
+        ConversationKVConfig(self.conversation_kv_share, self.conversation_kv_ttl)  # its own checks
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")

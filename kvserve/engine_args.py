@@ -134,6 +134,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "sequences' blocks) are kept here, least recently used first out, and loaded back as prefix hits "
                        "instead of recomputed when that is measured to be faster; 0 turns it off (default: %(default)s). "
                        "On a CPU device it is a second budget beside --kv-cache-memory. See docs/kv-tiers.md")
+    group.add_argument("--conversation-kv-share", type=float, default=0.1, metavar="FRACTION",
+                       help="the share of the KV pool that stored conversations (the Responses API with store: true) may keep "
+                       "pinned between turns, so a follow-up (previous_response_id) finds its whole history cached; pins give "
+                       "way before any request is preempted or refused; 0 turns it off (default: %(default)s)")
+    group.add_argument("--conversation-kv-ttl", type=float, default=300.0, metavar="SECONDS",
+                       help="how long a stored conversation's blocks stay pinned after its turn, before they go back to the "
+                       "cache's LRU order (and down to the host tier when one is set) (default: %(default)s)")
     group.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR",
                        help="a local disk tier under the host tier (or under the pool): one file per block, kept across "
                        "restarts of an engine with the same model and KV settings")

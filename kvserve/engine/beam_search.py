@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.beam import Beam, BeamGroup, BeamSearchParams, Continuation
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -17,9 +18,10 @@ if TYPE_CHECKING:
 
 
 def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> BeamGroup:  # fmt: skip
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> BeamGroup:  # fmt: skip
     """Queue a beam search of `prompt`; step() hands back one finished RequestOutput for it, its
-    `beams` the finished beams best first (the output's tokens and text are the best one's)."""
+    `beams` the finished beams best first (the output's tokens and text are the best one's). Every
+    beam runs on lora_request's adapter, if one is given."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"beam search takes BeamSearchParams, got {type(params).__name__}")
     ends = frozenset() if params.ignore_eos else engine.eos_token_ids
@@ -31,7 +33,7 @@ def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSear
     if request_id in engine.beam_groups or request_id in engine.requests:
         raise ValueError(f"request_id {request_id!r} is already in use")
     sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0, ignore_eos=True, logprobs=params.candidates(len(ends)))
-    seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt)
+    seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt, lora_request=lora_request)
     seq.text, seq.beam_group = None, request_id
     max_new = min(params.max_tokens, engine.max_model_len - seq.prompt_len)
     if prompt_len is None:
@@ -106,7 +108,7 @@ def _fork(engine: LLMEngine, group: BeamGroup, parent: Sequence, token: int) -> 
     """A new beam from parent with `token` in place of its last: parent's blocks shared, the partly filled last one copied."""
     group.forks += 1
     child = Sequence(f"{group.request_id}#{group.forks}", parent.prompt_token_ids, parent.params, prompt=parent.prompt,
-                     cache_salt=parent.cache_salt, token_ids=parent.token_ids[:-1] + [token], seed=parent.seed)  # fmt: skip
+                     cache_salt=parent.cache_salt, token_ids=parent.token_ids[:-1] + [token], seed=parent.seed, lora=parent.lora)  # fmt: skip
     child.beam_group = group.request_id
     child.first_scheduled_time = parent.first_scheduled_time  # its prompt was computed (and counted) once
     engine.requests[child.request_id] = child

@@ -34,6 +34,7 @@ from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
+from kvserve.kv.conversation_pins import ConversationKVConfig
 from kvserve.lora.manager import LoRAHandle, LoRAManager
 from kvserve.lora.request import LoRARequest
 from kvserve.kv.prefix import HashPrefixCache
@@ -142,6 +143,13 @@ class LLMEngine:
                         "secret with --kv-remote-key-file (or %s) to sign and check them", masked_url(config.kv_remote_url),
                         KEY_ENV)  # fmt: skip
 
+    def lora_description(self) -> str:
+        """', LoRA: up to 4 adapters of rank 16 resident (29 MiB beside the KV pool)', or '' (the serve banner)."""
+        if self.lora is None:
+            return ""
+        return (f", LoRA: up to {self.lora.max_loras} adapters of rank {self.lora.max_lora_rank} resident "
+                f"({self.lora.max_resident_bytes / (1 << 20):.0f} MiB beside the KV pool)")  # fmt: skip
+
     def tiers_description(self) -> str:
         """', KV tiers: host 4 GiB, disk /var/kv 50 GiB (write_back)', or '' without tiers (the serve banner)."""
         offloader = self.kv.offloader
@@ -186,6 +194,7 @@ class LLMEngine:
             kind = RadixPrefixCache if config.prefix_cache == "radix" else HashPrefixCache
             prefix_cache = kind(self.kv_spec.groups, config.block_size, root_hash(identity), config.expose_salt_stats)
         self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
+        self.kv.keep_conversations(ConversationKVConfig(config.conversation_kv_share, config.conversation_kv_ttl))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -259,9 +268,24 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
                        eviction=self.eviction_policy(params), compress_at=compress_at, grammar=self._grammar(params), lora=lora)  # fmt: skip
         self.requests[request_id] = seq
+        if lora is not None:
+            self.kv.serve_adapter(lora.identity)
         if queue:
             self.scheduler.add(seq)
         return seq
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's remove_lora; engine thread): requests running on it finish with
+        its weights, and its cached K/V leave the pool and the local tiers unless another held id
+        has the same weights. False if no adapter of that id was read."""
+        if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int):
+            raise TypeError(f"lora_int_id must be an int, got {type(lora_int_id).__name__}")
+        if self.lora is None or not self.lora.knows(lora_int_id):
+            return False
+        identity = self.lora.forget(lora_int_id)
+        if identity is not None:
+            self.kv.drop_adapter(identity)
+        return True
 
     def _lora_handle(self, lora_request: LoRARequest | None) -> LoRAHandle | None:
         if lora_request is None:
@@ -284,16 +308,18 @@ class LLMEngine:
 
     def add_request_group(
         self, prompt: str | list[int], params: Seq[SamplingParams], request_ids: Seq[str] | None = None, cache_salt: str | None = None,
-        stream: bool = False, lora_request: LoRARequest | None = None,
+        stream: bool = False, lora_request: LoRARequest | None = None, keep_kv: bool = False,
     ) -> list[Sequence]:
         """n samples of one prompt (parallel sampling): the prompt is computed once, by the first;
-        the others share its blocks from there, the partly filled last block copied per sample."""
+        the others share its blocks from there, the partly filled last block copied per sample.
+        keep_kv: a stored conversation's turn, whose first sample's blocks stay pinned for the next turn."""
         if not params:
             raise ValueError("a request group needs at least one SamplingParams")
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
         if len(ids) != len(params):
             raise ValueError(f"got {len(ids)} request ids for {len(params)} samples")
         first = self.add_request(prompt, params[0], ids[0], cache_salt, stream, lora_request=lora_request)
+        first.keep_kv = keep_kv
         seqs = [first]
         for sp, rid in zip(params[1:], ids[1:]):
             seq = self.add_request(first.prompt_token_ids, sp, rid, cache_salt, stream, queue=False, lora_request=lora_request)
@@ -406,6 +432,7 @@ class LLMEngine:
         a token and of every sequence that finished. An exception inside the step fails that step's
         sequences alone (finish_reason "error", blocks freed); the engine goes on."""
         handed_over = self._handed_over()
+        self.kv.expire_pins()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -585,7 +612,7 @@ class LLMEngine:
         if stop_reason is not None:
             seq.stop_reason = stop_reason
         seq.finished_time = now
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, pin=seq.keep_kv and reason in ("stop", "length"))
 
     # ------------------------------------------------------------------ introspection (the stats: engine/engine_stats.py)
     prefix_cache_stats = engine_stats.prefix_cache_stats

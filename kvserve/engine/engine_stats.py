@@ -34,7 +34,17 @@ def lora_stats(engine: LLMEngine) -> dict | None:
         return None
     names = lambda seqs: sorted({s.lora.request.lora_name for s in seqs if s.lora is not None})  # noqa: E731
     return {"max_lora": engine.lora.max_loras, "running": names(engine.scheduler.running), "waiting": names(engine.scheduler.waiting),
-            "resident_bytes": engine.lora.resident_bytes}  # fmt: skip
+            "resident_bytes": engine.lora.resident_bytes, "max_resident_bytes": engine.lora.max_resident_bytes, "reuse": adapter_reuse(engine)}  # fmt: skip
+
+
+def adapter_reuse(engine: LLMEngine) -> list[dict]:
+    """The prefix cache's reuse per LoRA adapter (by the weights' identity; names: those held now)."""
+    rows = []
+    for identity, r in engine.kv.prefix_stats.adapters.items():
+        rows.append({"adapter": identity[:16], "lora_names": engine.lora.names(identity) if engine.lora is not None else [],
+                     "requests": r.requests, "queried_tokens": r.queries, "hit_tokens": r.hits,
+                     "hit_rate_tokens": r.hits / max(r.queries, 1)})  # fmt: skip
+    return rows
 
 
 def stats(engine: LLMEngine) -> dict:
@@ -65,6 +75,9 @@ def stats(engine: LLMEngine) -> dict:
         "kv_quant_sink_block": bool(engine.kv_spec.quant_sink_blocks),
         "kv_quant_residual_free_blocks": engine.kv.residual_pool.num_free_blocks if engine.kv.residual_pool is not None else 0,
         "kv_cache_usage": engine.kv.usage,
+        # stored conversations' blocks pinned between turns (kv/conversation_pins.py): counted in kv_cache_usage too
+        "kv_conversation_pinned_blocks": engine.kv.pins.num_blocks if engine.kv.pins is not None else 0,
+        "kv_conversations_pinned": len(engine.kv.pins) if engine.kv.pins is not None else 0,
         "lora": lora_stats(engine),
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_compression": engine.config.kv_compression,

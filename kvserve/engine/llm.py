@@ -35,6 +35,35 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's LLM.get_tokenizer): encode, decode, and transformers'
+        apply_chat_template(conversation, tools=..., add_generation_prompt=..., tokenize=..., return_dict=...)."""
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them,
+        rendered by the model's chat template (or `chat_template`) and generated like generate()."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer (this engine runs on token ids only)")
+        prompts = [tokenizer.apply_chat_template(list(c), tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt, lora_request=lora_request)
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -102,10 +131,12 @@ class LLM:
         return results
 
     def beam_search(self, prompts: PromptType | dict | Seq[PromptType | dict], params: BeamSearchParams,
-                    use_tqdm: bool = False, cache_salt: str | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+                    use_tqdm: bool = False, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:  # fmt: skip
         """Beam search of every prompt (a string, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}):
         one BeamSearchOutput each, its beam_width finished beams best first, as transformers'
-        generate(num_beams=beam_width) orders them. The beams share their prefix blocks."""
+        generate(num_beams=beam_width) orders them. The beams share their prefix blocks. lora_request:
+        the adapter every beam runs on (engine with enable_lora)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]
@@ -118,7 +149,7 @@ class LLM:
         groups = []
         try:
             for prompt in prompts:
-                groups.append(engine.add_beam_search(prompt, params, cache_salt=cache_salt))
+                groups.append(engine.add_beam_search(prompt, params, cache_salt=cache_salt, lora_request=lora_request))
         except BaseException:  # one the pool cannot hold: the ones queued before it go too
             for group in groups:
                 engine.abort_request(group.request_id)

@@ -181,8 +181,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and return its blocks."""
+    def finish(self, seq: Sequence, pin: bool = False) -> None:
+        """Remove a finished or aborted sequence and return its blocks (`pin`: kept for the conversation's next turn)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -197,7 +197,7 @@ class Scheduler:
             _share_prompt_scores(seq, fork)
             self.add(fork)
         seq.forks = []
-        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None)
+        self.kv.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, publish=seq.eviction is None, pin=pin)
         seq.status = SequenceStatus.FINISHED
 
     def add_fork(self, parent: Sequence, fork: Sequence) -> None:

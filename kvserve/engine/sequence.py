@@ -60,6 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     migrated: bool = False  # imported from another engine (live migration): its cached-token count is the source's
     lora: "LoRAHandle | None" = None  # the LoRA adapter it runs with (kvserve/lora/manager.py)
+    keep_kv: bool = False  # a stored conversation's turn: its cached blocks are pinned for the next (kv/conversation_pins.py)
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)

@@ -22,6 +22,7 @@ class KVBlock:
     group: int = 0  # the KV cache group it was last allocated to
     parent: int | None = None  # the hash of the block before it in its prefix (set with block_hash)
     hits: int = 0  # requests that reused it since it was published (the KV page's prefix tree)
+    adapter: str | None = None  # the LoRA adapter identity it was computed under (set with block_hash)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -78,6 +79,11 @@ class BlockPool:
             self._used[block.group] = self._used.get(block.group, 0) + 1
         block.ref_count += 1
 
+    def reuse_first(self, block: KVBlock) -> None:
+        """A free block nothing can hit any more goes to the head of the free queue."""
+        if block.ref_count == 0:
+            self._free.move_to_end(block.block_id, last=False)
+
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; callers pass tail blocks first so they are evicted first."""
         for block in blocks:
@@ -93,3 +99,4 @@ def forget(block: KVBlock) -> None:
     block.block_hash = block.parent = None
     block.token_ids = ()
     block.hits = 0
+    block.adapter = None

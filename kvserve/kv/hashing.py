@@ -66,10 +66,21 @@ def validate_cache_salt(salt: object) -> None:
         raise ValueError("cache_salt must not hold a NUL character")
 
 
+_ADAPTER_MARK = "\x00lora:"
+
+
 def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
     """The salt a request's blocks are keyed with: its cache_salt, and its LoRA adapter's identity
     after a NUL, which no cache_salt holds (so no salt alone names an adapter's blocks)."""
-    return salt if adapter is None else f"{salt or ''}\x00lora:{adapter}"
+    return salt if adapter is None else f"{salt or ''}{_ADAPTER_MARK}{adapter}"
+
+
+def adapter_of(salt: str | None) -> str | None:
+    """The LoRA adapter identity a salt made by adapter_salt names (None: the base model)."""
+    if salt is None:
+        return None
+    _, mark, adapter = salt.partition(_ADAPTER_MARK)
+    return adapter if mark else None
 
 
 def salt_key(salt: str | None) -> bytes:

@@ -27,6 +27,7 @@ from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import block_hash, chain_hashes
 from kvserve.kv.kivi_hits import exact_hit, full_precision_key, read_in_full_precision
 from kvserve.kv.prefix import PrefixCache, PrefixHit
+from kvserve.kv.conversation_pins import ConversationKVConfig, ConversationPins
 from kvserve.kv.prefix_stats import PrefixCacheStats
 from kvserve.kv.spec import KVCacheSpec, blocks_for_tokens
 from kvserve.kv.tiers.offload import KVOffloader, LoadJob
@@ -68,6 +69,7 @@ class KVCacheManager:
         self._salts: dict[str, str | None] = {}
         self.pending_copies: list[tuple[KVBlock, KVBlock, int]] = []  # (source, target, slots) before the next step
         self._evicted: dict[str, int] = {}  # positions a request no longer holds a slot for
+        self.pins: ConversationPins | None = None  # stored conversations' blocks kept between turns (set by the engine)
 
     @property
     def num_blocks(self) -> int:
@@ -89,7 +91,7 @@ class KVCacheManager:
     def _evicting(self, block: KVBlock) -> None:
         """The pool is about to reuse a cached block: its bytes go down to the tiers first (write-back)."""
         if self.offloader is not None:
-            self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids)
+            self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, adapter=block.adapter)
         self.prefix_cache.evicted(block)
 
     def _pool_of(self, block: KVBlock) -> BlockPool:
@@ -151,9 +153,25 @@ class KVCacheManager:
     def num_blocks_needed(self, request_id: str, start: int, end: int) -> int:
         return sum(max(0, hi - lo) for lo, hi in self._new_blocks(request_id, start, end))
 
+    def keep_conversations(self, config: ConversationKVConfig) -> None:
+        """Pin stored conversations' blocks between turns (kv/conversation_pins.py); needs the prefix cache."""
+        if self.prefix_cache is not None:
+            self.pins = ConversationPins(self.pool.num_blocks, config, self._release)
+
+    def expire_pins(self) -> None:
+        if self.pins is not None and len(self.pins):
+            self.pins.expire()
+
     def can_admit(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None = None) -> bool:
         """The request can reach num_tokens, `chunk` tokens per step, with what is free now (a hit's
-        blocks need no new ones, but those no request holds leave the free queue when taken)."""
+        blocks need no new ones, but those no request holds leave the free queue when taken); pinned
+        conversations give way first."""
+        while not self._fits(request_id, num_tokens, chunk, hit):
+            if self.pins is None or not self.pins.release_oldest():
+                return False
+        return True
+
+    def _fits(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None) -> bool:
         need = sum(
             max(0, group.peak_blocks(num_tokens, self.block_size, chunk) - self.num_held_blocks(request_id, g)
                 - (hit.held(g) if hit is not None else 0))
@@ -445,7 +463,8 @@ class KVCacheManager:
                 if block is not None and self._pool_of(block) is self.residual_pool:
                     published = cache.publish(g, block, full_precision_key(hashes[i]), hashes[i], token_ids[i * bs : (i + 1) * bs], salt)
                     if published and self.offloader is not None and self.offloader.offloads_on_publish:
-                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
+                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True,
+                                               adapter=block.adapter)
         self._published_full_precision[request_id] = full
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
@@ -470,7 +489,8 @@ class KVCacheManager:
                 if block is not None:
                     published = cache.publish(g, block, hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
                     if published and self.offloader is not None and self.offloader.offloads_on_publish:
-                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True)
+                        self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, published=True,
+                                               adapter=block.adapter)
         self._published[request_id] = full
 
     def persist_to_tiers(self, timeout: float) -> int:
@@ -481,10 +501,30 @@ class KVCacheManager:
         cached = [(b.block_id, b.block_hash, b.group, b.token_ids) for b in self.prefix_cache.blocks()]
         return self.offloader.persist(cached, timeout)
 
+    def drop_adapter(self, adapter: str) -> int:
+        """An unloaded LoRA adapter's cached blocks leave the pool (reused first) and the local
+        tiers; its running requests publish nothing more. Returns the pool blocks dropped."""
+        if self.prefix_cache is None:
+            return 0
+        dropped = self.prefix_cache.drop_adapter(adapter)
+        self.prefix_stats.adapters.pop(adapter, None)
+        for block in dropped:
+            self._pool_of(block).reuse_first(block)
+        if self.offloader is not None:
+            self.offloader.drop_adapter(adapter)
+        return len(dropped)
+
+    def serve_adapter(self, adapter: str) -> None:
+        """A request under this adapter arrived (after an unload, the adapter was loaded again)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.revive_adapter(adapter)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block; requests keep the blocks they hold. Returns how many were forgotten."""
         if self.prefix_cache is None:
             return 0
+        if self.pins is not None:
+            self.pins.release_all()
         for request_id in self._published:
             self._published[request_id] = 0
         return self.prefix_cache.reset()
@@ -494,8 +534,9 @@ class KVCacheManager:
         """Give the request blocks to compute tokens [start, end); False (and nothing taken) if short."""
         spans = self._new_blocks(request_id, start, end)
         needed = sum(max(0, hi - lo) for lo, hi in spans)
-        if needed > self._fresh.num_free_blocks:
-            return False
+        while needed > self._fresh.num_free_blocks:
+            if self.pins is None or not self.pins.release_oldest():
+                return False
         if max(hi for _, hi in spans) > self.max_blocks_per_seq:
             raise ValueError(f"request {request_id} grew past {self.max_blocks_per_seq} blocks")
         tables = self._tables.get(request_id)
@@ -584,8 +625,9 @@ class KVCacheManager:
         self._evicted[request_id] = self.num_evicted(request_id) + held - kept
         return released
 
-    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0, publish: bool = True) -> None:
-        """Return the request's blocks. A radix cache keeps its last, partly filled block too (unless not `publish`)."""
+    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed: int = 0, publish: bool = True, pin: bool = False) -> None:
+        """Return the request's blocks. A radix cache keeps its last, partly filled block too (unless not `publish`).
+        `pin`: its cached blocks stay for the conversation's next turn (kv/conversation_pins.py)."""
         tables = self._tables.pop(request_id, None)
         num_computed -= self._evicted.pop(request_id, 0)
         hashes = self._hashes.pop(request_id, None)
@@ -600,6 +642,10 @@ class KVCacheManager:
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
         if partial and publish and num_computed % self.block_size:
             self._publish_partial(tables, token_ids, num_computed, hashes or [], salt)
+        if pin and publish and self.pins is not None:
+            width = max(len(t) for t in tables)
+            cached = [t[i] for i in range(width) for t in tables if i < len(t) and t[i] is not None and t[i].block_hash is not None]
+            self.pins.pin(cached, self._touch)
         row = self._rows.pop(request_id)
         for g, table in enumerate(tables):
             held = [b for b in table if b is not None]

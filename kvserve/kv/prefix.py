@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import KVBlock, forget
-from kvserve.kv.hashing import block_hash, first_parent, salt_key
+from kvserve.kv.hashing import adapter_of, block_hash, first_parent, salt_key
 from kvserve.kv.spec import KVCacheGroupSpec
 
 MISS_REASONS = ("shorter_than_a_block", "no_shared_prefix", "evicted", "other_salt")
@@ -53,6 +53,7 @@ class PrefixCache(abc.ABC):
         # block at a time, whether another tenant's prompts begin like theirs
         self.tracks_salts = tracks_salts
         self._first_blocks: OrderedDict[int, set[bytes]] = OrderedDict()  # unsalted first-block hash -> salts seen
+        self._retired: set[str] = set()  # unloaded LoRA adapters: their requests still running publish nothing
 
     # ------------------------------------------------------------------ the index
     @abc.abstractmethod
@@ -147,9 +148,10 @@ class PrefixCache(abc.ABC):
     # ------------------------------------------------------------------ changes
     def publish(self, group: int, block: KVBlock, key: int, parent: int, token_ids: Sequence[int], salt: str | None = None) -> bool:
         """Make a block another request can reuse; False if an equal block is already cached."""
-        if block.block_hash is not None:
+        if block.block_hash is not None or (self._retired and adapter_of(salt) in self._retired):
             return False
         block.block_hash, block.parent, block.token_ids, block.group = key, parent, tuple(token_ids), group
+        block.adapter = adapter_of(salt)
         if not self._insert(group, key, parent, block):
             forget(block)
             return False
@@ -168,6 +170,20 @@ class PrefixCache(abc.ABC):
         self._evicted[block.block_hash] = None
         if len(self._evicted) > _RECENT:
             self._evicted.popitem(last=False)
+
+    def drop_adapter(self, adapter: str) -> list[KVBlock]:
+        """Forget every cached block computed under a LoRA adapter (it was unloaded) and publish none
+        until it is served again (revive_adapter); returns them. Blocks requests hold stay theirs."""
+        self._retired.add(adapter)
+        dropped = [block for block in self.blocks() if block.adapter == adapter]
+        for block in dropped:
+            self._remove(block)
+            forget(block)
+        return dropped
+
+    def revive_adapter(self, adapter: str) -> None:
+        """A request under this adapter arrived: its blocks are published again."""
+        self._retired.discard(adapter)
 
     def reset(self) -> int:
         """Forget every cached block (blocks in use stay with their requests); returns how many."""

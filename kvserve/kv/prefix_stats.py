@@ -9,6 +9,9 @@ can compute (never the salt, and no stable hash a client could test guesses agai
 most MAX_SALTS of them; requests of further salts are counted under OTHER_SALTS. Even so, a row per
 salt confirms a guessed salt (its requests move an existing row instead of adding one), so they are
 kept only with --expose-salt-stats (`per_salt`); otherwise every request counts in the totals alone.
+
+Requests under a LoRA adapter are also counted per adapter identity (`adapters`): an adapter is the
+server's, not a tenant's secret, and its blocks are keyed apart (kv/hashing.adapter_salt).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import hmac
 import os
 from dataclasses import dataclass, field
 
+from kvserve.kv.hashing import adapter_of
 from kvserve.kv.prefix import MISS_REASONS, PrefixHit
 
 MAX_SALTS = 256
 MAX_SALT_ROOTS = 4096  # salts the tree can label; the ones past MAX_SALTS as OTHER_SALTS
 NO_SALT, OTHER_SALTS = "(none)", "(other)"
+MAX_ADAPTERS = 256
+OTHER_ADAPTERS = "(other)"
 _LABEL_KEY = os.urandom(16)
 
 
@@ -51,6 +57,7 @@ class PrefixCacheStats:
     salts: dict[str, SaltReuse] = field(default_factory=dict)  # salt_label -> its requests' reuse
     salt_roots: dict[int, str] = field(default_factory=dict)  # a salt's first-block parent hash -> salt_label
     per_salt: bool = False  # keep `salts` and `salt_roots` (--expose-salt-stats)
+    adapters: dict[str, SaltReuse] = field(default_factory=dict)  # LoRA adapter identity -> its requests' reuse
 
     def record(self, hit: PrefixHit, prompt_len: int, salt: str | None = None, salt_root: int | None = None) -> None:
         self.queries += prompt_len
@@ -66,6 +73,11 @@ class PrefixCacheStats:
                     block.hits += 1
         for _, source, _ in hit.copies:
             source.hits += 1
+        adapter = adapter_of(salt)
+        if adapter is not None:
+            if adapter not in self.adapters and len(self.adapters) >= MAX_ADAPTERS:
+                adapter = OTHER_ADAPTERS
+            _count(self.adapters.setdefault(adapter, SaltReuse()), hit, prompt_len)
         if not self.per_salt:
             return
         label = salt_label(salt)
@@ -73,7 +85,10 @@ class PrefixCacheStats:
             label = OTHER_SALTS
         if salt_root is not None and (salt_root in self.salt_roots or len(self.salt_roots) < MAX_SALT_ROOTS):
             self.salt_roots[salt_root] = label
-        reuse = self.salts.setdefault(label, SaltReuse())
-        reuse.requests += 1
-        reuse.queries += prompt_len
-        reuse.hits += hit.num_tokens
+        _count(self.salts.setdefault(label, SaltReuse()), hit, prompt_len)
+
+
+def _count(reuse: SaltReuse, hit: PrefixHit, prompt_len: int) -> None:
+    reuse.requests += 1
+    reuse.queries += prompt_len
+    reuse.hits += hit.num_tokens

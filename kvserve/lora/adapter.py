@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +40,17 @@ UNSERVED = {
     "fan_in_fan_out": "stores the weights transposed", "alora_invocation_tokens": "(activated LoRA) starts at invocation tokens",
     "layer_replication": "repeats layers", "trainable_token_indices": "trains embedding rows",
     "use_qalora": "pools the inputs (QA-LoRA)", "lora_bias": "trains a bias beside lora_B", "target_parameters": "adapts parameters",
-    "megatron_config": "shards the weights",
+    "megatron_config": "shards the weights", "arrow_config": "routes among several adapters (Arrow)",
+    "use_bdlora": "splits the weights into blocks (BD-LoRA)", "velora_config": "compresses the activations (VeLoRA)",
+    "monteclora_config": "samples the weights (MonteCLoRA)", "kasa_config": "adds a singular-value term (KaSA)",
+    "mica": "adds a term of its own (MiCA)",
 }  # fmt: skip
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp",
+          "down_proj": "mlp"}  # fmt: skip
+MAX_WEIGHT = 1e4  # larger adapter values are no trained LoRA: they overflow the activations' dtype
+MAX_PATTERN_CHARS = 1000
+_SPECIAL_ROOTS = ("/proc/", "/sys/", "/dev/")
 
 
 class AdapterError(ValueError):
@@ -79,13 +89,25 @@ def adapter_bytes(config: ModelConfig, rank: int, element_bytes: int, modules: t
     return config.num_layers * sum(rank * sum(module_shape(config, m)) for m in modules) * element_bytes
 
 
+def check_file(file: Path, where: Path) -> int:
+    """A regular file's size; AdapterError for a missing one, a directory, a FIFO, a device or a
+    kernel file (/proc, /sys, /dev: they can block a reader forever), or an empty one."""
+    if not file.exists():
+        if file.is_symlink():
+            raise AdapterError(file, "a symbolic link to nothing")
+        raise AdapterError(where, f"{file.name} is missing (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    real = os.path.realpath(file)
+    if not file.is_file() or real.startswith(_SPECIAL_ROOTS):
+        raise AdapterError(file, "not a regular file" + (f" (it is {real})" if real != str(file) else ""))
+    size = file.stat().st_size
+    if size == 0:
+        raise AdapterError(file, "empty")
+    return size
+
+
 def read_config(path: Path) -> dict:
     file = path / CONFIG_FILE
-    if not file.exists():
-        raise AdapterError(path, f"{CONFIG_FILE} is missing (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    if not file.is_file():
-        raise AdapterError(file, "not a regular file")
-    if file.stat().st_size > MAX_CONFIG_BYTES:
+    if check_file(file, path) > MAX_CONFIG_BYTES:
         raise AdapterError(file, f"larger than {MAX_CONFIG_BYTES} bytes")
     try:
         with open(file, "rb") as handle:
@@ -125,8 +147,34 @@ def check_config(file: Path, config: dict, max_rank: int) -> tuple[int, float]:
         unknown = sorted({n.rsplit(".", 1)[-1] for n in names} - set(TARGETS))
         if unknown:
             raise AdapterError(file, f"target module(s) {', '.join(unknown)} unknown; kvserve adapts {', '.join(TARGETS)}")
+    for name in ("target_modules", "exclude_modules"):
+        value = config.get(name)
+        if isinstance(value, str) and value != "all-linear":
+            if len(value) > MAX_PATTERN_CHARS:
+                raise AdapterError(file, f"{name} is a pattern of more than {MAX_PATTERN_CHARS} characters")
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise AdapterError(file, f"{name} {reprlib.repr(value)} is not a valid regular expression ({exc})") from None
+        elif value is not None and not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise AdapterError(file, f"{name} must be a list of module names or a regular expression, got {reprlib.repr(value)}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scaling)
+
+
+def _matches(rule, key: str) -> bool:
+    """peft's rule: a pattern string matches the whole module name, a list entry its name or a dotted suffix of it."""
+    if rule is None:
+        return False
+    if isinstance(rule, str):
+        return rule == "all-linear" or re.fullmatch(rule, key) is not None
+    return any(key == name or key.endswith("." + name) for name in rule)
+
+
+def targets(config: dict, layer: int, module: str) -> bool:
+    """Whether peft puts a LoRA on this projection under this config."""
+    key = f"model.layers.{layer}.{_BLOCK[module]}.{module}"
+    return _matches(config.get("target_modules"), key) and not _matches(config.get("exclude_modules"), key)
 
 
 def load_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -152,8 +200,7 @@ def _load(path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
     config = read_config(path)
     rank, scaling = check_config(path / CONFIG_FILE, config, max_rank)
     file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise AdapterError(path, f"{WEIGHTS_FILE} is missing")
+    check_file(file, path)
     digest = hashlib.sha256(json.dumps({"rank": rank, "scaling": scaling}, sort_keys=True).encode())
     pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -162,11 +209,17 @@ def _load(path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
                 match = _KEY.match(key)
                 if match is None:
                     raise AdapterError(file, f"tensor {key!r} is no lora_A / lora_B weight of {', '.join(TARGETS)} in a decoder layer")
-                layer, module, which = int(match[1]), match[2], match[3]
+                layer, block, module, which = int(match[1]), match[2], match[3], match[4]
                 if module not in TARGETS:
                     raise AdapterError(file, f"tensor {key!r}: module {module!r} unknown; kvserve adapts {', '.join(TARGETS)}")
+                if block != _BLOCK[module]:
+                    raise AdapterError(file, f"tensor {key!r}: {module} is a projection of {_BLOCK[module]}, not of {block}")
                 if not 0 <= layer < model.num_layers:
                     raise AdapterError(file, f"tensor {key!r}: layer {layer}, the base model has {model.num_layers}")
+                if not targets(config, layer, module):
+                    raise AdapterError(file, f"tensor {key!r}: its module is not one the config adapts (target_modules "
+                                       f"{reprlib.repr(config.get('target_modules'))}, exclude_modules "
+                                       f"{reprlib.repr(config.get('exclude_modules'))}); peft would not apply it")  # fmt: skip
                 tensor = tensors.get_tensor(key)
                 if not tensor.is_floating_point():
                     raise AdapterError(file, f"tensor {key!r} holds {tensor.dtype}, not floats")
@@ -177,6 +230,9 @@ def _load(path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
                 tensor = tensor.float()
                 if not bool(torch.isfinite(tensor).all()):
                     raise AdapterError(file, f"tensor {key!r} holds NaN or infinity")
+                if tensor.numel() and float(tensor.abs().max()) > MAX_WEIGHT:
+                    raise AdapterError(file, f"tensor {key!r} holds values of magnitude {float(tensor.abs().max()):.3g}, over {MAX_WEIGHT:g}: "
+                                       "no trained LoRA weight is that large, and its products would overflow")  # fmt: skip
                 digest.update(f"{layer}.{module}.{which}".encode())
                 digest.update(tensor.contiguous().numpy().tobytes())
                 pieces.setdefault((layer, module), {})[which] = tensor

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.lora.adapter import LoRAAdapter, load_adapter
+from kvserve.lora.adapter import LoRAAdapter, adapter_bytes, load_adapter
 from kvserve.lora.request import LoRARequest
 from kvserve.lora.rows import LoRARows, ResidentAdapter
 from kvserve.model.config import ModelConfig
@@ -30,6 +30,9 @@ class LoRAHandle:
         return self.adapter.identity
 
 
+MAX_SEEN = 4096
+
+
 class LoRAManager:
     def __init__(self, model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
                  device: torch.device, native: bool) -> None:  # fmt: skip
@@ -41,6 +44,7 @@ class LoRAManager:
         self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> products, LRU
         self._lock = threading.Lock()  # the server loads adapters off the engine's thread
         self._last: tuple[np.ndarray, list[ResidentAdapter], LoRARows | None] | None = None  # decode steps repeat their layout
+        self._seen: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> identity of every adapter read (bounded): remove_lora
 
     def resolve(self, request: LoRARequest, pin: bool = False) -> LoRAHandle:
         """The handle of a request's adapter, read from its directory unless held (AdapterError if bad).
@@ -58,6 +62,10 @@ class LoRAManager:
                 return held
         handle = LoRAHandle(request, load_adapter(request.lora_path, self.model, self.max_lora_rank))
         with self._lock:
+            self._seen[request.lora_int_id] = handle.identity
+            self._seen.move_to_end(request.lora_int_id)
+            if len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
             if pin:
                 self._pinned[request.lora_int_id] = handle
                 return handle
@@ -66,11 +74,32 @@ class LoRAManager:
                 self._read.popitem(last=False)
         return handle
 
-    def forget(self, lora_int_id: int) -> bool:
-        """Drop a held adapter (running requests keep their handle's weights)."""
+    def forget(self, lora_int_id: int) -> str | None:
+        """Drop an adapter (running requests keep their handle's weights), held or read before; returns
+        its identity when no other held id has the same weights (its cached K/V can go), else None."""
         with self._lock:
-            pinned = self._pinned.pop(lora_int_id, None) is not None
-            return self._read.pop(lora_int_id, None) is not None or pinned
+            self._pinned.pop(lora_int_id, None)
+            self._read.pop(lora_int_id, None)
+            identity = self._seen.pop(lora_int_id, None)
+            if identity is None or any(h.identity == identity for h in (*self._pinned.values(), *self._read.values())):
+                return None
+            self._resident.pop(identity, None)  # made again if a running request still needs it
+            return identity
+
+    def names(self, identity: str) -> list[str]:
+        """The names of the held adapters with these weights."""
+        with self._lock:
+            return sorted({h.request.lora_name for h in (*self._pinned.values(), *self._read.values()) if h.identity == identity})
+
+    def knows(self, lora_int_id: int) -> bool:
+        """Held, or read before (and not forgotten)."""
+        with self._lock:
+            return lora_int_id in self._seen
+
+    @property
+    def max_resident_bytes(self) -> int:
+        """What max_loras adapters of max_lora_rank on every projection hold at most (kvserve plan's lora_bytes)."""
+        return self.max_loras * adapter_bytes(self.model, self.max_lora_rank, torch.empty((), dtype=self.dtype).element_size())
 
     @property
     def resident_bytes(self) -> int:

@@ -29,6 +29,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_MAX_CHARS = 4 * 2**20
+CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
 DEFAULT_TIMEOUT_S = 2.0
 _CHECK_EVERY = 64  # hook calls between two clock reads
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from kvserve.cache_dir import cache_root, file_digest
-from kvserve.model.chat_template import render_chat_template
+from kvserve.model.chat_template import CONTINUE_MARK, render_chat_template
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.errors import ModelLoadError, describe
 
@@ -115,14 +115,37 @@ class Tokenizer:
     def incremental_detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok.backend_tokenizer)
 
-    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], tools: list[dict] | None = None,
+                            documents: list | None = None, chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True, return_dict: bool = False,
+                            **kwargs):  # fmt: skip
+        """transformers' apply_chat_template (what vLLM's get_tokenizer() gives scripts): the text
+        (tokenize=False), its token ids, or {"input_ids", "attention_mask"} (return_dict=True), of one
+        conversation or a list of them; add_generation_prompt defaults to False, as transformers'."""
+        unsupported = sorted(k for k, v in kwargs.items() if v not in (None, False))
+        if documents or unsupported:
+            raise ValueError(f"apply_chat_template: {', '.join(unsupported or ['documents'])} is not supported here")
+        if conversation and isinstance(conversation[0], (list, tuple)):
+            return [self.apply_chat_template(c, tools, None, chat_template, add_generation_prompt, continue_final_message, tokenize,
+                                             return_dict) for c in conversation]  # fmt: skip
         template = chat_template or self.chat_template
         if template is None:
             raise NoChatTemplateError("this model has no chat template (base models ship none); "
                                       "pass --chat-template (inline Jinja or a file) to supply one")
-        text = render_chat_template(template, messages, self.special_tokens)
-        # the template already carries BOS where the model wants it
-        return self.encode(text, add_special_tokens=False)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt=False")
+        messages = list(conversation)
+        if continue_final_message:  # the text ends where the last message's does: a mark placed after it, the rest cut
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}
+        text = render_chat_template(template, messages, self.special_tokens, add_generation_prompt, tools=tools)
+        if continue_final_message:
+            if text.count(CONTINUE_MARK) != 1:
+                raise ValueError("continue_final_message: the last message's text must appear once in the rendered conversation")
+            text = text[: text.index(CONTINUE_MARK)]
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)  # the template already carries BOS where the model wants it
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -19,7 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.engine.engine import LLMEngine
-from kvserve.server import serving_chat, serving_completions, serving_health, serving_kv, serving_lora, serving_models
+from kvserve.server import (
+    serving_chat, serving_completions, serving_health, serving_kv, serving_lora, serving_models, serving_responses,
+)
 from kvserve.server.access import AccessGuard
 from kvserve.server.async_engine import EngineDeadError, RequestAborted
 from kvserve.server.config import ServerConfig
@@ -55,6 +57,7 @@ def create_app(serving: OpenAIServing) -> FastAPI:
     _add_error_handlers(app, serving)
     serving_completions.register_routes(app, serving)
     serving_chat.register_routes(app, serving)
+    serving_responses.register_routes(app, serving)
     serving_models.register_routes(app, serving)
     serving_lora.register_routes(app, serving)
     serving_kv.register_routes(app, serving)

@@ -26,6 +26,12 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
          "/v1/models lists each with the base model as its parent")
     flag("--allow-runtime-lora-updating", action="store_true",
          help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name} (behind --api-key)")
+    flag("--responses-store-max", type=int, default=_DEFAULTS.responses_store_max, metavar="N",
+         help="responses the Responses API keeps (store: true) for GET /v1/responses/{id} and follow-ups "
+         "(previous_response_id), least recently used out first; with --kv-remote-url they are kept in that Redis "
+         "server instead, shared by replicas (default: %(default)s)")
+    flag("--responses-store-max-mib", type=int, default=_DEFAULTS.responses_store_max_mib, metavar="MIB",
+         help="the memory stored responses may take in this process (default: %(default)s)")
     flag("--chat-template", default=None, help="Jinja chat template, inline or a file path; overrides the model's own")
     flag("--max-waiting-requests", type=int, default=_DEFAULTS.max_waiting_requests,
          help="answer 503 at once when this many requests are already waiting")

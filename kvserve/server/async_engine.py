@@ -62,6 +62,7 @@ class PromptGroup:
     token_ids: list[int]
     params: list[SamplingParams]
     beam: BeamSearchParams | None = None  # beam search: one engine request, its best len(params) beams the choices
+    keep_kv: bool = False  # a stored conversation's turn: its blocks stay pinned for the next turn
 
 
 @dataclass
@@ -317,7 +318,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-                self.metrics.observe_finished(out, sub.lora_request.lora_name if sub.lora_request is not None else None)
+                self.metrics.observe_finished(out, sub.lora_request)
             if out.beams is not None:  # a beam search: its best beams are the group's choices
                 g, _ = sub.index[out.request_id]
                 group = sub.groups[g]
@@ -339,10 +340,11 @@ class AsyncEngine:
                 added.append(sub.ids[0][0])
             for group, ids in zip(sub.groups, sub.ids) if sub.imported is None else ():
                 if group.beam is not None:
-                    self.engine.add_beam_search(group.token_ids, group.beam, ids[0], sub.cache_salt)
+                    self.engine.add_beam_search(group.token_ids, group.beam, ids[0], sub.cache_salt, sub.lora_request)
                     added.append(ids[0])
                     continue
-                self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream, sub.lora_request)
+                self.engine.add_request_group(group.token_ids, group.params, ids, sub.cache_salt, sub.stream, sub.lora_request,
+                                              keep_kv=group.keep_kv)
                 added.extend(ids)
         except Exception as exc:  # noqa: BLE001 - validated before admission; reported to this request alone
             for rid in added:

@@ -54,6 +54,8 @@ class ServerConfig:
     disable_fastapi_docs: bool = False  # serve no /docs, /redoc, /openapi.json (vLLM's flag)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter directory): the `model` names that pick an adapter
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's switch)
+    responses_store_max: int = 1000  # stored responses kept in memory (least recently used out first; 0: none stored)
+    responses_store_max_mib: int = 256  # and the memory they may take
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -72,6 +74,10 @@ class ServerConfig:
             raise ValueError(f"grammar_compile_timeout must be positive (seconds), got {self.grammar_compile_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 (seconds), got {self.shutdown_timeout}")
+        if not isinstance(self.responses_store_max, int) or not 0 <= self.responses_store_max <= 10**7:
+            raise ValueError(f"responses_store_max must be an integer in [0, 10000000], got {self.responses_store_max!r}")
+        if not isinstance(self.responses_store_max_mib, int) or not 1 <= self.responses_store_max_mib <= 1 << 20:
+            raise ValueError(f"responses_store_max_mib must be a positive integer (MiB), got {self.responses_store_max_mib!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         targets = tuple(t.strip().rstrip("/") for t in self.migration_targets if t.strip())

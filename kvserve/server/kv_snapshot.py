@@ -17,6 +17,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.engine_stats import adapter_reuse
 from kvserve.kv.arena import QuantizedBlocks, ResidualBlocks
 from kvserve.kv.block_pool import BlockPool
 from kvserve.server.prefix_tree import prefix_tree, tree_group
@@ -110,6 +111,9 @@ def kv_snapshot(engine: LLMEngine, model_name: str, show_tokens: bool = False) -
         "num_blocks": kv.num_blocks,
         "num_free_blocks": kv.num_free_blocks,
         "usage": kv.usage,
+        "conversations": {"pinned_blocks": kv.pins.num_blocks if kv.pins is not None else 0,
+                          "pinned": len(kv.pins) if kv.pins is not None else 0,
+                          "max_blocks": kv.pins.max_blocks if kv.pins is not None else 0},  # fmt: skip
         "thresholds": {"high": USAGE_HIGH, "low": USAGE_LOW},
         "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
         "format": spec.kv_dtype,
@@ -128,6 +132,7 @@ def kv_snapshot(engine: LLMEngine, model_name: str, show_tokens: bool = False) -
         "speculative": _speculative(engine),
         "prefix_tree": tree,
         "salts": salt_rows(engine),
+        "lora_adapters": adapter_reuse(engine),
         "tiers": {name: {key: t[key] for key in ("usage_bytes", "capacity_bytes", "entries", "hit_tokens") if key in t}
                   for name, t in tiers.items()},  # fmt: skip
         "show_tokens": show_tokens,

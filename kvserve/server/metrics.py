@@ -32,11 +32,18 @@ class ServerMetrics:
 
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)")
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.conversation_pinned_blocks = gauge("kv_conversation_pinned_blocks", "KV blocks stored conversations keep pinned "
+                                                "for their next turn (counted in kv_cache_usage_perc)")  # fmt: skip
         self._lora_info = Gauge("kvserve:lora_requests_info", "LoRA adapters of the running and waiting requests (labels), "
                                 "the time of the last update (value), as vLLM's", ["max_lora", "running_lora_adapters",
                                 "waiting_lora_adapters"], registry=r)  # fmt: skip
         self._lora_labels: tuple[str, str, str] | None = None
+        self._lora_served: dict[str, int] = {}  # adapter name -> its lora_int_id while served
         self._lora_requests = Counter("kvserve:lora_requests", "Requests finished per LoRA adapter", labels + ["lora_name"], registry=r)
+        self._lora_queries = Counter("kvserve:lora_prefix_cache_queries", "Prompt tokens of finished requests per LoRA adapter",
+                                     labels + ["lora_name"], registry=r)  # fmt: skip
+        self._lora_hits = Counter("kvserve:lora_prefix_cache_hits", "Of those, prompt tokens served from the prefix cache (cached under "
+                                  "that adapter)", labels + ["lora_name"], registry=r)  # fmt: skip
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool")
         self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free")
@@ -142,6 +149,7 @@ class ServerMetrics:
             self._cache_config.labels(*[label(values[name]) for name in self._config_labels]).set(1)
             self._cache_config_set = True
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        self.conversation_pinned_blocks.set(stats.get("kv_conversation_pinned_blocks", 0))
         self.num_requests_running.set(stats["num_running"])
         self._update_lora(stats.get("lora"))
         self.num_requests_waiting.set(stats["num_waiting"])
@@ -213,17 +221,28 @@ class ServerMetrics:
             counter.inc(delta)
         self._last_totals[key] = total
 
-    def forget_lora(self, name: str) -> None:
-        """An unloaded adapter's series go (runtime loads must not grow the series without end)."""
-        try:
-            self._lora_requests.remove(self._model_name, name)
-        except KeyError:
-            pass
+    def serve_lora(self, request) -> None:
+        """An adapter named by the server: the requests of this LoRARequest are counted under its name."""
+        self._lora_served[request.lora_name] = request.lora_int_id
 
-    def observe_finished(self, out: RequestOutput, lora_name: str | None = None) -> None:
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter's series go (runtime loads must not grow the series without end); its
+        requests still running are not counted (they would bring the series back, or count under a
+        name another adapter takes next)."""
+        self._lora_served.pop(name, None)
+        for counter in (self._lora_requests, self._lora_queries, self._lora_hits):
+            try:
+                counter.remove(self._model_name, name)
+            except KeyError:
+                pass
+
+    def observe_finished(self, out: RequestOutput, lora=None) -> None:
         m = out.metrics
+        lora_name = lora.lora_name if lora is not None and self._lora_served.get(lora.lora_name) == lora.lora_int_id else None
         if lora_name is not None:
             self._lora_requests.labels(self._model_name, lora_name).inc()
+            self._lora_queries.labels(self._model_name, lora_name).inc(len(out.prompt_token_ids))
+            self._lora_hits.labels(self._model_name, lora_name).inc(out.num_cached_tokens)
         arrival = m["arrival_time"]
         if "first_scheduled_time" in m:
             self.queue_time.observe(m["first_scheduled_time"] - arrival)

@@ -98,7 +98,7 @@ class StreamOptions(BaseModel):
 # vLLM's request extensions this server does not implement, with the value that means "off": any other
 # value would change the answer, so it is a 400 naming the field (other unknown fields are ignored)
 VLLM_UNIMPLEMENTED = {"min_tokens": 0, "allowed_token_ids": None, "bad_words": None,
-                      "logits_processors": None, "truncate_prompt_tokens": None, "skip_special_tokens": True,
+                      "logits_processors": None, "skip_special_tokens": True,
                       "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False, "prompt_embeds": None,
                       "chat_template_kwargs": None, "documents": None, "mm_processor_kwargs": None,
                       "vllm_xargs": None, "thinking_token_budget": None, "priority": 0}  # fmt: skip
@@ -148,6 +148,7 @@ class _SamplingFields(UnicodeBody):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: Count | None = None  # vLLM's extension: each prompt token's logprob and the top N
+    truncate_prompt_tokens: Count | None = None  # vLLM's extension: only the prompt's last N tokens (-1: max_model_len's worth)
     # structured outputs (server/structured_fields.py): OpenAI's response_format, or vLLM's structured_outputs or guided_*
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -417,6 +418,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: FlagOn = True
     continue_final_message: Flag = False
     echo: Flag = False
+    # kvserve's extension (the Responses API's field): "auto" drops the conversation's oldest messages at fixed points
+    # (server/truncation.py) until it fits, so the kept prefix stays cached across turns
+    truncation: Literal["disabled", "auto"] | None = None
     # OpenAI fields that would change the answer and that this server does not implement: a 400 naming the
     # field when set, never ignored (the client would believe it got what it asked for)
     tools: list | None = None  # server/tool_calls.py
@@ -434,6 +438,11 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _one_ending(self):
         check_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
+        if self.truncation == "auto" and (self.continue_final_message or not self.add_generation_prompt):
+            raise FieldError("truncation", "truncation: auto renders the conversation for a new answer: it needs add_generation_prompt "
+                             "and no continue_final_message")  # fmt: skip
+        if self.truncation == "auto" and self.truncate_prompt_tokens is not None:
+            raise FieldError("truncation", "send one of truncation: auto and truncate_prompt_tokens")
         return self
 
     @field_validator("functions")

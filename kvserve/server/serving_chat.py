@@ -36,9 +36,14 @@ class ServingChat:
         serving.check_choices(1, body.n)
         tools, tool_choice = serving.request_tools(body)
         calling = tool_choice.mode != "none"
-        ids = await serving.render_messages(body.messages, body.chat_template, body.add_generation_prompt,
-                                            tools=tools if calling else None,
-                                            continue_final_message=body.continue_final_message)  # fmt: skip
+        if body.truncation == "auto":
+            ids = await serving.render_truncated(body.messages, body.chat_template, body.max_completion_tokens or body.max_tokens,
+                                                 tools if calling else None)  # fmt: skip
+        else:
+            ids = await serving.render_messages(body.messages, body.chat_template, body.add_generation_prompt,
+                                                tools=tools if calling else None,
+                                                continue_final_message=body.continue_final_message)  # fmt: skip
+        ids = serving.truncate_prompt(ids, body.truncate_prompt_tokens)
         serving.validate_prompt(ids, "messages")
         # vLLM's echo: the last message's text before the new text when it is the assistant's (the one continued)
         echoed = body.messages[-1].text() if body.echo and body.messages[-1].role == "assistant" else ""

@@ -60,7 +60,7 @@ class ServingCompletions:
         serving.check_choices(num_prompts, body.n)
         if body.echo and serving.tokenizer is None:
             raise APIError(400, "echo needs a tokenizer to write the prompt's text; " + NO_TOKENIZER.split(": ", 1)[0], "echo")
-        prompts = await self._tokenize_prompts(body.prompt)
+        prompts = await self._tokenize_prompts(body.prompt, body.truncate_prompt_tokens)
         # echo with max_tokens 0 scores the prompt and generates nothing (vLLM's behaviour): one token is drawn and dropped
         score_only = body.echo and body.max_tokens == 0
         max_tokens = 1 if score_only else body.max_tokens if body.max_tokens is not None else 16
@@ -132,7 +132,7 @@ class ServingCompletions:
 
         return await serving.answer(answer)
 
-    async def _tokenize_prompts(self, prompt) -> list[list[int]]:
+    async def _tokenize_prompts(self, prompt, keep: int | None = None) -> list[list[int]]:
         prompts = prompt_list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "prompt must not be empty", "prompt")
@@ -145,9 +145,10 @@ class ServingCompletions:
             tokenizer = self.serving.tokenizer
             encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
             prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        prompts = [self.serving.truncate_prompt(list(ids), keep) for ids in prompts]
         for ids in prompts:
             self.serving.validate_prompt(ids, "prompt")
-        return [list(ids) for ids in prompts]
+        return prompts
 
     def _echo_texts(self, prompt, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text as echo writes it: the text sent, or token ids decoded (blocking: run in a thread)."""

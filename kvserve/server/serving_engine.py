@@ -24,7 +24,7 @@ from kvserve.engine.beam import BeamSearchParams
 from kvserve.engine.beam_search import check_fits
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import TokenLogprobs
-from kvserve.model.chat_template import DEFAULT_MAX_CHARS, ChatTemplateError
+from kvserve.model.chat_template import CONTINUE_MARK, DEFAULT_MAX_CHARS, ChatTemplateError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.lora.request import LoRARequest
@@ -44,6 +44,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import Migrator
 from kvserve.server.protocol import ChatCompletionRequest, StreamOptions, TokenizeRequest
 from kvserve.server.templates import TemplateRenderer
+from kvserve.server.truncation import DoesNotFit, fit_conversation
 from kvserve.server.tool_calls import MAX_TOOLS_CHARS, Tool, ToolChoice, parse_tool_choice, parse_tools, template_takes_tools
 from kvserve.structured.spec import GrammarError, StructuredOutputs, exceeds_chars
 from kvserve.structured.worker import CompileQueueFull, IsolatedGrammarCompiler
@@ -55,7 +56,7 @@ _MIN_PERSIST_S = 5.0  # the drain's last step may take this long past --shutdown
 
 _SPLICE = "\x00kvserve-splice\x00"
 _SPLICED = json.dumps(_SPLICE)
-_CONTINUE_MARK = "\U0010fffd"  # a private-use character: where continue_final_message's message ends in the rendered text
+
 
 # a stream's chunk of one choice: (choice index, its output, its new text, its new tokens' logprobs) -> the chunk, or None
 ChunkMaker = Callable[[int, RequestOutput, str, list[TokenLogprobs]], dict | None]
@@ -128,7 +129,8 @@ class OpenAIServing:
         self.grammar_compiler = None if engine.grammars is None else IsolatedGrammarCompiler(
             engine.grammars, config.grammar_compile_timeout, config.grammar_compile_workers, config.grammar_compile_memory_mb << 20)
         self._unknown_fields: set[str] = set()
-        self.lora_modules = LoRAModules(engine, (self.model_name, engine.config.model), self.metrics.forget_lora)
+        self.lora_modules = LoRAModules(engine, (self.model_name, engine.config.model), self.metrics.forget_lora,
+                                        self.async_engine.call, self.metrics.serve_lora)
         if (config.lora_modules or config.allow_runtime_lora_updating) and engine.lora is None:
             raise ValueError(f"--{'lora-modules' if config.lora_modules else 'allow-runtime-lora-updating'} needs --enable-lora")
         if config.allow_runtime_lora_updating and config.api_key is None and not is_loopback(config.host):
@@ -207,14 +209,14 @@ class OpenAIServing:
         if continue_final_message:  # the text ends where the last message's does (a mark placed after it), its end of turn cut
             if not messages[-1]["content"].strip():
                 raise APIError(400, "continue_final_message continues the last message's text: it is empty", "continue_final_message")
-            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}]
         text = self.renderer.render(template, messages, self.tokenizer.special_tokens, DEFAULT_MAX_CHARS, add_generation_prompt, tools)
         if continue_final_message:
-            if text.count(_CONTINUE_MARK) != 1:
+            if text.count(CONTINUE_MARK) != 1:
                 raise APIError(400, "continue_final_message: the last message's text must appear once in the rendered conversation "
-                               f"(this chat template {'drops' if _CONTINUE_MARK not in text else 'repeats'} it, or it holds U+10FFFD)",
+                               f"(this chat template {'drops' if CONTINUE_MARK not in text else 'repeats'} it, or it holds U+10FFFD)",
                                "continue_final_message")  # fmt: skip
-            text = text[: text.index(_CONTINUE_MARK)]
+            text = text[: text.index(CONTINUE_MARK)]
         self.check_text_length(len(text), "messages")
         # the template already carries BOS where the model wants it
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -344,8 +346,6 @@ class OpenAIServing:
     def submit(self, request: Request, groups: list[PromptGroup], cache_salt: str | None, stream: bool, imported=None,
                lora_request: LoRARequest | None = None) -> Submission:  # fmt: skip
         arrival = request.scope.get("state", {}).get("arrival", time.monotonic())
-        if lora_request is not None and any(g.beam is not None for g in groups):
-            raise APIError(400, "use_beam_search is not supported with a LoRA adapter by this server", "use_beam_search")
         try:
             return self.async_engine.submit(request_id_of(request), groups, cache_salt, stream, self.config.request_timeout,
                                             time.monotonic() - arrival, imported, lora_request)  # fmt: skip
@@ -444,6 +444,38 @@ class OpenAIServing:
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": sum(outs[(g, 0)].num_cached_tokens for g in range(len(groups)) if (g, 0) in outs)},
         }
+
+    def token_count(self, text: str) -> int:
+        """Tokens of a text alone (blocking: call it off the event loop)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as leave one to generate)."""
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep == -1:
+            keep = limit - 1
+        if not 1 <= keep <= limit:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len={limit}], got {keep}", "truncate_prompt_tokens")
+        return ids[-keep:]
+
+    async def render_truncated(self, messages: list, requested_template: str | None, max_tokens: int | None, tools=None) -> list[int]:
+        """Chat's `truncation: "auto"` (kvserve's extension, truncation.py): the conversation's oldest
+        items dropped at fixed points until it and max_tokens fit max_model_len."""
+        limit = self.engine.max_model_len
+        quantum = max(limit // 4, 1)
+        reserve = max_tokens if max_tokens is not None else quantum
+        budget = limit - min(reserve, limit - 1)
+
+        async def render(chosen: list) -> list[int]:
+            return await self.render_messages(chosen, requested_template, True, tools=tools)
+
+        try:
+            ids, _ = await fit_conversation(render, messages, 0, budget, quantum, self.token_count)
+        except DoesNotFit as exc:
+            raise APIError(400, f"{exc} (max_model_len={limit})", "messages") from None
+        return ids
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

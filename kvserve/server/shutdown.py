@@ -106,6 +106,6 @@ def serve(server, app, uvicorn_log_level: str) -> int:
     # a machine-readable line: scripts wait for it, then poll /health
     print(f"kvserve: serving {server.model_name} on http://{config.host}:{port} "
           f"(dtype {engine.config.dtype}, weights {engine.weights_description()}, KV cache {engine.kv_spec.kv_dtype}{', keys centered' if engine.config.centers_keys else ''}{', Hadamard-rotated' if engine.rotates_kv else ''}, "
-          f"{engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len}{engine.tiers_description()})", flush=True)
+          f"{engine.kv.num_blocks} KV blocks, max_model_len {engine.max_model_len}{engine.tiers_description()}{engine.lora_description()})", flush=True)
     uv_server.run(sockets=[sock])
     return 0

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ REMOTE_BATCH = 64  # records per pipelined read from the shared tier
 # prefix loaded so far and recomputes the rest, instead of waiting behind a slow medium
 PATIENCE = 3.0
 MIN_PATIENCE_S = 0.05
+MAX_ADAPTER_KEYS = 1 << 18  # records remembered per LoRA adapter, to drop when it is unloaded
 MAX_PENDING_BYTES = 256 << 20  # copied out, not yet stored: past this an evicted block is dropped, a computed one waits
 
 
@@ -116,6 +118,7 @@ class KVOffloader:
         self.dropped_blocks = 0  # evicted while the worker was MAX_PENDING_BYTES behind
         self.waits_for_writer = 0  # computed blocks that waited for the worker to fall below MAX_PENDING_BYTES
         self.loads_cut = 0  # loads past their patience: their requests took a partial hit
+        self._adapter_keys: dict[str, OrderedDict[str, None]] = {}  # LoRA identity -> keys of its records sent down
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tiers", initializer=_yield_to_the_step_loop)
@@ -131,12 +134,16 @@ class KVOffloader:
         return self.policy == "write_through" or self.writes_remote
 
     # ------------------------------------------------------------------ down
-    def offload(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int], published: bool = False) -> None:
+    def offload(self, block_id: int, block_hash: int, group: int, token_ids: Sequence[int], published: bool = False,
+                adapter: str | None = None) -> None:
         """Copy a cached block out of the pool now (its memory may be reused right after) and store it
         off the step loop. `published`: it was just computed (write-through and the shared tier),
         otherwise it is being evicted (write-back to the local tiers). A block a local tier already
-        holds is not stored there again; the worker asks the shared tier before sending it."""
+        holds is not stored there again; the worker asks the shared tier before sending it.
+        `adapter`: the LoRA adapter it was computed under (drop_adapter removes its records)."""
         key = record_key(block_hash, group)
+        if adapter is not None:
+            self._note_adapter_key(adapter, key)
         targets: list[BlockStore] = []
         if published == (self.policy == "write_through"):
             if not published:
@@ -204,6 +211,26 @@ class KVOffloader:
         for store in self.local[first:]:
             if store.contains(key) or self._store(store, key, data):
                 return
+
+    def _note_adapter_key(self, adapter: str, key: str) -> None:
+        with self._lock:
+            keys = self._adapter_keys.setdefault(adapter, OrderedDict())
+            keys[key] = None
+            keys.move_to_end(key)
+            if len(keys) > MAX_ADAPTER_KEYS:  # the oldest records are the ones the tiers dropped first
+                keys.popitem(last=False)
+
+    def drop_adapter(self, adapter: str) -> None:
+        """An unloaded LoRA adapter's records leave the local tiers (after the writes queued before).
+        The shared tier keeps them to its TTL: other replicas may still serve the adapter."""
+        with self._lock:
+            keys = list(self._adapter_keys.pop(adapter, ()))
+        if keys:
+            self._worker.submit(self._delete_local, keys)
+
+    def _delete_local(self, keys: list[str]) -> None:
+        for store in self.local:
+            store.delete_many(keys)
 
     # ------------------------------------------------------------------ shutdown
     def persist(self, cached: Sequence[tuple[int, int, int, Sequence[int]]], timeout: float) -> int:

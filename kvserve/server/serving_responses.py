@@ -1,0 +1,233 @@
+"""OpenAI's Responses API: POST /v1/responses (streamed with typed events, or not), GET and DELETE
+/v1/responses/{id}, POST /v1/responses/{id}/cancel.
+
+A response continues a stored one with previous_response_id: the conversation so far (kept in the
+store as chat messages) plus the new input items, rendered by the chat template after this turn's
+instructions (as OpenAI's, instructions are not carried over). A stored turn's blocks stay pinned
+in the KV pool for the follow-up (kv/conversation_pins.py), which then computes only its new turn.
+`truncation: "auto"` drops whole items from the conversation's start at fixed points (truncation.py)
+so the kept prefix stays cached across turns."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import reprlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvserve.server.async_engine import PromptGroup, RequestAborted, Submission
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import FieldError
+from kvserve.server.responses_output import OutputBuilder
+from kvserve.server.responses_protocol import ResponsesRequest, input_messages
+from kvserve.server.responses_store import MemoryResponseStore, RedisResponseStore, StoredResponse, new_response_id, owner_of
+from kvserve.server.serving_engine import OpenAIServing, SubmissionStream
+from kvserve.server.tool_calls import call_grammar
+from kvserve.server.truncation import DoesNotFit, Truncation, fit_conversation
+from kvserve.structured.spec import GrammarError
+
+MAX_RUNNING_TRACKED = 4096
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"no response {reprlib.repr(response_id)} is stored here (or it is another key's or cache_salt's)",
+                    "response_id", "not_found_error", "response_not_found")  # fmt: skip
+
+
+class ServingResponses:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        config, engine = serving.config, serving.engine.config
+        if engine.kv_remote_url is not None:
+            self.store = RedisResponseStore(engine.kv_remote_url, engine.kv_remote_ttl, config.responses_store_max_mib << 20,
+                                            ca_file=engine.kv_remote_ca_file)  # fmt: skip
+        else:
+            self.store = MemoryResponseStore(config.responses_store_max, config.responses_store_max_mib << 20)
+        self._running: dict[str, tuple[str, Submission]] = {}  # response id -> (owner, its submission): what cancel finds
+
+    def owner(self, cache_salt: str | None) -> str:
+        return owner_of(self.serving.config.api_key, cache_salt)
+
+    # ------------------------------------------------------------------ create
+    async def create(self, body: ResponsesRequest, request: Request):
+        serving = self.serving
+        lora = serving.check_model(body.model)
+        model_name = lora.lora_name if lora is not None else serving.model_name
+        serving.note_unknown_fields(body)
+        owner = self.owner(body.cache_salt)
+        history: list[dict] = []
+        previous_cut = 0
+        if body.previous_response_id is not None:
+            previous = await asyncio.to_thread(self.store.get, body.previous_response_id, owner)
+            if previous is None:
+                raise _not_found(body.previous_response_id)
+            history, previous_cut = previous.history, previous.truncated_items
+        try:
+            conversation = history + input_messages(body.input)
+            head = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+            chat = body.chat_request(head + conversation)
+        except FieldError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        tools, tool_choice = serving.request_tools(chat)
+        calling = tool_choice.mode != "none"
+        ids, truncation = await self._render(chat, len(head), body, tools if calling else None, previous_cut)
+        serving.validate_prompt(ids, "input")
+        max_tokens = serving.max_tokens(body.max_output_tokens, len(ids), "max_output_tokens")
+        params = [serving.sampling_params(chat, max_tokens, None, 0)]
+        if calling:
+            try:
+                spec = await asyncio.to_thread(call_grammar, tools, tool_choice, chat.parallel_tool_calls is not False)
+            except GrammarError as exc:
+                raise APIError(400, f"tools: {exc}", "tools") from None
+            await serving.compile_grammar(spec, "tools", request)
+            if tool_choice.mode == "required":
+                params = [dataclasses.replace(params[0], structured_outputs=spec)]
+        if tool_choice.mode != "required":
+            await serving.compile_grammar(params[0].structured_outputs, "text", request)
+        sub = serving.submit(request, [PromptGroup(ids, params, keep_kv=body.store)], body.cache_salt, body.stream, lora_request=lora)
+        response_id = new_response_id()
+        if len(self._running) < MAX_RUNNING_TRACKED:
+            self._running[response_id] = (owner, sub)
+        shell = self._shell(response_id, body, model_name, chat, tools if calling else [], tool_choice.mode)
+        builder = OutputBuilder([t.name for t in tools] if calling else None)
+
+        async def finish(out, status: str = "completed") -> dict:
+            response = self._finished(shell, builder, out, len(ids), truncation, status)
+            if body.store:
+                stored = StoredResponse(response_id, owner, response, conversation + [builder.assistant_message()], body.cache_salt,
+                                        truncation.dropped_items)  # fmt: skip
+                await asyncio.to_thread(self.store.put, stored)
+            return response
+
+        if body.stream:
+            return SubmissionStream(self._events(sub, shell, builder, finish, response_id), sub)
+        try:
+            outs = await serving.collect(sub, request)
+        finally:
+            self._running.pop(response_id, None)
+        out = outs[(0, 0)]
+        builder.feed(out.text, last=True)
+        return JSONResponse(await finish(out))
+
+    async def _render(self, chat, fixed: int, body: ResponsesRequest, tools, previous_cut: int) -> tuple[list[int], Truncation]:
+        """The prompt's tokens, truncated when asked (truncation.py; the previous turn's cut kept while
+        it fits, so the turns between two cuts share their whole prefix); a 400 naming the lengths when
+        it cannot fit."""
+        serving = self.serving
+        limit = serving.engine.max_model_len
+        quantum = max(limit // 4, 1)
+        reserve = body.max_output_tokens if body.max_output_tokens is not None else (quantum if body.truncation == "auto" else 1)
+        budget = limit - min(reserve, limit - 1)
+
+        async def render(messages: list) -> list[int]:
+            return await serving.render_messages(messages, None, True, tools=tools)
+
+        if body.truncation != "auto":
+            ids = await render(chat.messages)
+            if len(ids) > budget:
+                raise APIError(400, f"the conversation is {len(ids)} tokens and max_output_tokens {reserve}: more than max_model_len="
+                               f"{limit}; send truncation: \"auto\" to drop its oldest items", "input")  # fmt: skip
+            return ids, Truncation()
+        try:
+            return await fit_conversation(render, chat.messages, fixed, budget, quantum, serving.token_count, previous_cut)
+        except DoesNotFit as exc:
+            raise APIError(400, f"{exc} (max_model_len={limit}, max_output_tokens {reserve})", "input") from None
+
+    # ------------------------------------------------------------------ the response object
+    def _shell(self, response_id: str, body: ResponsesRequest, model: str, chat, tools: list, choice_mode: str) -> dict:
+        text_format = (body.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress", "error": None,
+            "incomplete_details": None, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
+            "output": [], "parallel_tool_calls": chat.parallel_tool_calls is not False, "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": body.store, "temperature": chat.temperature, "text": {"format": text_format},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"),
+            "tools": body.tools or [], "top_p": chat.top_p, "truncation": body.truncation or "disabled", "usage": None,
+            "metadata": body.metadata or {}, "user": body.user,
+        }  # fmt: skip
+
+    @staticmethod
+    def _finished(shell: dict, builder: OutputBuilder, out, prompt_tokens: int, truncation: Truncation, status: str) -> dict:
+        incomplete = out.finish_reason == "length" and status == "completed"
+        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                 "output_tokens": out.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": prompt_tokens + out.num_output_tokens}  # fmt: skip
+        if truncation.dropped_items:
+            usage["truncation"] = {"dropped_items": truncation.dropped_items, "dropped_tokens_estimate": truncation.dropped_tokens}
+        return {**shell, "status": "incomplete" if incomplete else status, "output": list(builder.items), "usage": usage,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output_text": builder.output_text()}  # fmt: skip
+
+    # ------------------------------------------------------------------ streaming
+    async def _events(self, sub: Submission, shell: dict, builder: OutputBuilder, finish, response_id: str) -> AsyncIterator[str]:
+        number = 0
+
+        def event(kind: str, **fields) -> str:
+            nonlocal number
+            number += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **fields})}\n\n"
+
+        yield event("response.created", response=shell)
+        yield event("response.in_progress", response=shell)
+        final = None
+        try:
+            async for _, _, out in sub.outputs():
+                for kind, fields in builder.feed(out.text, last=out.finished):
+                    yield event(kind, **fields)
+                if out.finished:
+                    final = out
+        except RequestAborted as exc:
+            status = "cancelled" if exc.reason == "cancelled" else "failed"
+            error = {"code": exc.reason, "message": exc.message}
+            yield event("response.failed", response={**shell, "status": status, "error": error, "output": builder.items})
+            return
+        finally:
+            self._running.pop(response_id, None)
+        # response.completed even when the status is incomplete (max_output_tokens): what the openai client's stream waits for, as vLLM
+        yield event("response.completed", response=await finish(final))
+
+    # ------------------------------------------------------------------ the others
+    async def retrieve(self, response_id: str, cache_salt: str | None) -> dict:
+        stored = await asyncio.to_thread(self.store.get, response_id, self.owner(cache_salt))
+        if stored is None:
+            raise _not_found(response_id)
+        return stored.response
+
+    async def delete(self, response_id: str, cache_salt: str | None) -> dict:
+        if not await asyncio.to_thread(self.store.delete, response_id, self.owner(cache_salt)):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel(self, response_id: str, cache_salt: str | None) -> dict:
+        running = self._running.get(response_id)
+        if running is None or running[0] != self.owner(cache_salt):
+            if await asyncio.to_thread(self.store.get, response_id, self.owner(cache_salt)) is not None:
+                raise APIError(400, f"response {reprlib.repr(response_id)} has finished: only a response in progress can be cancelled",
+                               "response_id")  # fmt: skip
+            raise _not_found(response_id)
+        running[1].fail(RequestAborted("cancelled", "the response was cancelled", 499))
+        return {"id": response_id, "object": "response", "status": "cancelled"}
+
+
+def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    endpoint = ServingResponses(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await endpoint.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, cache_salt: str | None = None):
+        return await endpoint.retrieve(response_id, cache_salt)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, cache_salt: str | None = None):
+        return await endpoint.delete(response_id, cache_salt)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, cache_salt: str | None = None):
+        return await endpoint.cancel(response_id, cache_salt)
