@@ -27,6 +27,12 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed
     beams: Any = None  # beam search: a BeamSearchOutput, its finished beams best first (the fields above are the best one's)
 
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM's shape, `out.outputs[0].text`: this sample (its text, token_ids, logprobs, finish_reason
+        are vLLM's CompletionOutput's). kvserve returns each of n samples as its own output, in a row."""
+        return [self]
+
 
 def request_output(seq: Sequence) -> RequestOutput:
     """What the engine hands back for seq now: a stream's output holds what is new since its

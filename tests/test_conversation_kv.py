@@ -25,12 +25,13 @@ def test_pins_keep_to_their_share_and_their_ttl():
     now = [0.0]
     pins = ConversationPins(20, ConversationKVConfig(share=0.5, ttl_s=10), pool.free, clock=lambda: now[0])
     a, b, c = pool.allocate(4), pool.allocate(4), pool.allocate(4)
-    assert pins.pin(a, pool.touch) and pins.pin(b, pool.touch) and pins.num_blocks == 8
-    assert pins.pin(c, pool.touch)  # 12 > 10: the oldest (a) goes
+    assert pins.pin("a", a, pool.touch) and pins.pin("b", b, pool.touch) and pins.num_blocks == 8
+    assert pins.pin("c", c, pool.touch)  # 12 > 10: the oldest (a) goes
     assert pins.num_blocks == 8 and all(blk.ref_count == 1 for blk in a) and all(blk.ref_count == 2 for blk in c)
-    assert not pins.pin(pool.allocate(11), pool.touch)  # more than the share alone: not pinned
+    assert not pins.pin("d", pool.allocate(11), pool.touch)  # more than the share alone: not pinned
+    assert pins.release("b") and not pins.release("b") and all(blk.ref_count == 1 for blk in b)
     now[0] = 10.0
-    assert pins.expire() == 2 and pins.num_blocks == 0 and all(blk.ref_count == 1 for blk in b + c)
+    assert pins.expire() == 1 and pins.num_blocks == 0 and all(blk.ref_count == 1 for blk in b + c)
     with pytest.raises(ValueError):
         ConversationKVConfig(share=1.5)
     with pytest.raises(ValueError):

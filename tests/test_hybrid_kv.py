@@ -141,3 +141,46 @@ def test_hybrid_holds_the_window_where_full_allocation_holds_everything(tiny_dir
     window_blocks = math.ceil(n / 4) - (n - 8 + 1) // 4  # blocks holding positions n - 7 .. n - 1
     assert window_blocks <= math.ceil(8 / 4) + 1
     assert hybrid_blocks == math.ceil(n / 4) + 2 * window_blocks  # the full group, and two sliding groups
+
+
+def _repeat_hits(path: str, memory_gib: float, hybrid: bool, prompts, others, **settings) -> tuple[list[int], list[int]]:
+    """The prompts, other traffic of the same size, the prompts again: their cached tokens, and the tokens they gave."""
+    llm = LLM(path, kv_cache_memory=memory_gib, disable_hybrid_kv_cache_manager=not hybrid, **settings)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    for p in others:
+        llm.generate([p], params, use_tqdm=False)
+    again = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.token_ids for o in again] == first
+    return [o.num_cached_tokens for o in again]
+
+
+@pytest.mark.parametrize("memory_gib", [0.0069, 0.0045])
+def test_window_groups_keep_the_prefix_caches_hits(tiny_dir, memory_gib):
+    """Window groups hold a sliding layer's window only, yet the same prompts after as much other
+    traffic find as much cached as with every layer holding every block (the same bytes): the
+    blocks a window leaves behind go first, the window before the prompt's last block stays."""
+    path = str(tiny_dir("gemma3-w4"))
+    prompts, others = random_prompts(6, 150, 200, seed=1), random_prompts(6, 150, 200, seed=2)
+    grouped = _repeat_hits(path, memory_gib, True, prompts, others, dtype="float32")
+    every_layer = _repeat_hits(path, memory_gib, False, prompts, others, dtype="float32")
+    whole = [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert grouped == whole  # fits: the groups' blocks of 12 prompts take less than every layer's
+    assert all(g >= e for g, e in zip(grouped, every_layer))
+
+
+def test_window_groups_keep_gemma3s_hits():
+    """Gemma 3 270M (windows of 512 of its 18 layers but 3): 4 prompts of 700 tokens, 4 others,
+    the 4 again, in a pool of 12 such prompts' K/V with every layer holding every block."""
+    from kvserve.model.registry import resolve_model_path
+
+    words = open("/usr/share/common-licenses/GPL-3").read().split()
+    llm = LLM("gemma-3-270m", kv_cache_memory=0.01)
+    token_ids = llm.tokenizer.encode(" ".join(words[:5000]))
+    del llm
+    prompts = [token_ids[i * 700 : (i + 1) * 700] for i in range(4)]
+    others = [token_ids[(4 + i) * 700 : (5 + i) * 700] for i in range(4)]
+    memory = 0.17 * 8 / 12  # GiB: 8 prompts of 700 tokens of every layer's K/V is 0.17 GiB
+    grouped = _repeat_hits(str(resolve_model_path("gemma-3-270m")), memory, True, prompts, others)
+    every_layer = _repeat_hits(str(resolve_model_path("gemma-3-270m")), memory, False, prompts, others)
+    assert grouped == [688] * 4 and all(g >= e for g, e in zip(grouped, every_layer))

@@ -117,8 +117,11 @@ def test_retrieve_and_delete_are_scoped_to_the_key_and_the_cache_salt(client, se
     with pytest.raises(openai.NotFoundError):  # a follow-up under another salt cannot continue it
         client.responses.create(input="More", previous_response_id=made.id, **GREEDY)
     assert httpx.get(f"{server}/v1/responses/{made.id}", params={"cache_salt": "tenant-a"}).status_code == 401
+    pinned = lambda: httpx.get(f"{server}/v1/kv/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()["conversations"]  # noqa: E731
+    before = pinned()
     deleted = httpx.delete(f"{server}/v1/responses/{made.id}", params={"cache_salt": "tenant-a"}, headers={"Authorization": f"Bearer {KEY}"})
     assert deleted.json() == {"id": made.id, "object": "response", "deleted": True}
+    assert pinned()["pinned"] == before["pinned"] - 1  # nothing continues it: its blocks are let go
     assert httpx.get(f"{server}/v1/responses/{made.id}", params={"cache_salt": "tenant-a"},
                      headers={"Authorization": f"Bearer {KEY}"}).status_code == 404  # fmt: skip
 
@@ -143,7 +146,11 @@ def test_a_running_stream_is_cancelled(client, server):
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert events[-1].type == "response.failed" and events[-1].response.status == "cancelled"
     again = httpx.post(f"{server}/v1/responses/{response_id}/cancel", headers={"Authorization": f"Bearer {KEY}"})
-    assert again.status_code == 404
+    assert again.status_code == 400 and "has finished" in again.json()["error"]["message"]
+    kept = client.responses.retrieve(response_id)  # kept as cancelled, as OpenAI keeps it
+    assert kept.status == "cancelled" and kept.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    with pytest.raises(openai.BadRequestError, match="function_call_output"):  # unrelated, cheap here: an output answering no call
+        client.responses.create(input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}], **GREEDY)
 
 
 @pytest.mark.parametrize("body,field", [

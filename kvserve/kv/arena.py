@@ -201,6 +201,9 @@ class _Side:
     def usage(self) -> float:
         return self.arena.units_held / self.arena.num_units
 
+    def reuse_first(self, block: KVBlock) -> None:
+        """The arena keeps its own order (chunks of full-precision units): nothing to move."""
+
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; one nothing holds any more gives its bytes back."""
         for block in blocks:

@@ -1,9 +1,11 @@
-"""Physical KV blocks with reference counts and an LRU free queue.
+"""Physical KV blocks with reference counts and free queues.
 
-A block whose ref count drops to zero goes to the tail of the free queue; allocation takes from
-the head, so the least recently freed block is reused first. A block the prefix cache published
-keeps its hash while free, so a later lookup can revive it (O(1) removal from the queue); when
-allocation reuses such a block the cache is told it was evicted.
+A block whose ref count drops to zero is free. Allocation takes, in this order: blocks that hold
+nothing reusable (never used, or unpublished); cached blocks marked to go first (reuse_first: a
+sliding window's blocks behind its window, an unloaded adapter's); then cached blocks, least
+recently freed first (an LRU queue). A block the prefix cache published keeps its hash while free,
+so a later lookup can revive it (O(1) removal from its queue); when allocation reuses such a block
+the cache is told it was evicted.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._plain: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)  # nothing to reuse
+        self._early: OrderedDict[int, KVBlock] = OrderedDict()  # cached, evicted before the LRU queue
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()  # cached, least recently freed first
         self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
         self.num_evictions = 0
         self._used: dict[int, int] = {}  # group -> blocks some request holds
@@ -46,7 +50,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, cached ones included (they are evicted when taken)."""
-        return len(self._free)
+        return len(self._plain) + len(self._early) + len(self._free)
 
     @property
     def usage(self) -> float:
@@ -56,11 +60,11 @@ class BlockPool:
         return self._used.get(group, 0)
 
     def allocate(self, count: int, group: int = 0) -> list[KVBlock]:
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            _, block = self._free.popitem(last=False)
+            _, block = (self._plain or self._early or self._free).popitem(last=False)
             if block.block_hash is not None:
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -75,14 +79,18 @@ class BlockPool:
     def touch(self, block: KVBlock) -> None:
         """Take one more reference to a block (a shared prefix); revive it if it was free."""
         if block.ref_count == 0:
-            self._free.pop(block.block_id)
+            self._queue_of(block).pop(block.block_id)
             self._used[block.group] = self._used.get(block.group, 0) + 1
         block.ref_count += 1
 
+    def _queue_of(self, block: KVBlock) -> OrderedDict[int, KVBlock]:
+        return next(q for q in (self._free, self._early, self._plain) if block.block_id in q)
+
     def reuse_first(self, block: KVBlock) -> None:
-        """A free block nothing can hit any more goes to the head of the free queue."""
+        """A free block few hits (or none: it was forgotten) can use is reused before the LRU queue's."""
         if block.ref_count == 0:
-            self._free.move_to_end(block.block_id, last=False)
+            self._queue_of(block).pop(block.block_id)
+            (self._early if block.block_hash is not None else self._plain)[block.block_id] = block
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; callers pass tail blocks first so they are evicted first."""
@@ -91,7 +99,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed more often than taken")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = block
+                (self._free if block.block_hash is not None else self._plain)[block.block_id] = block
                 self._used[block.group] -= 1
 
 

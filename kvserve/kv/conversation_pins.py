@@ -12,7 +12,6 @@ released, oldest first, before anything is preempted or refused (KVCacheManager 
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import OrderedDict
@@ -47,9 +46,8 @@ class ConversationPins:
         self.ttl_s = config.ttl_s
         self._release = release  # drops one reference from each block, in order (KVCacheManager._release)
         self._clock = clock
-        self._pins: OrderedDict[int, _Pin] = OrderedDict()  # oldest first
+        self._pins: OrderedDict[str, _Pin] = OrderedDict()  # the request that computed it -> its pin, oldest first
         self._counts: dict[int, int] = {}  # block id -> pins holding it
-        self._ids = itertools.count()
         self.num_pinned_total = 0  # conversations pinned
         self.num_released_early = 0  # pins released before their TTL: past the share, or for room
 
@@ -65,11 +63,12 @@ class ConversationPins:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, blocks: list[KVBlock], take: Callable[[KVBlock], None]) -> bool:
-        """Pin a finished conversation's cached blocks (`take` adds the reference); older pins go
-        while the share is exceeded. False when this one alone exceeds the share (nothing pinned)."""
+    def pin(self, key: str, blocks: list[KVBlock], take: Callable[[KVBlock], None]) -> bool:
+        """Pin a finished conversation's cached blocks under `key` (the request that computed them;
+        `take` adds the reference); older pins go while the share is exceeded. False when this one
+        alone exceeds the share (nothing pinned)."""
         new = {b.block_id for b in blocks} - self._counts.keys()
-        if not self.enabled or not blocks or len({b.block_id for b in blocks}) > self.max_blocks:
+        if not self.enabled or not blocks or key in self._pins or len({b.block_id for b in blocks}) > self.max_blocks:
             return False
         while self._pins and self.num_blocks + len(new) > self.max_blocks:
             self._drop(next(iter(self._pins)))
@@ -78,7 +77,7 @@ class ConversationPins:
         for block in blocks:
             take(block)
             self._counts[block.block_id] = self._counts.get(block.block_id, 0) + 1
-        self._pins[next(self._ids)] = _Pin(self._clock() + self.ttl_s, list(blocks))
+        self._pins[key] = _Pin(self._clock() + self.ttl_s, list(blocks))
         self.num_pinned_total += 1
         return True
 
@@ -101,11 +100,18 @@ class ConversationPins:
         self.num_released_early += 1
         return True
 
+    def release(self, key: str) -> bool:
+        """Release one conversation's pin (its stored response was deleted); False if none."""
+        if key not in self._pins:
+            return False
+        self._drop(key)
+        return True
+
     def release_all(self) -> None:
         while self._pins:
             self._drop(next(iter(self._pins)))
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: str) -> None:
         pin = self._pins.pop(key)
         for block in pin.blocks:
             left = self._counts[block.block_id] - 1

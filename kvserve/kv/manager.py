@@ -109,13 +109,17 @@ class KVCacheManager:
     def _touch(self, block: KVBlock) -> None:
         self._pool_of(block).touch(block)
 
-    def _release(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference from each block, in order, each in its own pool."""
+    def _release(self, blocks: list[KVBlock], evict_first: bool = False) -> None:
+        """Drop one reference from each block, in order, each in its own pool. `evict_first`: those
+        now free go to the head of the free queue (cached still, but reused before any other)."""
         for pool in (self.pool, self.residual_pool):
             if pool is not None:
                 mine = [b for b in blocks if self._pool_of(b) is pool]
                 if mine:
                     pool.free(mine)
+                    if evict_first:
+                        for block in mine:
+                            pool.reuse_first(block)
 
     # ------------------------------------------------------------------ reading
     def block_table(self, request_id: str, group: int = 0) -> list[int | None]:
@@ -157,6 +161,10 @@ class KVCacheManager:
         """Pin stored conversations' blocks between turns (kv/conversation_pins.py); needs the prefix cache."""
         if self.prefix_cache is not None:
             self.pins = ConversationPins(self.pool.num_blocks, config, self._release)
+
+    def release_pin(self, request_id: str) -> bool:
+        """Let go of the blocks a finished request's conversation keeps (its stored response was deleted)."""
+        return self.pins is not None and self.pins.release(request_id)
 
     def expire_pins(self) -> None:
         if self.pins is not None and len(self.pins):
@@ -554,8 +562,11 @@ class KVCacheManager:
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
         return True
 
-    def free_unreachable(self, request_id: str, num_computed: int) -> None:
-        """Free each sliding group's blocks that no query at num_computed or later reads."""
+    def free_unreachable(self, request_id: str, num_computed: int, keep_from: int | None = None) -> None:
+        """Free each sliding group's blocks that no query at num_computed or later reads. They stay
+        cached, but only a hit ending within them reads them again, so they are reused before the LRU
+        queue's blocks (a whole cached prompt's), except the window before position `keep_from` (the
+        prompt's last whole block: where a repeat of the prompt hits)."""
         tables = self._tables.get(request_id)
         if tables is None:
             return
@@ -565,13 +576,16 @@ class KVCacheManager:
                 continue
             first = min(group.first_block(num_computed, self.block_size), len(tables[g]))
             table = tables[g]
-            gone = [b for b in table[:first] if b is not None]
-            if not gone:
+            kept = min(group.first_block(keep_from, self.block_size), first) if keep_from is not None else first
+            early = [b for b in table[:kept] if b is not None]
+            late = [b for b in table[kept:first] if b is not None]
+            if not early and not late:
                 continue
             for i in range(first):
                 table[i] = None
             self._ids[g][row, :first] = 0
-            self._release(list(reversed(gone)))
+            self._release(list(reversed(early)), evict_first=True)
+            self._release(list(reversed(late)))
 
     def truncate(self, request_id: str, num_computed: int) -> None:
         """Drop the request's slots from position num_computed on (a KVzip probe's), releasing the
@@ -645,7 +659,7 @@ class KVCacheManager:
         if pin and publish and self.pins is not None:
             width = max(len(t) for t in tables)
             cached = [t[i] for i in range(width) for t in tables if i < len(t) and t[i] is not None and t[i].block_hash is not None]
-            self.pins.pin(cached, self._touch)
+            self.pins.pin(request_id, cached, self._touch)
         row = self._rows.pop(request_id)
         for g, table in enumerate(tables):
             held = [b for b in table if b is not None]

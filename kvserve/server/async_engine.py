@@ -128,6 +128,11 @@ class Submission:
     def finished(self) -> bool:
         return not self.unfinished
 
+    @property
+    def closed(self) -> bool:
+        """Its response has ended, however (finished, aborted, client gone)."""
+        return self._closed
+
     def fail(self, error: RequestAborted) -> None:
         """End the request with `error` (on the event loop's thread)."""
         if self.unfinished:

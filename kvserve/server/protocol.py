@@ -275,12 +275,14 @@ class CompletionRequest(_SamplingFields):
     echo: Flag = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
     tools: list | None = None  # chat's: refused here rather than ignored
     tool_choice: StrictStr | dict | None = None
+    truncation: StrictStr | None = None  # chat's and the Responses API's: a prompt is cut with truncate_prompt_tokens
 
-    @field_validator("tools", "tool_choice")
+    @field_validator("tools", "tool_choice", "truncation")
     @classmethod
     def _chat_only(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is taken by /v1/chat/completions, not by completions")
+        if value and not (info.field_name == "truncation" and value == "disabled"):
+            hint = " (a prompt is cut with truncate_prompt_tokens)" if info.field_name == "truncation" else ""
+            raise ValueError(f"{info.field_name} is taken by /v1/chat/completions, not by completions{hint}")
         return value
 
 

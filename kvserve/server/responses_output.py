@@ -84,6 +84,13 @@ class OutputBuilder:
                 ("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]}),
                 ("response.output_item.done", {"output_index": index, "item": item})]  # fmt: skip
 
+    def cut_short(self) -> None:
+        """The generation stopped early (cancelled, failed): the open message keeps its text, status incomplete."""
+        item = self._open
+        if item is not None:
+            self._close()
+            item["status"] = "incomplete"
+
     def assistant_message(self) -> dict:
         """The output as the chat message a follow-up's history holds (content and tool calls)."""
         text = "".join(part["text"] for item in self.items if item["type"] == "message" for part in item["content"])

@@ -225,3 +225,14 @@ def chat_tool_choice(choice: str | dict) -> str | dict:
     if isinstance(choice, dict) and choice.get("type") in ("allowed_tools", "mcp", "custom"):
         raise FieldError("tool_choice", f"tool_choice of type {choice['type']!r} is not supported by this server")
     return choice
+
+
+def check_call_outputs(messages: list[dict]) -> None:
+    """Every function_call_output answers a function_call made before it in the conversation."""
+    calls: set[str] = set()
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            calls.add(call["id"])
+        if message["role"] == "tool" and message.get("tool_call_id") not in calls:
+            raise FieldError("input", f"function_call_output call_id {reprlib.repr(message.get('tool_call_id'))} answers no function_call "
+                             "of this conversation")  # fmt: skip

@@ -40,6 +40,7 @@ class StoredResponse:
     history: list[dict]  # the conversation through this response's output, as chat messages (no instructions)
     cache_salt: str | None = None
     truncated_items: int = 0  # the conversation's leading items this turn dropped (truncation: auto): the next turn keeps the cut
+    engine_request_id: str | None = None  # the engine request whose blocks stay pinned for the next turn
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -24,7 +24,7 @@ from kvserve.server.async_engine import PromptGroup, RequestAborted, Submission
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import FieldError
 from kvserve.server.responses_output import OutputBuilder
-from kvserve.server.responses_protocol import ResponsesRequest, input_messages
+from kvserve.server.responses_protocol import ResponsesRequest, check_call_outputs, input_messages
 from kvserve.server.responses_store import MemoryResponseStore, RedisResponseStore, StoredResponse, new_response_id, owner_of
 from kvserve.server.serving_engine import OpenAIServing, SubmissionStream
 from kvserve.server.tool_calls import call_grammar
@@ -48,7 +48,7 @@ class ServingResponses:
                                             ca_file=engine.kv_remote_ca_file)  # fmt: skip
         else:
             self.store = MemoryResponseStore(config.responses_store_max, config.responses_store_max_mib << 20)
-        self._running: dict[str, tuple[str, Submission]] = {}  # response id -> (owner, its submission): what cancel finds
+        self._running: dict[str, tuple[str, Submission, dict]] = {}  # response id -> (owner, submission, shell): what cancel finds
 
     def owner(self, cache_salt: str | None) -> str:
         return owner_of(self.serving.config.api_key, cache_salt)
@@ -69,6 +69,7 @@ class ServingResponses:
             history, previous_cut = previous.history, previous.truncated_items
         try:
             conversation = history + input_messages(body.input)
+            check_call_outputs(conversation)
             head = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
             chat = body.chat_request(head + conversation)
         except FieldError as exc:
@@ -91,28 +92,43 @@ class ServingResponses:
             await serving.compile_grammar(params[0].structured_outputs, "text", request)
         sub = serving.submit(request, [PromptGroup(ids, params, keep_kv=body.store)], body.cache_salt, body.stream, lora_request=lora)
         response_id = new_response_id()
-        if len(self._running) < MAX_RUNNING_TRACKED:
-            self._running[response_id] = (owner, sub)
-        shell = self._shell(response_id, body, model_name, chat, tools if calling else [], tool_choice.mode)
+        shell = self._shell(response_id, body, model_name, chat, tools if calling else [])
+        self._track(response_id, owner, sub, shell)
         builder = OutputBuilder([t.name for t in tools] if calling else None)
 
-        async def finish(out, status: str = "completed") -> dict:
-            response = self._finished(shell, builder, out, len(ids), truncation, status)
-            if body.store:
-                stored = StoredResponse(response_id, owner, response, conversation + [builder.assistant_message()], body.cache_salt,
-                                        truncation.dropped_items)  # fmt: skip
-                await asyncio.to_thread(self.store.put, stored)
+        async def finish(out) -> dict:
+            response = self._finished(shell, builder, out, len(ids), truncation)
+            await self._keep(body, response, conversation + [builder.assistant_message()], owner, truncation, sub.ids[0][0])
+            return response
+
+        async def cancelled(exc: RequestAborted) -> dict:
+            builder.cut_short()
+            response = {**shell, "status": "cancelled" if exc.reason == "cancelled" else "failed", "output": list(builder.items),
+                        "error": {"code": exc.reason, "message": exc.message}}  # fmt: skip
+            if exc.reason == "cancelled":  # kept, as OpenAI keeps a cancelled response (it is not continued from)
+                await self._keep(body, response, None, owner, truncation, None)
             return response
 
         if body.stream:
-            return SubmissionStream(self._events(sub, shell, builder, finish, response_id), sub)
+            return SubmissionStream(self._events(sub, shell, builder, finish, cancelled, response_id), sub)
         try:
             outs = await serving.collect(sub, request)
+        except RequestAborted as exc:
+            await cancelled(exc)
+            raise
         finally:
             self._running.pop(response_id, None)
         out = outs[(0, 0)]
         builder.feed(out.text, last=True)
         return JSONResponse(await finish(out))
+
+    async def _keep(self, body: ResponsesRequest, response: dict, history: list[dict] | None, owner: str, truncation: Truncation,
+                    engine_request_id: str | None) -> None:  # fmt: skip
+        """Store a response (store: true); `history` None: it cannot be continued (a cancelled one)."""
+        if body.store:
+            stored = StoredResponse(response["id"], owner, response, history if history is not None else [], body.cache_salt,
+                                    truncation.dropped_items, engine_request_id)  # fmt: skip
+            await asyncio.to_thread(self.store.put, stored)
 
     async def _render(self, chat, fixed: int, body: ResponsesRequest, tools, previous_cut: int) -> tuple[list[int], Truncation]:
         """The prompt's tokens, truncated when asked (truncation.py; the previous turn's cut kept while
@@ -127,19 +143,35 @@ class ServingResponses:
         async def render(messages: list) -> list[int]:
             return await serving.render_messages(messages, None, True, tools=tools)
 
+        if reserve >= limit:
+            raise APIError(400, f"max_output_tokens={reserve} leaves no room for the input in max_model_len={limit}", "max_output_tokens")
         if body.truncation != "auto":
             ids = await render(chat.messages)
             if len(ids) > budget:
-                raise APIError(400, f"the conversation is {len(ids)} tokens and max_output_tokens {reserve}: more than max_model_len="
-                               f"{limit}; send truncation: \"auto\" to drop its oldest items", "input")  # fmt: skip
+                hint = "; send truncation: \"auto\" to drop its oldest items" if len(chat.messages) - fixed > 1 else ""
+                raise APIError(400, f"the input is {len(ids)} tokens and max_output_tokens {reserve}: more than max_model_len={limit}"
+                               + hint, "input")  # fmt: skip
             return ids, Truncation()
         try:
             return await fit_conversation(render, chat.messages, fixed, budget, quantum, serving.token_count, previous_cut)
-        except DoesNotFit as exc:
-            raise APIError(400, f"{exc} (max_model_len={limit}, max_output_tokens {reserve})", "input") from None
+        except DoesNotFit:
+            head = await render(chat.messages[:fixed]) if fixed else []
+            if fixed and len(head) + reserve > limit:
+                raise APIError(400, f"instructions are {len(head)} tokens: with max_output_tokens {reserve}, more than max_model_len="
+                               f"{limit}", "instructions") from None  # fmt: skip
+            raise APIError(400, f"the last user turn and what follows it do not fit max_model_len={limit} with max_output_tokens "
+                           f"{reserve}, even with every earlier item dropped", "input") from None  # fmt: skip
 
     # ------------------------------------------------------------------ the response object
-    def _shell(self, response_id: str, body: ResponsesRequest, model: str, chat, tools: list, choice_mode: str) -> dict:
+    def _track(self, response_id: str, owner: str, sub: Submission, shell: dict) -> None:
+        """Remember a response in progress for cancel (those finished or never streamed leave the table here)."""
+        if len(self._running) >= MAX_RUNNING_TRACKED:
+            for done in [rid for rid, (_, s, _) in self._running.items() if s.closed]:
+                del self._running[done]
+        if len(self._running) < MAX_RUNNING_TRACKED:
+            self._running[response_id] = (owner, sub, shell)
+
+    def _shell(self, response_id: str, body: ResponsesRequest, model: str, chat, tools: list) -> dict:
         text_format = (body.text or {}).get("format") or {"type": "text"}
         return {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress", "error": None,
@@ -152,18 +184,18 @@ class ServingResponses:
         }  # fmt: skip
 
     @staticmethod
-    def _finished(shell: dict, builder: OutputBuilder, out, prompt_tokens: int, truncation: Truncation, status: str) -> dict:
-        incomplete = out.finish_reason == "length" and status == "completed"
+    def _finished(shell: dict, builder: OutputBuilder, out, prompt_tokens: int, truncation: Truncation) -> dict:
+        incomplete = out.finish_reason == "length"
         usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                  "output_tokens": out.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": prompt_tokens + out.num_output_tokens}  # fmt: skip
         if truncation.dropped_items:
             usage["truncation"] = {"dropped_items": truncation.dropped_items, "dropped_tokens_estimate": truncation.dropped_tokens}
-        return {**shell, "status": "incomplete" if incomplete else status, "output": list(builder.items), "usage": usage,
+        return {**shell, "status": "incomplete" if incomplete else "completed", "output": list(builder.items), "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output_text": builder.output_text()}  # fmt: skip
 
     # ------------------------------------------------------------------ streaming
-    async def _events(self, sub: Submission, shell: dict, builder: OutputBuilder, finish, response_id: str) -> AsyncIterator[str]:
+    async def _events(self, sub: Submission, shell: dict, builder: OutputBuilder, finish, cancelled, response_id: str) -> AsyncIterator[str]:
         number = 0
 
         def event(kind: str, **fields) -> str:
@@ -181,9 +213,7 @@ class ServingResponses:
                 if out.finished:
                     final = out
         except RequestAborted as exc:
-            status = "cancelled" if exc.reason == "cancelled" else "failed"
-            error = {"code": exc.reason, "message": exc.message}
-            yield event("response.failed", response={**shell, "status": status, "error": error, "output": builder.items})
+            yield event("response.failed", response=await cancelled(exc))
             return
         finally:
             self._running.pop(response_id, None)
@@ -198,19 +228,24 @@ class ServingResponses:
         return stored.response
 
     async def delete(self, response_id: str, cache_salt: str | None) -> dict:
-        if not await asyncio.to_thread(self.store.delete, response_id, self.owner(cache_salt)):
+        owner = self.owner(cache_salt)
+        stored = await asyncio.to_thread(self.store.get, response_id, owner)
+        if stored is None or not await asyncio.to_thread(self.store.delete, response_id, owner):
             raise _not_found(response_id)
+        if stored.engine_request_id is not None:  # nothing continues it now: its pinned blocks go back to the cache
+            kv = self.serving.engine.kv
+            await self.serving.async_engine.call(lambda: kv.release_pin(stored.engine_request_id))
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def cancel(self, response_id: str, cache_salt: str | None) -> dict:
         running = self._running.get(response_id)
-        if running is None or running[0] != self.owner(cache_salt):
+        if running is None or running[0] != self.owner(cache_salt) or running[1].closed:
             if await asyncio.to_thread(self.store.get, response_id, self.owner(cache_salt)) is not None:
                 raise APIError(400, f"response {reprlib.repr(response_id)} has finished: only a response in progress can be cancelled",
                                "response_id")  # fmt: skip
             raise _not_found(response_id)
         running[1].fail(RequestAborted("cancelled", "the response was cancelled", 499))
-        return {"id": response_id, "object": "response", "status": "cancelled"}
+        return {**running[2], "status": "cancelled"}
 
 
 def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
