@@ -124,7 +124,7 @@ def test_eviction_pressure_keeps_tokens_and_blocks_right(tiny_dir):
     """A pool far smaller than the prompts' blocks: cached prefixes are evicted and revived all
     the time; outputs stay those of the uncached engine and no block leaks, checked every step."""
     path = str(tiny_dir("gemma3-w8"))
-    kw = dict(dtype="float32", block_size=4, num_kv_blocks=150, max_model_len=160, max_num_batched_tokens=32)
+    kw = dict(dtype="float32", block_size=4, num_kv_blocks=100, max_model_len=160, max_num_batched_tokens=32)
     on = LLM(path, **kw, seed=1)
     off = LLM(path, **kw, enable_prefix_caching=False, seed=1)
     rng = random.Random(9)

@@ -524,9 +524,7 @@ class LLMEngine:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
                 self._evict(seq)
-            # a repeat of the prompt hits at its last whole block: the window blocks before that stay in the LRU order
-            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from,
-                                     keep_from=(seq.prompt_len - 1) // self.kv.block_size * self.kv.block_size)
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len)
         outputs = []
         for seq, reason in verified.items():
             if reason is not None:

@@ -204,6 +204,9 @@ class _Side:
     def reuse_first(self, block: KVBlock) -> None:
         """The arena keeps its own order (chunks of full-precision units): nothing to move."""
 
+    def refresh(self, block: KVBlock) -> None:
+        """Likewise."""
+
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; one nothing holds any more gives its bytes back."""
         for block in blocks:

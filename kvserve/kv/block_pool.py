@@ -92,6 +92,11 @@ class BlockPool:
             self._queue_of(block).pop(block.block_id)
             (self._early if block.block_hash is not None else self._plain)[block.block_id] = block
 
+    def refresh(self, block: KVBlock) -> None:
+        """A free cached block counts as freed now: to the LRU queue's tail."""
+        if block.ref_count == 0 and block.block_id in self._free:
+            self._free.move_to_end(block.block_id)
+
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; callers pass tail blocks first so they are evicted first."""
         for block in blocks:

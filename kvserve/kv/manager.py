@@ -70,6 +70,9 @@ class KVCacheManager:
         self.pending_copies: list[tuple[KVBlock, KVBlock, int]] = []  # (source, target, slots) before the next step
         self._evicted: dict[str, int] = {}  # positions a request no longer holds a slot for
         self.pins: ConversationPins | None = None  # stored conversations' blocks kept between turns (set by the engine)
+        # sliding groups' blocks a request let go while running that a hit at its prompt's end reads: when it
+        # finishes they rejoin the LRU order beside its other blocks (a window is as old as the request that used it)
+        self._window_tails: dict[str, list[KVBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -562,11 +565,12 @@ class KVCacheManager:
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
         return True
 
-    def free_unreachable(self, request_id: str, num_computed: int, keep_from: int | None = None) -> None:
+    def free_unreachable(self, request_id: str, num_computed: int, prompt_len: int | None = None) -> None:
         """Free each sliding group's blocks that no query at num_computed or later reads. They stay
         cached, but only a hit ending within them reads them again, so they are reused before the LRU
-        queue's blocks (a whole cached prompt's), except the window before position `keep_from` (the
-        prompt's last whole block: where a repeat of the prompt hits)."""
+        queue's blocks (a whole cached prompt's), except the window before the prompt's last whole
+        blocks (a repeat of the prompt, or a document asked another question, hits there): those
+        rejoin the LRU order when the request finishes, as old as its other blocks."""
         tables = self._tables.get(request_id)
         if tables is None:
             return
@@ -576,7 +580,11 @@ class KVCacheManager:
                 continue
             first = min(group.first_block(num_computed, self.block_size), len(tables[g]))
             table = tables[g]
-            kept = min(group.first_block(keep_from, self.block_size), first) if keep_from is not None else first
+            if prompt_len is None:
+                kept = first
+            else:  # hits ending up to SHARED_TAIL_TOKENS (at most a window) before the prompt's end
+                shared = max(prompt_len - 1 - min(SHARED_TAIL_TOKENS, group.window), 0) // self.block_size * self.block_size
+                kept = min(group.first_block(shared, self.block_size), first)
             early = [b for b in table[:kept] if b is not None]
             late = [b for b in table[kept:first] if b is not None]
             if not early and not late:
@@ -586,6 +594,7 @@ class KVCacheManager:
             self._ids[g][row, :first] = 0
             self._release(list(reversed(early)), evict_first=True)
             self._release(list(reversed(late)))
+            self._window_tails.setdefault(request_id, []).extend(late)
 
     def truncate(self, request_id: str, num_computed: int) -> None:
         """Drop the request's slots from position num_computed on (a KVzip probe's), releasing the
@@ -651,6 +660,8 @@ class KVCacheManager:
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
         self._load_cut.discard(request_id)
+        for block in self._window_tails.pop(request_id, ()):
+            self._pool_of(block).refresh(block)
         if tables is None:
             return
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
@@ -685,6 +696,9 @@ class KVCacheManager:
             self._ids = [np.concatenate([ids, np.zeros((grown - old, self.max_blocks_per_seq), dtype=np.int64)]) for ids in self._ids]
             self._free_rows = list(range(grown - 1, old - 1, -1))
         return self._free_rows.pop()
+
+
+SHARED_TAIL_TOKENS = 128  # a prompt's last tokens another request may not share (a question, a new turn)
 
 
 def _private(block: KVBlock) -> bool:
