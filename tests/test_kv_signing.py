@@ -219,7 +219,7 @@ def test_the_host_tier_serves_its_own_signed_records_and_redis_junk_is_not_an_ou
     left the process, so they are served without a check (not refused as unverifiable). A value of
     another Redis type under a record's key is a damaged record, deleted, not a tier outage."""
     path = str(tiny_dir("llama"))
-    prompts = random_prompts(12, 40, 40, seed=63)  # 36 blocks through a 24-block pool
+    prompts = random_prompts(20, 40, 40, seed=63)  # 60 blocks through a 24-block pool
     want = generate(engine(path), prompts[0])[0]
     host = engine(path, kv_remote_key_file=keys["ours"], kv_offload_host_gib=0.01)
     for prompt in prompts:
