@@ -7,7 +7,7 @@ import reprlib
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
     WrapValidator, field_validator, model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -37,6 +37,14 @@ def _integral_float_as_int(value):
 
 
 Count = Annotated[StrictInt, BeforeValidator(_integral_float_as_int)]  # an integer; 3.0 too, never 3.5, "3" or true
+
+
+def _checked_salt(value: str) -> str:
+    validate_cache_salt(value)
+    return value
+
+
+CacheSalt = Annotated[StrictStr, AfterValidator(_checked_salt)]  # a request's cache_salt (kv/hashing.py's rules)
 
 
 def _float(name: str, value: int | float) -> float:
@@ -141,7 +149,7 @@ class _SamplingFields(UnicodeBody):
     ignore_eos: Flag = False
     include_stop_str_in_output: Flag = False  # vLLM's extension: keep the stop string that ended the text
     user: StrictStr | None = None
-    cache_salt: StrictStr | None = None
+    cache_salt: CacheSalt | None = None
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
     kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
     snapkv_query: StrictStr | None = None  # kvserve extension: window | generic | both, whose attention scores snapkv's positions
@@ -167,12 +175,6 @@ class _SamplingFields(UnicodeBody):
     length_penalty: Number = 1.0
     early_stopping: Flag | Literal["never"] = False
     suffix: StrictStr | None = None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt(cls, value):
-        validate_cache_salt(value)
-        return value
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", mode="before")  # fmt: skip

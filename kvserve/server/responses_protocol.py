@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
 
-from kvserve.kv.hashing import validate_cache_salt
-from kvserve.server.protocol import ChatCompletionRequest, Count, FieldError, Flag, FlagOn, Number, UnicodeBody
+from kvserve.server.protocol import CacheSalt, ChatCompletionRequest, Count, FieldError, Flag, FlagOn, Number, UnicodeBody
 
 MAX_INPUT_ITEMS = 4096
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
@@ -57,13 +56,7 @@ class ResponsesRequest(UnicodeBody):
     service_tier: StrictStr | None = None  # one tier here: taken and ignored
     prompt_cache_key: StrictStr | None = None  # OpenAI's routing hint: the prefix cache needs none
     safety_identifier: StrictStr | None = None
-    cache_salt: StrictStr | None = None  # kvserve's (and vLLM's) extension: the tenant's prefix-cache scope, and its stored responses'
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt(cls, value):
-        validate_cache_salt(value)
-        return value
+    cache_salt: CacheSalt | None = None  # kvserve's (and vLLM's) extension: the tenant's prefix-cache scope, and its stored responses'
 
     @model_validator(mode="before")
     @classmethod
@@ -127,7 +120,7 @@ class ResponsesRequest(UnicodeBody):
             raise FieldError(param, f"{param}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
-def _text_of(content, where: str, role: str) -> str | list[dict]:
+def _text_of(content, where: str) -> str | list[dict]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -162,7 +155,7 @@ def input_messages(items: str | list) -> list[dict]:
             role = item.get("role")
             if role not in _INPUT_ROLES:
                 raise FieldError("input", f"{where}.role must be one of {', '.join(_INPUT_ROLES)}, got {reprlib.repr(role)}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where, role)})
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -177,7 +170,7 @@ def input_messages(items: str | list) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise FieldError("input", f"{where}: a function_call_output item needs its call_id string")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where, "tool")})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
         else:
             raise FieldError("input", f"{where}: items of type {reprlib.repr(kind)} are not supported by this server "
                              "(message, function_call, function_call_output)")  # fmt: skip

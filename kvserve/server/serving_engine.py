@@ -44,7 +44,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.migration import Migrator
 from kvserve.server.protocol import ChatCompletionRequest, StreamOptions, TokenizeRequest
 from kvserve.server.templates import TemplateRenderer
-from kvserve.server.truncation import DoesNotFit, fit_conversation
+from kvserve.server.truncation import DoesNotFit, Room, fit_conversation
 from kvserve.server.tool_calls import MAX_TOOLS_CHARS, Tool, ToolChoice, parse_tool_choice, parse_tools, template_takes_tools
 from kvserve.structured.spec import GrammarError, StructuredOutputs, exceeds_chars
 from kvserve.structured.worker import CompileQueueFull, IsolatedGrammarCompiler
@@ -464,15 +464,13 @@ class OpenAIServing:
         """Chat's `truncation: "auto"` (kvserve's extension, truncation.py): the conversation's oldest
         items dropped at fixed points until it and max_tokens fit max_model_len."""
         limit = self.engine.max_model_len
-        quantum = max(limit // 4, 1)
-        reserve = max_tokens if max_tokens is not None else quantum
-        budget = limit - min(reserve, limit - 1)
+        room = Room.of(limit, max_tokens, truncating=True)
 
         async def render(chosen: list) -> list[int]:
             return await self.render_messages(chosen, requested_template, True, tools=tools)
 
         try:
-            ids, _ = await fit_conversation(render, messages, 0, budget, quantum, self.token_count)
+            ids, _ = await fit_conversation(render, messages, 0, room.budget, room.quantum, self.token_count)
         except DoesNotFit as exc:
             raise APIError(400, f"{exc} (max_model_len={limit})", "messages") from None
         return ids

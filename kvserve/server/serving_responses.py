@@ -28,7 +28,7 @@ from kvserve.server.responses_protocol import ResponsesRequest, check_call_outpu
 from kvserve.server.responses_store import MemoryResponseStore, RedisResponseStore, StoredResponse, new_response_id, owner_of
 from kvserve.server.serving_engine import OpenAIServing, SubmissionStream
 from kvserve.server.tool_calls import call_grammar
-from kvserve.server.truncation import DoesNotFit, Truncation, fit_conversation
+from kvserve.server.truncation import DoesNotFit, Room, Truncation, fit_conversation
 from kvserve.structured.spec import GrammarError
 
 MAX_RUNNING_TRACKED = 4096
@@ -136,9 +136,8 @@ class ServingResponses:
         it cannot fit."""
         serving = self.serving
         limit = serving.engine.max_model_len
-        quantum = max(limit // 4, 1)
-        reserve = body.max_output_tokens if body.max_output_tokens is not None else (quantum if body.truncation == "auto" else 1)
-        budget = limit - min(reserve, limit - 1)
+        room = Room.of(limit, body.max_output_tokens, truncating=body.truncation == "auto")
+        reserve, budget = room.reserve, room.budget
 
         async def render(messages: list) -> list[int]:
             return await serving.render_messages(messages, None, True, tools=tools)
@@ -153,7 +152,7 @@ class ServingResponses:
                                + hint, "input")  # fmt: skip
             return ids, Truncation()
         try:
-            return await fit_conversation(render, chat.messages, fixed, budget, quantum, serving.token_count, previous_cut)
+            return await fit_conversation(render, chat.messages, fixed, budget, room.quantum, serving.token_count, previous_cut)
         except DoesNotFit:
             head = await render(chat.messages[:fixed]) if fixed else []
             if fixed and len(head) + reserve > limit:

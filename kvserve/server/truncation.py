@@ -66,6 +66,22 @@ def drop_orphans(roles: list[str], start: int, end: int) -> int:
     return start
 
 
+@dataclass(frozen=True)
+class Room:
+    """What a prompt may take of max_model_len: the cut points' quantum (a quarter of the context), the
+    output reserved (max tokens asked; without, a quarter when truncating, else one) and the prompt's budget."""
+
+    quantum: int
+    reserve: int
+    budget: int
+
+    @classmethod
+    def of(cls, limit: int, max_tokens: int | None, truncating: bool) -> Room:
+        quantum = max(limit // 4, 1)
+        reserve = max_tokens if max_tokens is not None else (quantum if truncating else 1)
+        return cls(quantum, reserve, limit - min(reserve, limit - 1))
+
+
 class DoesNotFit(ValueError):
     """Even with every droppable item gone, the conversation is longer than the context."""
 
