@@ -10,8 +10,8 @@ flags), streamed; reported per mode: TTFT p50 / p99 of turns 2 and on, and the s
 tokens served from the cache (usage's cached_tokens), and the share of the conversation so far (the
 previous turn's prompt and answer: what a follow-up can reuse; its new turn cannot be) served from it.
 
-    .venv/bin/python bench/conversations.py --model smollm2-135m-instruct
-    .venv/bin/python bench/conversations.py --model gemma-3-270m --conversations 20 --turns 10
+    .venv/bin/python bench/conversations.py --model smollm2-135m-instruct --conversations 8 --turns 10 --kv-cache-memory 0.5
+    .venv/bin/python bench/conversations.py --model gemma-3-270m --conversations 8 --turns 10 --kv-cache-memory 0.15 --conversation-kv-share 0.85
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--turn-words", type=int, default=150, help="words of prose per turn (~200 tokens)")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--other-tokens", type=int, default=1500, help="words of prose per unrelated request between turns")
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default: what holds a third of the working set unpinned)")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV (default: the server's; pick one the traffic between turns overruns)")
     parser.add_argument("--conversation-kv-share", type=float, default=0.8)
     parser.add_argument("--flags", default="", help="more `kvserve serve` flags, in one string")
     parser.add_argument("--salt", default=str(os.getpid()))

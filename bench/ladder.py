@@ -14,8 +14,14 @@ The rungs, each adding one thing to the one before (kvserve at a fixed --kv-cach
 rung that stores less KV runs more requests at once):
   transformers generate (left-padded batches of --hf-batch) -> paged, 16-bit KV, no prefix cache ->
   + int8 KV -> + prefix cache (hash) -> + radix -> + hybrid window groups (models with sliding
-  windows) -> + SnapKV 0.5 -> + host and disk tiers.
-Per rung: generated tok/s over the whole workload, TTFT p50/p99 from the round's start, KV bytes
+  windows) -> + host and disk tiers -> + SnapKV 0.5.
+Every kvserve rung also runs a second workload, "revisit": two groups of documents asked about in
+turn, so a document comes back after more KV than the pool holds (where a tier pays).
+SnapKV compresses what is each request's own, its last turn (for a document, the document and its
+question), and leaves the system prompt and earlier turns whole and shared (kv_compress_from), as
+kvserve's chat endpoints do.
+Per rung: generated tok/s over the whole workload, its ratio to the rung below, TTFT p50/p99 from
+the round's start, the prompt tokens served from the cache (pool or tiers), KV bytes
 per running request (held blocks x block bytes / running requests, averaged over engine steps;
 transformers: its cache tensors per row), the most requests running at once, and `kvserve eval`'s
 perplexity change, mean KL and greedy agreement against the first kvserve rung. Quality depends
@@ -67,6 +73,8 @@ LICENSES = Path("/usr/share/common-licenses")
 SYSTEM_TEXTS = ("GPL-3", "Apache-2.0", "MPL-2.0")
 CHAT_TEXT = "GFDL-1.3"
 DOCUMENT_MODULES = ("textwrap", "argparse", "inspect", "random", "json.decoder", "shlex")
+REVISIT_MODULES = ("textwrap", "argparse", "inspect", "random", "json.decoder", "shlex", "difflib", "calendar", "csv", "tarfile",
+                   "logging", "pathlib", "ftplib", "gzip", "smtplib", "imaplib")  # fmt: skip
 KVSERVE_RUNGS_START = 1  # RUNGS[0] is transformers
 
 
@@ -84,9 +92,11 @@ RUNGS = (
     Rung("+ prefix cache (hash)", dict(enable_prefix_caching=True, prefix_cache="hash")),
     Rung("+ radix", dict(prefix_cache="radix")),
     Rung("+ hybrid window groups", dict(disable_hybrid_kv_cache_manager=False), needs_windows=True),
-    Rung("+ SnapKV 0.5", dict(kv_compression="snapkv", kv_keep_ratio=0.5)),
     Rung("+ host and disk tiers", dict(kv_offload_host_gib=None, kv_offload_disk_dir=None)),  # filled in by --tier-gib
+    Rung("+ SnapKV 0.5", dict(kv_compression="snapkv", kv_keep_ratio=0.5)),
 )
+WORKLOAD_TEXT = {"mixed": "Chat turns under shared system prompts, multi-turn conversations and documents asked about every round:",
+                 "revisit": "Documents asked about again after a group of others that holds more KV than the pool (a tier's workload):"}
 QUALITY_KEYS = ("kv_cache_dtype", "kv_compression", "kv_keep_ratio")  # what a rung's quality depends on
 
 
@@ -101,19 +111,22 @@ class Scale:
     documents: int = 2
     document_tokens: int = 768
     new_tokens: int = 32
+    revisit_documents: int = 8  # the revisit workload: two groups of this many documents, asked about in turn
+    revisit_rounds: int = 4
     eval_plan: EvalPlan = EvalPlan(context=1024, score_from=512, max_windows=2, greedy_prompts=8, greedy_prompt_len=128,
                                    greedy_tokens=32, needle_lengths=())  # fmt: skip
 
 
 QUICK = Scale(rounds=2, system_tokens=24, chats_per_round=2, conversations=2, user_tokens=(4, 8), reply_tokens=(4, 8), documents=1,
-              document_tokens=48, new_tokens=4,
+              document_tokens=48, new_tokens=4, revisit_documents=2, revisit_rounds=4,
               eval_plan=EvalPlan(context=48, score_from=24, max_windows=1, greedy_prompts=2, greedy_prompt_len=12, greedy_tokens=4,
                                  needle_lengths=()))  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the workload
-def workload(tokenizer, scale: Scale, seed: int, bos: int | None) -> list[list[list[int]]]:
-    """Rounds of prompts (token ids), the same for every rung."""
+def workload(tokenizer, scale: Scale, seed: int, bos: int | None) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Rounds of prompts (token ids), the same for every rung, and for each prompt the tokens before
+    its last user turn (a system prompt, earlier turns: what compression leaves whole, kv_compress_from)."""
     rng = random.Random(seed)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     head = [bos] if bos is not None else []
@@ -130,17 +143,45 @@ def workload(tokenizer, scale: Scale, seed: int, bos: int | None) -> list[list[l
         source = textwrap.dedent(inspect.getsource(__import__(name, fromlist=["_"])))
         documents.append(head + encode(source)[: scale.document_tokens])
     conversations = [[*systems[i % len(systems)]] for i in range(scale.conversations)]
-    rounds = []
+    rounds, shared = [], []
     for _ in range(scale.rounds):
-        prompts = [rng.choice(systems) + span(scale.user_tokens) for _ in range(scale.chats_per_round)]
+        chats = [rng.choice(systems) for _ in range(scale.chats_per_round)]
+        prompts = [(system + span(scale.user_tokens), len(system)) for system in chats]
         for history in conversations:
+            earlier = len(history)
             history += span(scale.user_tokens)
-            prompts.append(list(history))
+            prompts.append((list(history), earlier))
             history += span(scale.reply_tokens)  # the assistant's reply, fixed so every rung reads the same next turn
-        prompts += [doc + span(scale.user_tokens) for doc in documents]
+        prompts += [(doc + span(scale.user_tokens), len(head)) for doc in documents]  # a document is its question's turn
+        rng.shuffle(prompts)
+        rounds.append([p for p, _ in prompts])
+        shared.append([n for _, n in prompts])
+    return rounds, shared
+
+
+def revisit_workload(tokenizer, scale: Scale, seed: int, bos: int | None) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Rounds of questions about documents, two groups of them asked about in turn (A, B, A, B...): a
+    document comes back after a whole group of others, more KV than the pool holds, so its prefix is
+    found again only in a tier. Each document is its question's turn (nothing is shared before it)."""
+    rng = random.Random(seed + 1)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    head = [bos] if bos is not None else []
+    prose = encode((LICENSES / CHAT_TEXT).read_text())
+    documents = []
+    for name in REVISIT_MODULES[: 2 * scale.revisit_documents]:
+        source = textwrap.dedent(inspect.getsource(__import__(name, fromlist=["_"])))
+        documents.append(head + encode(source)[: scale.document_tokens])
+    rounds = []
+    for r in range(scale.revisit_rounds):
+        group = documents[(r % 2) * scale.revisit_documents : (r % 2 + 1) * scale.revisit_documents]
+        prompts = []
+        for doc in group:
+            n = rng.randint(*scale.user_tokens)
+            start = rng.randrange(len(prose) - n)
+            prompts.append(doc + prose[start : start + n])
         rng.shuffle(prompts)
         rounds.append(prompts)
-    return rounds
+    return rounds, [[len(head)] * len(r) for r in rounds]
 
 
 # ---------------------------------------------------------------------- one rung
@@ -163,7 +204,7 @@ class RungResult:
     extra: dict = field(default_factory=dict)
 
 
-def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], new_tokens: int) -> RungResult:
+def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], shared: list[list[int]], new_tokens: int) -> RungResult:
     llm = LLM(model, **engine_args)
     engine, kv = llm.engine, llm.engine.kv
     stats = engine.stats()
@@ -175,8 +216,10 @@ def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], ne
     result = RungResult("")
     ttfts, per_request, peak = [], [], 0
     started = time.perf_counter()
-    for prompts in rounds:
-        pending = {engine.add_request(p, params).request_id for p in prompts}
+    compressing = engine.config.eviction.active
+    for prompts, earlier in zip(rounds, shared):
+        pending = {engine.add_request(p, dataclasses.replace(params, kv_compress_from=n) if compressing else params).request_id
+                   for p, n in zip(prompts, earlier)}  # fmt: skip
         while pending:
             for out in engine.step():
                 if out.finished:
@@ -256,7 +299,9 @@ def run_transformers(path: Path, dtype: str, rounds: list[list[list[int]]], new_
 
 
 # ---------------------------------------------------------------------- the ladder of one model
-def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_dir: Path) -> tuple[list[RungResult], dict]:
+def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_dir: Path) -> dict[str, tuple[list[RungResult], dict]]:
+    """Every rung on both workloads; by workload, the rungs' results and the workload's description
+    (transformers runs the mixed workload only)."""
     base = dict(max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
     probe = LLM(model, **{**base, "kv_cache_memory": 0.01, "max_num_seqs": 1})
     tokenizer, dtype = probe.tokenizer, probe.engine.config.dtype
@@ -266,11 +311,12 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
     pad = pad if pad is not None else (probe.engine.model_config.eos_token_id or 0)
     del probe
     gc.collect()
-    rounds = workload(tokenizer, scale, args.seed, bos)
-    meta = {"model": model, "dtype": dtype, "requests": sum(map(len, rounds)), "rounds": len(rounds),
-            "prompt_tokens": sum(len(p) for r in rounds for p in r), "new_tokens": scale.new_tokens,
-            "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs}  # fmt: skip
-    results: list[RungResult] = []
+    workloads = {"mixed": workload(tokenizer, scale, args.seed, bos), "revisit": revisit_workload(tokenizer, scale, args.seed, bos)}
+    metas = {name: {"model": model, "dtype": dtype, "workload": name, "requests": sum(map(len, rounds)), "rounds": len(rounds),
+                    "prompt_tokens": sum(len(p) for r in rounds for p in r), "new_tokens": scale.new_tokens,
+                    "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs}
+             for name, (rounds, _) in workloads.items()}  # fmt: skip
+    results: dict[str, list[RungResult]] = {name: [] for name in workloads}
     engine_args = dict(base)
     evaluation = Evaluation(scale.eval_plan, read_text(default_text_path()), progress=False)
     evaluated: dict[tuple, RungResult] = {}
@@ -279,50 +325,57 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
             bar.set_description(f"{Path(model).name}: {rung.name}")
             if rung is RUNGS[0]:
                 if args.skip_hf:
-                    results.append(RungResult(rung.name, skipped="--skip-hf"))
+                    results["mixed"].append(RungResult(rung.name, skipped="--skip-hf"))
                 else:
+                    rounds, _ = workloads["mixed"]
                     result = run_transformers(resolve_model_path(model), dtype, rounds, scale.new_tokens, args.hf_batch, pad, args.kv_cache_memory)
                     result.rung = rung.name
-                    results.append(result)
+                    results["mixed"].append(result)
+                results["revisit"].append(RungResult(rung.name, skipped="run on the mixed workload only"))
                 bar.update(1)
                 continue
             if rung.needs_windows and not windows:
-                results.append(RungResult(rung.name, skipped="no sliding-window layers"))
+                for name in workloads:
+                    results[name].append(RungResult(rung.name, skipped="no sliding-window layers"))
                 bar.update(1)
                 continue
             added = dict(rung.engine)
             if "kv_offload_host_gib" in added:
                 added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir / Path(model).name), kv_offload_disk_gib=args.tier_gib)
             engine_args.update(added)
-            result = run_kvserve(model, engine_args, rounds, scale.new_tokens)
-            result.rung = rung.name
+            for name, (rounds, shared) in workloads.items():
+                result = run_kvserve(model, engine_args, rounds, shared, scale.new_tokens)
+                result.rung = rung.name
+                results[name].append(result)
             key = tuple(engine_args.get(k) for k in QUALITY_KEYS)
+            rung_results = [results[name][-1] for name in workloads]
             if key in evaluated:
                 source = evaluated[key]
-                result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = source.perplexity_delta_pct, source.mean_kl, source.greedy_agreement
-                result.quality_from = source.quality_from or source.rung
+                for result in rung_results:
+                    result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = source.perplexity_delta_pct, source.mean_kl, source.greedy_agreement
+                    result.quality_from = source.quality_from or source.rung
             else:
                 quality = {k: v for k, v in engine_args.items() if k in QUALITY_KEYS or k in ("dtype", "disable_hybrid_kv_cache_manager")}
                 scored = evaluation.run(rung.name, " ".join(f"{k}={v}" for k, v in quality.items()),
                                         EngineConfig(model=model, kv_cache_memory=max(args.kv_cache_memory, 0.25), **quality))  # fmt: skip
-                if evaluated:
-                    result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = scored.perplexity_delta_pct, scored.mean_kl, scored.greedy_agreement
-                else:
-                    result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = 0.0, 0.0, 1.0
-                meta.setdefault("perplexity", {})[rung.name] = scored.perplexity
-                evaluated[key] = result
-            results.append(result)
+                for result in rung_results:
+                    if evaluated:
+                        result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = scored.perplexity_delta_pct, scored.mean_kl, scored.greedy_agreement
+                    else:
+                        result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = 0.0, 0.0, 1.0
+                metas["mixed"].setdefault("perplexity", {})[rung.name] = scored.perplexity
+                evaluated[key] = rung_results[0]
             bar.update(1)
     finally:
         evaluation.close()
     if args.llama_cpp:
         bar.set_description(f"{Path(model).name}: llama.cpp")
         try:
-            meta["llama_cpp"] = llama_cpp_row(args, model, meta)
+            metas["mixed"]["llama_cpp"] = llama_cpp_row(args, model, metas["mixed"])
         except LlamaCppError as error:
             print(f"{Path(model).name}: llama.cpp's row is left out: {error}", file=sys.stderr)
-            meta["llama_cpp"] = {"error": str(error).splitlines()[0]}
-    return results, meta
+            metas["mixed"]["llama_cpp"] = {"error": str(error).splitlines()[0]}
+    return {name: (results[name], metas[name]) for name in workloads}
 
 
 def llama_cpp_row(args: argparse.Namespace, model: str, meta: dict) -> dict:
@@ -341,27 +394,34 @@ def fmt(value, spec: str, empty: str = "–") -> str:
 
 def table(results: list[RungResult], meta: dict) -> str:
     hf = results[0].tokens_per_second
-    lines = ["| rung | generated tok/s | vs transformers | TTFT p50 s | TTFT p99 s | KV KiB / request | most running at once | "
-             "perplexity Δ | mean KL | greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| rung | generated tok/s | vs transformers | vs the rung below | TTFT p50 s | TTFT p99 s | prompt tokens cached | "
+             "KV KiB / request | most running at once | perplexity Δ | mean KL | greedy agreement |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    below = None
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.rung} | skipped: {r.skipped} |||||||||")
+            lines.append(f"| {r.rung} | skipped: {r.skipped} |||||||||||")
             continue
         ratio = f"{r.tokens_per_second / hf:.2f}x" if hf else "–"
+        step = f"{r.tokens_per_second / below.tokens_per_second:.2f}x" if below is not None and r.rung != RUNGS[0].name else "–"
+        if r.rung != RUNGS[0].name:
+            below = r
         running = f"≈{r.max_concurrent} ({r.concurrency_note})" if r.concurrency_note else f"{r.max_concurrent}"
         shared = f" (as {r.quality_from})" if r.quality_from else ""
         quality = ("–", "–", "–") if r.rung == RUNGS[0].name else (
             f"{r.perplexity_delta_pct:+.2f}%{shared}", f"{r.mean_kl:.4f}", f"{100 * r.greedy_agreement:.1f}%")
-        lines.append(f"| {r.rung} | {r.tokens_per_second:.1f} | {ratio} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | "
+        hits = r.extra.get("prefix_hit_tokens")
+        cached = f"{hits:,} ({100 * hits / r.extra['prompt_tokens']:.0f}%)" if hits is not None and r.extra.get("prompt_tokens") else "–"
+        lines.append(f"| {r.rung} | {r.tokens_per_second:.1f} | {ratio} | {step} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | {cached} | "
                      f"{r.kv_bytes_per_request / 1024:,.0f} | {running} | {' | '.join(quality)} |")  # fmt: skip
     if "llama_cpp" in meta:
         row = meta["llama_cpp"]
         if "error" in row:
-            lines.append(f"| llama.cpp `llama-batched-bench` | failed: {row['error']} |||||||||")
+            lines.append(f"| llama.cpp `llama-batched-bench` | failed: {row['error']} |||||||||||")
         else:
             ratio = f"{row['tokens_per_second'] / hf:.2f}x" if hf else "–"
             lines.append(f"| llama.cpp `llama-batched-bench` ({row['parallel']} x {row['prompt_len']}-token prompts, no prefix reuse) | "
-                         f"{row['tokens_per_second']:.1f} | {ratio} |  |  |  |  |  |  |  |")  # fmt: skip
+                         f"{row['tokens_per_second']:.1f} | {ratio} |  |  |  |  |  |  |  |  |  |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -488,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     scale = QUICK if args.quick else Scale()
     models = args.model_list
     args.out.mkdir(parents=True, exist_ok=True)
-    ladders: dict[str, tuple[list[RungResult], dict]] = {}
+    ladders: dict[str, dict[str, tuple[list[RungResult], dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-ladder-") as tier_dir:
         bar = tqdm(total=len(models) * len(RUNGS), unit="rung")
         for model in models:
@@ -501,15 +561,22 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.kv_cache_memory} GiB of KV and at most {args.max_num_seqs} running requests; see bench/ladder.py for the workload.\n"
              + ("\n--quick: a smoke test of the script (10 requests of a few tokens each), not a measurement: a rung's rate is "
                 "a few seconds of work and swings with the engine's first calls.\n" if args.quick else "")]  # fmt: skip
-    for model, (results, meta) in ladders.items():
+    for model, by_workload in ladders.items():
         slug = Path(model).name
-        plot_model(results, meta, args.out / f"{slug}.png")
-        parts.append(f"## {slug} ({meta['dtype']})\n\n{meta['requests']} requests in {meta['rounds']} rounds, {meta['prompt_tokens']:,} "
-                     f"prompt tokens, {meta['new_tokens']} greedy tokens each.\n\n{table(results, meta)}\n\n![{slug}]({slug}.png)\n")  # fmt: skip
-    plot_headline(ladders, args.out / "headline.png")
+        for name, (results, meta) in by_workload.items():
+            picture = slug if name == "mixed" else f"{slug}-{name}"
+            plot_model(results, meta, args.out / f"{picture}.png")
+            what = WORKLOAD_TEXT[name]
+            parts.append(f"## {slug} ({meta['dtype']}), {name} workload\n\n{what} {meta['requests']} requests in {meta['rounds']} rounds, "
+                         f"{meta['prompt_tokens']:,} prompt tokens, {meta['new_tokens']} greedy tokens each.\n\n{table(results, meta)}\n\n"
+                         f"![{picture}]({picture}.png)\n")  # fmt: skip
+    plot_headline({model: by_workload["mixed"] for model, by_workload in ladders.items()}, args.out / "headline.png")
     (args.out / "ladder.md").write_text("\n".join(parts))
     (args.out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine(), "ladders": {
-        model: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]} for model, (results, meta) in ladders.items()}}, indent=1))
+        model: {"meta": by_workload["mixed"][1], "rungs": [dataclasses.asdict(r) for r in by_workload["mixed"][0]],
+                **{name: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]}
+                   for name, (results, meta) in by_workload.items() if name != "mixed"}}
+        for model, by_workload in ladders.items()}}, indent=1))  # fmt: skip
     print((args.out / "ladder.md").read_text())
     print(f"wrote {args.out}/ladder.md, ladder.json and the plots")
 

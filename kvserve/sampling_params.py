@@ -46,6 +46,7 @@ class SamplingParams:
     kv_compression: str | None = None  # overrides the engine's --kv-compression for this request (None: the engine's)
     kv_keep_ratio: float | None = None  # overrides the engine's budget for this request
     snapkv_query: str | None = None  # overrides the engine's --snapkv-query (window | generic | both) for this request
+    kv_compress_from: int | None = None  # compression leaves the prompt's first N tokens whole and shared (a system prompt, previous turns)
     structured_outputs: StructuredOutputs | None = None  # the output follows this grammar (JSON schema, regex, choice, EBNF)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,9 @@ class SamplingParams:
             raise ValueError(f"kv_keep_ratio must be in (0, 1], got {self.kv_keep_ratio!r}")
         if self.snapkv_query is not None and self.snapkv_query not in SNAPKV_QUERIES:
             raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {reprlib.repr(self.snapkv_query)}")
+        if self.kv_compress_from is not None and (isinstance(self.kv_compress_from, bool) or not isinstance(self.kv_compress_from, int)
+                                                  or not 0 <= self.kv_compress_from <= MAX_TOKEN_ID):  # fmt: skip
+            raise ValueError(f"kv_compress_from must be a number of prompt tokens (an integer >= 0), got {reprlib.repr(self.kv_compress_from)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(self.structured_outputs).__name__}")
 

@@ -247,6 +247,8 @@ def test_request_supplied_chat_template_is_refused_by_default(guarded):
         ('{"prompt": "hi", "kv_compression": "snapkv", "kv_keep_ratio": NaN}', "kv_keep_ratio"),
         ('{"prompt": "hi", "snapkv_query": "question"}', "snapkv_query"),
         ('{"prompt": "hi", "snapkv_query": "generic"}', "snapkv_query"),  # the engine compresses nothing
+        ('{"prompt": "hi", "kv_compress_from": -1}', "kv_compress_from"),
+        ('{"prompt": "hi", "kv_compress_from": 4}', "kv_compress_from"),  # the engine compresses nothing
     ],
 )
 def test_bad_numbers_are_400_naming_the_field_before_any_stream(guarded, raw, field, stream):
@@ -266,6 +268,35 @@ def test_kv_compression_extension_field(guarded):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6, resp.text
     resp = post(url, {**body, "snapkv_query": "generic"})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6, resp.text
+
+
+def test_a_compressing_chat_keeps_its_system_prompt_and_earlier_turns_whole_and_shared(guarded, reference):
+    """kv_compression on a chat compresses its last turn only: the system prompt and earlier turns stay
+    whole (kv_compress_from, set from the conversation), so the next turn reads them from the cache,
+    where compressing the whole prompt (kv_compress_from 0) leaves about half; the answer is LLM.chat's."""
+    _, url = guarded
+    conversation = [{"role": "system", "content": "Everyone is permitted to copy and distribute verbatim copies of this license. " * 6},
+                    {"role": "user", "content": "May I copy it?"}, {"role": "assistant", "content": "Yes, verbatim."},
+                    {"role": "user", "content": "And change it?"}]  # fmt: skip
+    squeeze = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_compression": "snapkv", "kv_keep_ratio": 0.5}
+    render = reference.get_tokenizer().apply_chat_template
+    ids = render(conversation, chat_template=CHAT_TEMPLATE, add_generation_prompt=True)
+    earlier = render(conversation[:3], chat_template=CHAT_TEMPLATE)
+    shared = next(i for i, (a, b) in enumerate(zip([*earlier, -1], ids)) if a != b) // 16 * 16
+    assert shared >= 0.7 * len(ids)
+    cached = {}
+    for salt, extra in (("spared", {}), ("whole-prompt", {"kv_compress_from": 0})):
+        first = post(url, {"messages": conversation, **squeeze, **extra, "cache_salt": salt}, "/v1/chat/completions")
+        assert first.status_code == 200, first.text
+        answer = first.json()["choices"][0]["message"]["content"]
+        if not extra:
+            offline = reference.chat(conversation, SamplingParams(**squeeze), chat_template=CHAT_TEMPLATE, use_tqdm=False)[0]
+            assert answer == offline.text
+        turn = conversation + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+        second = post(url, {"messages": turn, **squeeze, "cache_salt": salt}, "/v1/chat/completions")
+        assert second.status_code == 200, second.text
+        cached[salt] = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached["spared"] >= shared > cached["whole-prompt"]
 
 
 def test_temperature_below_the_greedy_threshold_is_greedy(guarded):

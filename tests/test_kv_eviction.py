@@ -19,7 +19,7 @@ from kvserve.attention.backend import create_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillSpan, WindowScoreSpan
 from kvserve.config import EngineConfig
 from kvserve.engine import eviction as engine_eviction
-from kvserve.kv.eviction import GENERIC_QUESTION, EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.eviction import GENERIC_QUESTION, CompressionRegion, EvictionPolicy, sink_and_recent, top_positions
 from kvserve.kv.pool import PagedKVPool
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.server.protocol import CompletionRequest
@@ -278,17 +278,18 @@ def test_preemption_with_compression_finishes_every_request(tiny_dir, method):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "streaming"])
-def test_compressing_requests_read_prefix_hits_write_no_shared_block_and_publish_nothing(tiny_dir, method):
+def test_compressing_requests_read_prefix_hits_write_no_shared_block_and_publish_only_whole_blocks(tiny_dir, method):
     path = tiny_dir("llama")
     prompt = random_prompts(1, 80, 80, seed=9)[0]
     llm = _llm(path)
     squeezed = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_compression=method, kv_keep_ratio=0.5)
     first = llm.generate([prompt], squeezed, use_tqdm=False)[0]
+    # 80 tokens, 40 kept: 5 blocks, the kept tokens written into the last 3, so the first 2 are never
+    # written: published whole (a plain request reads them), and all a compressing request reads
     plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert plain.num_cached_tokens == 0  # the compressed request published nothing
+    assert plain.num_cached_tokens == 32
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
-    # 80 tokens, 40 kept: 5 blocks, 3 kept, so at most 2 blocks come from the cache; the kept tokens
-    # found in them are moved into blocks of the request's own, and the tokens are those computed alone
+    # the kept tokens found in them are moved into blocks of the request's own, and the tokens are those computed alone
     hit = llm.generate([prompt], squeezed, use_tqdm=False)[0]
     assert hit.num_cached_tokens == 32 and hit.token_ids == first.token_ids
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # the shared blocks still hold the prompt's K/V
@@ -313,6 +314,82 @@ def test_compressing_requests_with_hits_batched_and_chunked_decode_as_alone(tiny
     assert all(o.num_cached_tokens >= 16 for o in outs)
     assert [o.token_ids for o in outs] == alone
     _check_free(llm)
+
+
+def _cached_contents(llm: LLM) -> dict[tuple[int, int], torch.Tensor]:
+    """Every block in the prefix cache by (group, hash): its K/V as the pool holds them."""
+    cache, pool = llm.engine.kv.prefix_cache, llm.engine.pool
+    return {(b.group, b.block_hash): pool.read_block(b.block_id) for b in cache.blocks()}
+
+
+@pytest.mark.parametrize("method", ["snapkv", "snapkv/both", "streaming", "random"])
+def test_compression_spares_a_shared_prefix_and_never_publishes_a_compressed_block(tiny_dir, tmp_path, method):
+    """Two requests share a 64-token prefix (kv_compress_from=64): the second reads all of it from the
+    cache and compresses only its own 60 tokens; its tokens are those it gives first in a fresh
+    engine; every block in the cache holds the K/V an engine without compression computes for it,
+    and so does every block the host tier gives back."""
+    path = tiny_dir("llama")
+    shared = random_prompts(1, 64, 64, seed=40)[0]
+    first, second = (shared + p for p in random_prompts(2, 60, 60, seed=41))
+    flags = dict(_method_flags(method), kv_keep_ratio=0.5, snapkv_window=8)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, kv_compress_from=64, logprobs=2, seed=3)
+    alone = _llm(path, **flags).generate([second], params, use_tqdm=False)[0]
+    llm = _llm(path, **flags, kv_offload_host_gib=0.01, num_kv_blocks=60)
+    llm.generate([first], params, use_tqdm=False)
+    evicted = llm.engine.num_evicted_tokens
+    out = llm.generate([second], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 64
+    assert out.token_ids == alone.token_ids and [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in alone.logprobs]
+    if method != "streaming":  # streaming evicts again as it decodes
+        assert llm.engine.num_evicted_tokens - evicted == 30  # 60 own tokens, half kept; the shared 64 whole
+    reference = _llm(path)  # no compression
+    for prompt in (first, second):
+        reference.generate([prompt], GREEDY, use_tqdm=False)
+    expected, cached = _cached_contents(reference), _cached_contents(llm)
+    assert len(cached) >= 4  # the shared prefix's 4 blocks at least
+    assert all(torch.equal(block, expected[key]) for key, block in cached.items())
+    # what left the pool for the host tier comes back whole: a plain request reads it as computed
+    llm.engine.kv.offloader.drain()
+    llm.engine.kv.offloader.prefill_rate = 1.0  # a tiny model recomputes faster than a tier reads: load anyway
+    llm.engine.kv.offloader.observe_prefill = lambda tokens, seconds: None
+    plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, kv_compression="none")
+    llm.generate(random_prompts(12, 100, 100, seed=42), plain, use_tqdm=False)  # 84 blocks: push the prefixes out
+    llm.engine.kv.offloader.drain()
+    for prompt in (first, second):
+        got, want = llm.generate([prompt], plain, use_tqdm=False)[0], _llm(path).generate([prompt], plain, use_tqdm=False)[0]
+        assert got.num_cached_tokens >= 64
+        assert got.token_ids == want.token_ids and [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+    assert sum(t["hit_tokens"] for t in llm.stats()["kv_tiers"].values()) >= 64
+    _check_free(llm)
+
+
+def test_the_compressed_region_leaves_whole_what_its_compaction_never_writes():
+    snapkv = EvictionPolicy("snapkv", keep_ratio=0.5, window=8)
+    # 80 tokens from 0: 40 kept in the last 3 of 5 blocks, the first 2 never written
+    assert CompressionRegion.of(snapkv, 80, 0, 16) == CompressionRegion(0, 32, 40)
+    # 124 tokens, the first 64 shared (70 rounds down to a block): 30 of the last 60 kept, 2 blocks of 4
+    assert CompressionRegion.of(snapkv, 124, 70, 16) == CompressionRegion(64, 96, 30)
+    # the window's queries are computed: a budget of 8 would leave 7 of 8 blocks untouched, the window takes 1 back
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16).whole == 96
+    # nothing to compress: all whole (streaming keeps evicting as it decodes: its own blocks stay its own)
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=64), 60, 0, 16) == CompressionRegion(0, 60, 60)
+    assert CompressionRegion.of(EvictionPolicy("streaming", budget=64), 60, 0, 16).whole == 0
+    assert not CompressionRegion.of(snapkv, 50, 64, 16).compresses(50)
+
+
+def test_kv_compress_from_is_validated_and_needs_compression(tiny_dir):
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="kv_compress_from"):
+            SamplingParams(kv_compress_from=bad)
+    llm = _llm(tiny_dir("llama"))
+    with pytest.raises(ValueError, match="kv_compress_from needs kv_compression"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=2, kv_compress_from=16), use_tqdm=False)
+    # past the prompt: nothing is compressed, every block is published
+    squeezed = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.5,
+                              kv_compress_from=10_000)  # fmt: skip
+    llm.generate([[7] * 70], squeezed, use_tqdm=False)
+    assert llm.engine.num_evicted_tokens == 0
+    assert llm.generate([[7] * 70], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
 
 
 def test_int8_cache_compresses(tiny_dir):

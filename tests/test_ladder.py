@@ -29,7 +29,7 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     assert "--quick: a smoke test" in table
     for rung in ladder.RUNGS:
         assert f"| {rung.name} |" in table
-    assert "skipped" not in table  # tiny gemma3 has sliding windows: every rung ran
+    assert "skipped" not in table.split("revisit workload")[0]  # tiny gemma3 has sliding windows: every rung ran
     rungs = json.loads((tmp_path / "ladder.json").read_text())["ladders"][str(model)]["rungs"]
     assert len(rungs) == len(ladder.RUNGS)
     for r in rungs:
@@ -38,9 +38,15 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     first = rungs[1]
     assert (first["perplexity_delta_pct"], first["greedy_agreement"]) == (0.0, 1.0)  # the reference
     assert rungs[2]["kv_bytes_per_request"] < first["kv_bytes_per_request"]  # int8 holds less than 16-bit
-    assert rungs[3]["quality_from"] == "+ int8 KV" and rungs[6]["quality_from"] == ""  # SnapKV evaluated on its own
+    assert rungs[3]["quality_from"] == "+ int8 KV" and rungs[6]["quality_from"] == "+ int8 KV"
+    assert rungs[7]["quality_from"] == ""  # SnapKV evaluated on its own
     assert rungs[3]["extra"]["prefix_hit_tokens"] > 0 and rungs[1]["extra"]["prefix_hit_tokens"] == 0
-    for name in (model.name, "headline"):
+    revisit = json.loads((tmp_path / "ladder.json").read_text())["ladders"][str(model)]["revisit"]["rungs"]
+    assert [r["rung"] for r in revisit] == [r.name for r in ladder.RUNGS] and revisit[0]["skipped"]
+    assert all(r["tokens_per_second"] > 0 and r["generated_tokens"] == 8 * ladder.QUICK.new_tokens for r in revisit[1:])
+    assert set(revisit[6]["extra"]["tier_hit_tokens"]) == {"host", "disk"}  # the tier rung has both tiers
+    assert "revisit workload" in table
+    for name in (model.name, f"{model.name}-revisit", "headline"):
         width, height, pixels = png_pixels((tmp_path / f"{name}.png").read_bytes())
         assert width >= 600 and height >= 300 and len(set(pixels)) > 16
 

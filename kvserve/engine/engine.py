@@ -265,8 +265,12 @@ class LLMEngine:
         text = None
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
+        eviction = self.eviction_policy(params)
+        if eviction is not None and (params.kv_compress_from or 0) >= (compress_at or len(token_ids)):
+            eviction = None  # every token it would compress is shared: it compresses nothing
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
-                       eviction=self.eviction_policy(params), compress_at=compress_at, grammar=self._grammar(params), lora=lora)  # fmt: skip
+                       eviction=eviction, compress_at=compress_at, compress_from=params.kv_compress_from or 0,
+                       grammar=self._grammar(params), lora=lora)  # fmt: skip
         self.requests[request_id] = seq
         if lora is not None:
             self.kv.serve_adapter(lora.identity)
@@ -523,6 +527,9 @@ class LLMEngine:
             if seq.eviction is None:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
+                if not seq.eviction_started and seq.probe is None:  # what the compaction never writes is published whole
+                    whole = seq.compression_region(self.kv.block_size).whole
+                    self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, whole))
                 self._evict(seq)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len)
         outputs = []

@@ -33,6 +33,8 @@ def eviction_policy(engine: LLMEngine, params: SamplingParams) -> EvictionPolicy
         ratio, budget = (params.kv_keep_ratio, None) if params.kv_keep_ratio is not None else (policy.keep_ratio, policy.budget)
         policy = dataclasses.replace(policy, method=method, keep_ratio=ratio, budget=budget)
     if not policy.active:
+        if params.kv_compress_from is not None:
+            raise ValueError("kv_compress_from needs kv_compression (snapkv, streaming or random): the engine compresses nothing")
         return None
     if engine.kv_spec.layer_windows and all(w is not None for w in engine.kv_spec.layer_windows):
         raise ValueError(f"kv_compression {policy.method}: every layer of {engine.config.model} has a sliding window, and "
@@ -62,15 +64,17 @@ def evict(engine: LLMEngine, seq: Sequence) -> None:
     elif not seq.eviction_started:
         if n < seq.compression_point:
             return
-        if policy.asks_generic_question and policy.tokens_kept(n) < n:
+        if policy.asks_generic_question and seq.compression_region(engine.kv.block_size).compresses(n):
             probe = engine._generic_question[: engine.max_model_len - n]  # its positions stay below max_model_len
             if seq.window_scores is None:  # "both" adds the question's scores to the window's
                 seq.window_scores = torch.zeros(engine.kv_spec.num_layers, engine.kv_spec.num_kv_heads, n, device=engine.device)
             if probe:
                 seq.probe, seq.probe_from = probe, n
                 return
-    held = n - engine.kv.num_evicted(seq.request_id)
-    kept = policy.tokens_kept(n)
+    # the region from `start` on is compressed: slots before it are positions, held whole
+    start = seq.compression_region(engine.kv.block_size).start
+    held = n - engine.kv.num_evicted(seq.request_id) - start
+    kept = policy.tokens_kept(n - start)
     scores = None
     if not seq.eviction_started:
         seq.eviction_started = True
@@ -86,14 +90,18 @@ def evict(engine: LLMEngine, seq: Sequence) -> None:
         if policy.method == "random":
             draws = torch.Generator().manual_seed(seq.seed % 2**63)
             scores = torch.rand(held, generator=draws).expand(spec.num_layers, spec.num_kv_heads, held)
+        else:
+            scores = scores[..., start : start + held]
         keep = top_positions(scores[..., :held], kept, policy.window, policy.kernel)
+    first = start // engine.kv.block_size
     targets = {}
     for g, group in enumerate(engine.kv.groups):
         if group.window is not None:
             continue  # a sliding window already keeps only the recent tokens; its slots stay positions
         slices = [spec.layer_slots[layer][1] for layer in group.layers]
-        targets[g] = engine.kv.compaction_targets(seq.request_id, g, kept)
-        engine.pool.compact(engine.kv.block_table(seq.request_id, g), slices, keep[list(group.layers)], [b.block_id for b in targets[g]])
-    engine.kv.evict(seq.request_id, n, kept, targets)
+        targets[g] = engine.kv.compaction_targets(seq.request_id, g, kept, first)
+        region = engine.kv.block_table(seq.request_id, g)[first:]
+        engine.pool.compact(region, slices, keep[list(group.layers)], [b.block_id for b in targets[g]])
+    engine.kv.evict(seq.request_id, n, start + kept, targets, first)
     engine.num_evicted_tokens += held - kept
     engine.num_compactions += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
@@ -9,6 +11,7 @@ from tqdm import tqdm
 from kvserve.lora.request import LoRARequest
 from kvserve.config import EngineConfig
 from kvserve.engine.beam import BeamSearchOutput, BeamSearchParams
+from kvserve.engine.conversation_prefix import earlier_turns, shared_length
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.migration import RequestState
 from kvserve.model.registry import DEFAULT_MODEL
@@ -60,9 +63,22 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs the model's tokenizer (this engine runs on token ids only)")
-        prompts = [tokenizer.apply_chat_template(list(c), tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt, lora_request=lora_request)
+        render = functools.partial(tokenizer.apply_chat_template, tools=tools, chat_template=chat_template)
+        prompts = [render(list(c), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+                   for c in conversations]  # fmt: skip
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) == len(prompts):  # else generate says why
+            params = [self._sparing_earlier_turns(p, c, ids, render) for p, c, ids in zip(params, conversations, prompts)]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt, lora_request=lora_request)
+
+    def _sparing_earlier_turns(self, params: SamplingParams, conversation, ids: list[int], render) -> SamplingParams:
+        """A compressing request leaves its conversation's earlier turns whole (engine/conversation_prefix.py)."""
+        if not isinstance(params, SamplingParams) or params.kv_compress_from is not None or self.engine.eviction_policy(params) is None:
+            return params
+        earlier = earlier_turns(conversation)
+        shared = shared_length(render(earlier, add_generation_prompt=False), ids) if earlier else 0
+        return dataclasses.replace(params, kv_compress_from=shared)
 
     def generate(
         self,

@@ -268,7 +268,7 @@ class ModelRunner:
             return WindowScoreSpan(row, row + end - start, start - self.kv.num_evicted(seq.request_id), tables, seq.window_scores,
                                    context=seq.probe_from, weight=weight)  # fmt: skip
         policy, total = seq.eviction, seq.compression_point
-        if policy is None or not policy.scores_window or seq.eviction_started or policy.tokens_kept(total) >= total:
+        if policy is None or not policy.scores_window or seq.eviction_started or not seq.compression_region(self.kv.block_size).compresses(total):
             return None
         first, end = max(start, total - policy.window), min(end, total)
         if first >= end:

@@ -16,7 +16,6 @@ from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import PrefixHit
 from kvserve.kv.tiers.offload import LoadJob
-from kvserve.kv.spec import blocks_for_tokens
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ class Scheduler:
                 continue  # its prefix is on its way from a tier (or it is a beam its group holds); the others go on
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
             hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.prefix_salt, self._hit_limit(seq))
-            if self.kv.offloader is not None and seq.eviction is None:
+            if self.kv.offloader is not None:
                 job = self.kv.start_tier_load(seq.request_id, seq.token_ids, hit, self._hit_limit(seq))
                 if job is not None:
                     self.loading[seq.request_id] = job
@@ -152,17 +151,15 @@ class Scheduler:
         return [job.future for job in (*self.loading.values(), *self.orphaned_loads)]
 
     def _hit_limit(self, seq: Sequence) -> int | None:
-        """A compressing request reads at most its prompt's blocks less its budget's from the prefix
-        cache: compaction writes no shared block, and moves the kept tokens it finds in shared blocks
-        into blocks of its own that the budget frees (kv/manager.py compaction_targets)."""
+        """A compressing request reads from the prefix cache only what its compaction never writes
+        (kv/eviction.py CompressionRegion.whole): it moves the kept tokens into blocks of its own."""
         limit = None
         if seq.prompt_scores_pending:  # row i scores prompt token i + 1: a hit may only cover rows already scored
             limit = len(seq.prompt_logprobs) - 1
         if seq.eviction is None:
             return limit
-        point, bs = seq.compression_point, self.kv.block_size
-        kept = (blocks_for_tokens(point, bs) - blocks_for_tokens(seq.eviction.tokens_kept(point), bs)) * bs
-        return kept if limit is None else min(kept, limit)
+        whole = seq.compression_region(self.kv.block_size).whole
+        return whole if limit is None else min(whole, limit)
 
     def _preempt_group(self, seq: Sequence) -> list[Sequence]:
         """Preempt seq, with every running beam of its beam group (a group is preempted all or nothing)."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.output_text import OutputText
-from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.eviction import CompressionRegion, EvictionPolicy
 from kvserve.kv.hashing import adapter_salt
 from kvserve.sampling_params import SamplingParams
 
@@ -64,6 +64,7 @@ class Sequence:
     eviction: EvictionPolicy | None = None  # evicts cached tokens: shares no block with the prefix cache or forks
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)
+    compress_from: int = 0  # the first tokens stay whole and shared (kv_compress_from: a system prompt, previous turns)
     window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention the scoring queries pay
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
@@ -152,6 +153,10 @@ class Sequence:
     def compression_point(self) -> int:
         """The tokens computed when the prompt is compressed: the SnapKV window ends there."""
         return self.compress_at if self.compress_at is not None else len(self.token_ids)
+
+    def compression_region(self, block_size: int) -> CompressionRegion:
+        """What its compression writes and what it leaves whole (kv/eviction.py); needs an eviction policy."""
+        return CompressionRegion.of(self.eviction, self.compression_point, self.compress_from, block_size)
 
     def next_chunk(self, budget: int) -> int:
         """Tokens to compute next within `budget`: a chunk stops at the compression point, so the

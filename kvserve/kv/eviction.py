@@ -12,6 +12,13 @@ computes, and drops again, so a text can be compressed before its questions are 
 times the window's (each averaged over its queries). The budget counts every kept token, the
 window's and the sinks' included; the window takes at most half of it, so a budget near the
 window's size still keeps the positions attention needs most (the first token, a sink, above all).
+
+A request compresses only what is its own: its first `compress_from` tokens (kv_compress_from: a
+system prompt, previous turns, which other requests share), rounded down to a block, stay whole and
+shared, and the policy (its budget included) applies to the rest. The compaction writes the kept
+tokens into the last blocks of that rest, so the blocks before them are never written: the prefix
+cache may serve them and publishes them whole (CompressionRegion.whole), and a compressed block is
+never published. Which tokens a request keeps depends on its prompt alone, never on what was cached.
 """
 
 from __future__ import annotations
@@ -94,6 +101,33 @@ class EvictionPolicy:
         if self.budget is not None:
             return min(num_tokens, self.budget)
         return min(num_tokens, max(1, math.ceil(self.keep_ratio * num_tokens)))
+
+
+@dataclass(frozen=True)
+class CompressionRegion:
+    """Where a prompt compressed at `point` is compressed: positions [start, point), `kept` of them
+    kept, into the region's last blocks; positions before `whole` are never written (whole >= start)."""
+
+    start: int
+    whole: int
+    kept: int
+
+    @classmethod
+    def of(cls, policy: EvictionPolicy, point: int, compress_from: int, block_size: int) -> CompressionRegion:
+        if compress_from >= point:
+            return cls(point, point, 0)  # nothing to compress
+        start = compress_from // block_size * block_size
+        kept = policy.tokens_kept(point - start)
+        if kept >= point - start and policy.method != "streaming":  # kept whole: nothing is ever written
+            return cls(start, point, kept)
+        untouched = -(-(point - start) // block_size) - -(-kept // block_size)
+        whole = start + untouched * block_size
+        if policy.scores_window and kept < point - start:  # the window's queries are computed, never served from the cache
+            whole = max(start, min(whole, (point - policy.window) // block_size * block_size))
+        return cls(start, whole, kept)
+
+    def compresses(self, point: int) -> bool:
+        return self.kept < point - self.start
 
 
 def top_positions(scores: torch.Tensor, kept: int, window: int, kernel: int) -> torch.Tensor:

@@ -608,28 +608,23 @@ class KVCacheManager:
             self._ids[g][row, first:] = 0
             self._release(list(reversed(gone)))
 
-    def compaction_targets(self, request_id: str, group: int, kept: int) -> list[KVBlock]:
-        """The blocks a compaction of a full-attention group to `kept` slots writes: the request's
-        own, except that a block it shares (a prefix hit: another request or the cache reads it) is
-        replaced by one of the request's own blocks past the kept ones, so nothing shared is written.
-        The scheduler takes at most prompt - budget tokens from the cache, so there are enough."""
-        table = self._tables[request_id][group]
-        last = blocks_for_tokens(kept, self.block_size)
-        spare = [b for b in table[last:] if b is not None and _private(b)]
-        targets = []
-        for block in table[:last]:
-            if _private(block):
-                targets.append(block)
-            elif spare:
-                targets.append(spare.pop())
-            else:
-                raise RuntimeError(f"request {request_id}: no block of its own to compact a shared block into")
-        return targets
+    def compaction_targets(self, request_id: str, group: int, kept: int, first: int = 0) -> list[KVBlock]:
+        """The blocks a compaction of a full-attention group's table from block `first` on to `kept`
+        slots writes: the request's own blocks nearest the region's end, so the blocks before them
+        (a prefix hit, or published whole: kv/eviction.py CompressionRegion) are never written. The
+        scheduler takes no more from the cache than leaves enough of them."""
+        region = self._tables[request_id][group][first:]
+        need = blocks_for_tokens(kept, self.block_size)
+        targets = [b for b in reversed(region) if b is not None and _private(b)][:need]
+        if len(targets) < need:
+            raise RuntimeError(f"request {request_id}: {len(targets)} blocks of its own to compact {need} into")
+        return targets[::-1]
 
-    def evict(self, request_id: str, num_computed: int, kept: int, targets: dict[int, list[KVBlock]]) -> int:
-        """The request's full-attention groups now hold only their first `kept` slots, in the blocks
-        `targets` names per group (from compaction_targets; the caller compacted them there): every
-        other block is released at once. Returns how many blocks the request let go."""
+    def evict(self, request_id: str, num_computed: int, kept: int, targets: dict[int, list[KVBlock]], first: int = 0) -> int:
+        """The request's full-attention groups now hold only their first `kept` slots: their blocks
+        before `first` as they were, then the blocks `targets` names per group (from
+        compaction_targets; the caller compacted them there): every other block is released at once,
+        a published one staying cached. Returns how many blocks the request let go."""
         tables, row = self._tables[request_id], self._rows[request_id]
         held = num_computed - self.num_evicted(request_id)
         if kept >= held:
@@ -639,10 +634,10 @@ class KVCacheManager:
             if self.groups[g].window is not None:
                 continue
             keep = {id(b) for b in targets[g]}
-            gone = [b for b in table if b is not None and id(b) not in keep]
-            table[:] = targets[g]
-            self._ids[g][row, :] = 0
-            self._ids[g][row, : len(table)] = [b.block_id for b in table]
+            gone = [b for b in table[first:] if b is not None and id(b) not in keep]
+            table[first:] = targets[g]
+            self._ids[g][row, first:] = 0
+            self._ids[g][row, first : len(table)] = [b.block_id for b in table[first:]]
             self._release(list(reversed(gone)))
             released += len(gone)
         self._evicted[request_id] = self.num_evicted(request_id) + held - kept
@@ -667,7 +662,7 @@ class KVCacheManager:
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
         if partial and publish and num_computed % self.block_size:
             self._publish_partial(tables, token_ids, num_computed, hashes or [], salt)
-        if pin and publish and self.pins is not None:
+        if pin and self.pins is not None:  # what it published whole (a compressed block never is)
             width = max(len(t) for t in tables)
             cached = [t[i] for i in range(width) for t in tables if i < len(t) and t[i] is not None and t[i].block_hash is not None]
             self.pins.pin(request_id, cached, self._touch)

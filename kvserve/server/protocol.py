@@ -153,6 +153,7 @@ class _SamplingFields(UnicodeBody):
     kv_compression: StrictStr | None = None  # kvserve extension: none | snapkv | streaming | random for this request
     kv_keep_ratio: Number | None = None  # kvserve extension: with kv_compression, the share of tokens kept
     snapkv_query: StrictStr | None = None  # kvserve extension: window | generic | both, whose attention scores snapkv's positions
+    kv_compress_from: Count | None = None  # kvserve extension: compression leaves the first N prompt tokens whole and shared
     stream: Flag = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: Count | None = None  # vLLM's extension: each prompt token's logprob and the top N
@@ -267,6 +268,7 @@ class _SamplingFields(UnicodeBody):
             kv_compression=self.kv_compression,
             kv_keep_ratio=None if self.kv_keep_ratio is None else _float("kv_keep_ratio", self.kv_keep_ratio),
             snapkv_query=self.snapkv_query,
+            kv_compress_from=self.kv_compress_from,
             structured_outputs=self._structured[0] if self._structured is not None else None,
         )
 

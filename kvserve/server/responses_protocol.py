@@ -22,7 +22,7 @@ _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "ref
 # sampling fields and extensions handed to the chat request as they are (ChatCompletionRequest checks them)
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "cache_salt", "kv_compression", "kv_keep_ratio",
-           "snapkv_query", "user", "parallel_tool_calls")  # fmt: skip
+           "snapkv_query", "kv_compress_from", "user", "parallel_tool_calls")  # fmt: skip
 # Responses fields this server does not implement: a 400 naming them when they would change the answer
 _REFUSED = {"background": "background responses are not supported by this server (stream, or wait for the answer)",
             "reasoning": "reasoning options are not supported by this server (its models do not reason in a separate channel)",

@@ -16,6 +16,7 @@ from kvserve.engine.sequence import TokenLogprobs
 from kvserve.outputs import RequestOutput
 from kvserve.server.async_engine import PromptGroup
 from kvserve.server.errors import APIError
+from kvserve.server.compression_prefix import sparing_earlier_turns
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving_engine import OpenAIServing, stop_reason
 from kvserve.server.tool_calls import ToolCallParser, call_grammar, message_with_calls
@@ -61,6 +62,7 @@ class ServingChat:
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {reprlib.repr(top)}", "top_logprobs")
         params = [serving.sampling_params(body, max_tokens, top, i, body.prompt_logprobs) for i in range(body.n)]
+        params = await sparing_earlier_turns(serving, params, body.messages, ids, body.chat_template, tools if calling else None)
         if calling:  # the calls' grammar is compiled under auto too: a tool whose parameters are no schema is a 400 either way
             try:  # the calls' schema (bounded, but a deep copy and walks of every tool's): off the event loop; its grammar is written where it compiles
                 spec = await asyncio.to_thread(call_grammar, tools, tool_choice, body.parallel_tool_calls is not False)

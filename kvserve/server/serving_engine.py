@@ -266,7 +266,8 @@ class OpenAIServing:
         try:
             self.engine.eviction_policy(params)
         except ValueError as exc:
-            raise APIError(400, str(exc), "snapkv_query" if str(exc).startswith("snapkv_query") else "kv_compression") from exc
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), field if field in ("snapkv_query", "kv_compress_from") else "kv_compression") from exc
         if params.stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; " + NO_TOKENIZER.split(": ", 1)[0] + " (use stop_token_ids)", "stop")
         vocab = self.engine.model_config.vocab_size

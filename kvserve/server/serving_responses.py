@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.server.async_engine import PromptGroup, RequestAborted, Submission
+from kvserve.server.compression_prefix import sparing_earlier_turns
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import FieldError
 from kvserve.server.responses_output import OutputBuilder
@@ -80,6 +81,7 @@ class ServingResponses:
         serving.validate_prompt(ids, "input")
         max_tokens = serving.max_tokens(body.max_output_tokens, len(ids), "max_output_tokens")
         params = [serving.sampling_params(chat, max_tokens, None, 0)]
+        params = await sparing_earlier_turns(serving, params, chat.messages, ids, None, tools if calling else None)
         if calling:
             try:
                 spec = await asyncio.to_thread(call_grammar, tools, tool_choice, chat.parallel_tool_calls is not False)
