@@ -99,6 +99,20 @@ def test_beams_share_their_prefix_blocks_and_return_dropped_ones_at_once(tiny_di
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_beams_run_uncompressed_on_an_engine_that_compresses(tiny_dir):
+    """Beams fork each other's blocks: on an engine with --kv-compression they run uncompressed, as
+    the same search on an engine without it."""
+    path = str(tiny_dir("llama"))
+    params = BeamSearchParams(beam_width=3, max_tokens=40)
+    prompt = random_prompts(1, 90, 90, seed=13)[0]
+    expected = LLM(path, dtype="float32", kv_cache_memory=0.02).beam_search(prompt, params)[0].sequences
+    for flags in (dict(kv_compression="streaming", kv_budget=64), dict(kv_compression="snapkv", kv_keep_ratio=0.5)):
+        llm = LLM(path, dtype="float32", kv_cache_memory=0.02, **flags)
+        got = llm.beam_search(prompt, params)[0].sequences
+        assert [s.tokens for s in got] == [s.tokens for s in expected]
+        assert llm.engine.num_evicted_tokens == 0
+
+
 @pytest.mark.parametrize("bad,message", [
     (dict(beam_width=0, max_tokens=4), "beam_width"),
     (dict(beam_width=2, max_tokens=0), "max_tokens"),
@@ -202,7 +216,7 @@ def test_the_server_returns_n_beams_ordered_by_score(beam_server, tiny_dir):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     for bad, field in (({"temperature": 0.5}, "temperature"), ({"best_of": 1, "n": 2}, "best_of"), ({"stop": ["x"]}, "stop"),
                        ({"top_p": 0.5}, "top_p"), ({"early_stopping": "sometimes"}, "early_stopping"), ({"n": 16}, "n"),
-                       ({"stop_token_ids": [3]}, "stop_token_ids")):  # fmt: skip
+                       ({"stop_token_ids": [3]}, "stop_token_ids"), ({"kv_compression": "snapkv", "kv_keep_ratio": 0.5}, "kv_compression")):  # fmt: skip
         r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, r.text)
     r = httpx.post(beam_server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True, "temperature": None},

@@ -7,6 +7,7 @@ moves the kept K/V bit for bit; freed blocks go back to the pool; batching, chun
 preemption and n > 1 work with compression on.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -390,6 +391,14 @@ def test_kv_compress_from_is_validated_and_needs_compression(tiny_dir):
     llm.generate([[7] * 70], squeezed, use_tqdm=False)
     assert llm.engine.num_evicted_tokens == 0
     assert llm.generate([[7] * 70], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
+    # streaming's budget still bounds the output: kv_compress_from counts prompt tokens only
+    streaming = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, kv_compression="streaming", kv_keep_ratio=0.25)
+    runs = []
+    for n in (16, 20, 10_000):
+        engine = _llm(tiny_dir("llama"))
+        out = engine.generate([[9] * 20], dataclasses.replace(streaming, kv_compress_from=n), use_tqdm=False)[0]
+        runs.append((out.token_ids, engine.engine.num_evicted_tokens))
+    assert runs[0] == runs[1] == runs[2] and runs[0][1] > 30  # 16 whole, then a quarter of what follows
 
 
 def test_int8_cache_compresses(tiny_dir):

@@ -32,7 +32,9 @@ def add_beam_search(engine: LLMEngine, prompt: str | list[int], params: BeamSear
     request_id = request_id if request_id is not None else f"beam-{next(engine._ids)}"
     if request_id in engine.beam_groups or request_id in engine.requests:
         raise ValueError(f"request_id {request_id!r} is already in use")
-    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0, ignore_eos=True, logprobs=params.candidates(len(ends)))
+    # beams fork each other's blocks, which a compaction would rewrite: they never compress (the engine's --kv-compression included)
+    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0, ignore_eos=True, logprobs=params.candidates(len(ends)),
+                              kv_compression="none")  # fmt: skip
     seq = engine.add_request(prompt, sampling, f"{request_id}#0", cache_salt, lora_request=lora_request)
     seq.text, seq.beam_group = None, request_id
     max_new = min(params.max_tokens, engine.max_model_len - seq.prompt_len)

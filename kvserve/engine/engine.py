@@ -266,10 +266,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         eviction = self.eviction_policy(params)
-        if eviction is not None and (params.kv_compress_from or 0) >= (compress_at or len(token_ids)):
-            eviction = None  # every token it would compress is shared: it compresses nothing
+        compress_from = min(params.kv_compress_from or 0, compress_at or len(token_ids))  # prompt tokens: the output is its own
+        if eviction is not None and eviction.method != "streaming" and compress_from == (compress_at or len(token_ids)):
+            eviction = None  # every token it would compress is shared: it compresses nothing (streaming: its output, as it decodes)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
-                       eviction=eviction, compress_at=compress_at, compress_from=params.kv_compress_from or 0,
+                       eviction=eviction, compress_at=compress_at, compress_from=compress_from,
                        grammar=self._grammar(params), lora=lora)  # fmt: skip
         self.requests[request_id] = seq
         if lora is not None:

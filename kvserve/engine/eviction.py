@@ -74,7 +74,7 @@ def evict(engine: LLMEngine, seq: Sequence) -> None:
     # the region from `start` on is compressed: slots before it are positions, held whole
     start = seq.compression_region(engine.kv.block_size).start
     held = n - engine.kv.num_evicted(seq.request_id) - start
-    kept = policy.tokens_kept(n - start)
+    kept = policy.tokens_kept(max(n - start, 0))
     scores = None
     if not seq.eviction_started:
         seq.eviction_started = True

@@ -106,7 +106,7 @@ class EvictionPolicy:
 @dataclass(frozen=True)
 class CompressionRegion:
     """Where a prompt compressed at `point` is compressed: positions [start, point), `kept` of them
-    kept, into the region's last blocks; positions before `whole` are never written (whole >= start)."""
+    kept, into the region's last blocks; positions before `whole` are never written."""
 
     start: int
     whole: int
@@ -114,9 +114,9 @@ class CompressionRegion:
 
     @classmethod
     def of(cls, policy: EvictionPolicy, point: int, compress_from: int, block_size: int) -> CompressionRegion:
-        if compress_from >= point:
-            return cls(point, point, 0)  # nothing to compress
         start = compress_from // block_size * block_size
+        if start >= point:  # none of the prompt (streaming: what follows `start` as it decodes)
+            return cls(start, point, 0)
         kept = policy.tokens_kept(point - start)
         if kept >= point - start and policy.method != "streaming":  # kept whole: nothing is ever written
             return cls(start, point, kept)

@@ -280,6 +280,9 @@ class OpenAIServing:
         the KV pool cannot hold to its end among them)."""
         try:
             beam = body.beam_search_params(max_tokens)
+            if beam is not None and body.kv_compression not in (None, "none"):
+                raise APIError(400, "kv_compression is not supported with use_beam_search (beams share their blocks; "
+                               "they run uncompressed, the server's --kv-compression aside)", "kv_compression")  # fmt: skip
             if beam is not None:
                 beam.check_width(0 if beam.ignore_eos else len(self.engine.eos_token_ids))
                 check_fits(self.engine, prompt_len, beam)
