@@ -29,6 +29,32 @@ def test_pool_ref_counts_and_lru_order():
         pool.allocate(1)
 
 
+def test_parked_blocks_go_after_the_lru_queue_and_rejoin_it_when_refreshed():
+    """A running request's parked blocks (a sliding window's before its prompt's end) are evicted
+    after every other free block; refreshed when it is done, they take their place in the LRU order."""
+    pool = BlockPool(5)
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        block.block_hash = 100 + i  # published
+    evicted = []
+    pool.on_evict = evicted.append
+    a, b, c, d, e = blocks
+    pool.free([a, b])
+    pool.park(a)
+    pool.park(b)
+    pool.free([c, d])
+    assert pool.num_free_blocks == 4
+    assert pool.allocate(2) == [c, d] and evicted == [c, d]  # the LRU queue first, parked ones kept
+    pool.free([e])
+    pool.refresh(a)  # its request finished: a joins the LRU queue's tail, b stays parked
+    assert pool.allocate(3) == [e, a, b]
+    b.block_hash = 200
+    pool.free([b])
+    pool.park(b)
+    pool.touch(b)  # a parked block revives like any free one
+    assert b.ref_count == 1 and pool.num_free_blocks == 0
+
+
 def test_touch_revives_a_free_block():
     pool = BlockPool(2)
     (a,) = pool.allocate(1)

@@ -204,6 +204,9 @@ class _Side:
     def reuse_first(self, block: KVBlock) -> None:
         """The arena keeps its own order (chunks of full-precision units): nothing to move."""
 
+    def park(self, block: KVBlock) -> None:
+        """Likewise."""
+
     def refresh(self, block: KVBlock) -> None:
         """Likewise."""
 

@@ -3,7 +3,9 @@
 A block whose ref count drops to zero is free. Allocation takes, in this order: blocks that hold
 nothing reusable (never used, or unpublished); cached blocks marked to go first (reuse_first: a
 sliding window's blocks behind its window, an unloaded adapter's); then cached blocks, least
-recently freed first (an LRU queue). A block the prefix cache published keeps its hash while free,
+recently freed first (an LRU queue); last, cached blocks parked for a request still running (park:
+the window a sliding group left behind before its prompt's last tokens, which a repeat of the
+prompt reads once the request is done; refresh moves them to the LRU queue's tail then). A block the prefix cache published keeps its hash while free,
 so a later lookup can revive it (O(1) removal from its queue); when allocation reuses such a block
 the cache is told it was evicted.
 """
@@ -39,6 +41,7 @@ class BlockPool:
         self._plain: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)  # nothing to reuse
         self._early: OrderedDict[int, KVBlock] = OrderedDict()  # cached, evicted before the LRU queue
         self._free: OrderedDict[int, KVBlock] = OrderedDict()  # cached, least recently freed first
+        self._parked: OrderedDict[int, KVBlock] = OrderedDict()  # cached, a running request's: evicted after the LRU queue
         self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
         self.num_evictions = 0
         self._used: dict[int, int] = {}  # group -> blocks some request holds
@@ -50,7 +53,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, cached ones included (they are evicted when taken)."""
-        return len(self._plain) + len(self._early) + len(self._free)
+        return len(self._plain) + len(self._early) + len(self._free) + len(self._parked)
 
     @property
     def usage(self) -> float:
@@ -64,7 +67,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            _, block = (self._plain or self._early or self._free).popitem(last=False)
+            _, block = (self._plain or self._early or self._free or self._parked).popitem(last=False)
             if block.block_hash is not None:
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -84,7 +87,7 @@ class BlockPool:
         block.ref_count += 1
 
     def _queue_of(self, block: KVBlock) -> OrderedDict[int, KVBlock]:
-        return next(q for q in (self._free, self._early, self._plain) if block.block_id in q)
+        return next(q for q in (self._free, self._early, self._plain, self._parked) if block.block_id in q)
 
     def reuse_first(self, block: KVBlock) -> None:
         """A free block few hits (or none: it was forgotten) can use is reused before the LRU queue's."""
@@ -92,10 +95,17 @@ class BlockPool:
             self._queue_of(block).pop(block.block_id)
             (self._early if block.block_hash is not None else self._plain)[block.block_id] = block
 
+    def park(self, block: KVBlock) -> None:
+        """A free cached block a running request will want cached when it is done: evicted last."""
+        if block.ref_count == 0 and block.block_hash is not None:
+            self._queue_of(block).pop(block.block_id)
+            self._parked[block.block_id] = block
+
     def refresh(self, block: KVBlock) -> None:
         """A free cached block counts as freed now: to the LRU queue's tail."""
-        if block.ref_count == 0 and block.block_id in self._free:
-            self._free.move_to_end(block.block_id)
+        if block.ref_count == 0 and (block.block_id in self._free or block.block_id in self._parked):
+            (self._free if block.block_id in self._free else self._parked).pop(block.block_id)
+            self._free[block.block_id] = block
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; callers pass tail blocks first so they are evicted first."""

@@ -112,17 +112,17 @@ class KVCacheManager:
     def _touch(self, block: KVBlock) -> None:
         self._pool_of(block).touch(block)
 
-    def _release(self, blocks: list[KVBlock], evict_first: bool = False) -> None:
+    def _release(self, blocks: list[KVBlock], evict_first: bool = False, park: bool = False) -> None:
         """Drop one reference from each block, in order, each in its own pool. `evict_first`: those
-        now free go to the head of the free queue (cached still, but reused before any other)."""
+        now free go to the head of the free queue (cached still, but reused before any other);
+        `park`: they are evicted after every other (a running request's, refreshed when it is done)."""
         for pool in (self.pool, self.residual_pool):
             if pool is not None:
                 mine = [b for b in blocks if self._pool_of(b) is pool]
                 if mine:
                     pool.free(mine)
-                    if evict_first:
-                        for block in mine:
-                            pool.reuse_first(block)
+                    for block in mine if evict_first or park else ():
+                        (pool.reuse_first if evict_first else pool.park)(block)
 
     # ------------------------------------------------------------------ reading
     def block_table(self, request_id: str, group: int = 0) -> list[int | None]:
@@ -570,7 +570,8 @@ class KVCacheManager:
         cached, but only a hit ending within them reads them again, so they are reused before the LRU
         queue's blocks (a whole cached prompt's), except the window before the prompt's last whole
         blocks (a repeat of the prompt, or a document asked another question, hits there): those
-        rejoin the LRU order when the request finishes, as old as its other blocks."""
+        are parked, evicted after every other cached block while the request runs, and rejoin the
+        LRU order when it finishes, as old as its other blocks."""
         tables = self._tables.get(request_id)
         if tables is None:
             return
@@ -593,7 +594,7 @@ class KVCacheManager:
                 table[i] = None
             self._ids[g][row, :first] = 0
             self._release(list(reversed(early)), evict_first=True)
-            self._release(list(reversed(late)))
+            self._release(late, park=True)  # lowest positions evicted first: a hit reads the window just before it
             self._window_tails.setdefault(request_id, []).extend(late)
 
     def truncate(self, request_id: str, num_computed: int) -> None:
