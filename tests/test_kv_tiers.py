@@ -190,6 +190,21 @@ def tiered(path, tmp_path, tier: str, **settings) -> LLM:
     return llm
 
 
+def test_a_radix_hit_of_a_few_shared_tokens_still_loads_the_rest_from_the_tier(tiny_dir, tmp_path):
+    """Prompts that open alike (a BOS and a common first word) find a few tokens in the radix tree:
+    the tier still serves the rest of their prefix (it reads that partial block whole)."""
+    path = str(tiny_dir("llama"))
+    prompts = [[1, 7, 7] + p for p in random_prompts(8, 90, 120, seed=5)]
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2, prefix_cache="radix")
+    llm = tiered(path, tmp_path, "host", prefix_cache="radix")
+    expected = [trace(o) for o in one_by_one(plain, prompts, GREEDY)]
+    assert [trace(o) for o in one_by_one(llm, prompts, GREEDY)] == expected
+    again = one_by_one(llm, prompts, GREEDY)
+    assert [trace(o) for o in again] == expected
+    assert all(o.num_cached_tokens >= 64 for o in again)
+    assert llm.stats()["kv_tiers"]["host"]["hit_tokens"] >= 8 * 64
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "both"])
 @pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma3", "float32"), ("llama", "int8"), ("gemma3", "bfloat16")])
 def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_tokens(tiny_dir, tmp_path, tier, family, kv_dtype):

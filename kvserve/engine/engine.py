@@ -532,7 +532,9 @@ class LLMEngine:
                     whole = seq.compression_region(self.kv.block_size).whole
                     self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, whole))
                 self._evict(seq)
-            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len)
+            # a compressing request's prompt is served from the cache up to what its compaction leaves whole
+            hit_end = seq.compression_region(self.kv.block_size).whole if seq.eviction is not None else None
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len, hit_end)
         outputs = []
         for seq, reason in verified.items():
             if reason is not None:

@@ -72,7 +72,7 @@ class KVCacheManager:
         self.pins: ConversationPins | None = None  # stored conversations' blocks kept between turns (set by the engine)
         # sliding groups' blocks a request let go while running that a hit at its prompt's end reads: when it
         # finishes they rejoin the LRU order beside its other blocks (a window is as old as the request that used it)
-        self._window_tails: dict[str, list[KVBlock]] = {}
+        self._parked: dict[str, list[KVBlock]] = {}  # cached blocks a running request let go, evicted last until it is done
 
     @property
     def num_blocks(self) -> int:
@@ -234,10 +234,10 @@ class KVCacheManager:
         beat recomputing it: fresh blocks are taken (held until the load ends) and the load starts.
         None when there is nothing to load, it would be slower, or the pool has no room for it."""
         offloader, cache = self.offloader, self.prefix_cache
-        if offloader is None or cache is None or hit.num_tokens % self.block_size or request_id not in self._hashes:
+        if offloader is None or cache is None or request_id not in self._hashes:
             return None
         bs, hashes = self.block_size, self._hashes[request_id]
-        start = hit.num_tokens // bs
+        start = hit.num_tokens // bs  # a radix hit's partial block (a few shared tokens) is read whole from a tier instead
         whole = min(len(hashes), min(len(token_ids) - 1, len(token_ids) if limit is None else limit) // bs)
         if start >= whole:
             return None
@@ -565,13 +565,14 @@ class KVCacheManager:
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
         return True
 
-    def free_unreachable(self, request_id: str, num_computed: int, prompt_len: int | None = None) -> None:
+    def free_unreachable(self, request_id: str, num_computed: int, prompt_len: int | None = None, hit_end: int | None = None) -> None:
         """Free each sliding group's blocks that no query at num_computed or later reads. They stay
         cached, but only a hit ending within them reads them again, so they are reused before the LRU
         queue's blocks (a whole cached prompt's), except the window before the prompt's last whole
         blocks (a repeat of the prompt, or a document asked another question, hits there): those
         are parked, evicted after every other cached block while the request runs, and rejoin the
-        LRU order when it finishes, as old as its other blocks."""
+        LRU order when it finishes, as old as its other blocks. `hit_end`: where a hit on this prompt
+        ends instead (a compressing request's: the part its compaction leaves whole)."""
         tables = self._tables.get(request_id)
         if tables is None:
             return
@@ -583,9 +584,9 @@ class KVCacheManager:
             table = tables[g]
             if prompt_len is None:
                 kept = first
-            else:  # hits ending up to SHARED_TAIL_TOKENS (at most a window) before the prompt's end
-                shared = max(prompt_len - 1 - min(SHARED_TAIL_TOKENS, group.window), 0) // self.block_size * self.block_size
-                kept = min(group.first_block(shared, self.block_size), first)
+            else:  # hits ending up to SHARED_TAIL_TOKENS (at most a window) before the prompt's end, or at `hit_end`
+                shared = max(prompt_len - 1 - min(SHARED_TAIL_TOKENS, group.window), 0) if hit_end is None else hit_end
+                kept = min(group.first_block(shared // self.block_size * self.block_size, self.block_size), first)
             early = [b for b in table[:kept] if b is not None]
             late = [b for b in table[kept:first] if b is not None]
             if not early and not late:
@@ -595,7 +596,7 @@ class KVCacheManager:
             self._ids[g][row, :first] = 0
             self._release(list(reversed(early)), evict_first=True)
             self._release(late, park=True)  # lowest positions evicted first: a hit reads the window just before it
-            self._window_tails.setdefault(request_id, []).extend(late)
+            self._parked.setdefault(request_id, []).extend(late)
 
     def truncate(self, request_id: str, num_computed: int) -> None:
         """Drop the request's slots from position num_computed on (a KVzip probe's), releasing the
@@ -625,7 +626,8 @@ class KVCacheManager:
         """The request's full-attention groups now hold only their first `kept` slots: their blocks
         before `first` as they were, then the blocks `targets` names per group (from
         compaction_targets; the caller compacted them there): every other block is released at once,
-        a published one staying cached. Returns how many blocks the request let go."""
+        a published one staying cached, parked until the request is done (a prompt asked again hits
+        it). Returns how many blocks the request let go."""
         tables, row = self._tables[request_id], self._rows[request_id]
         held = num_computed - self.num_evicted(request_id)
         if kept >= held:
@@ -639,7 +641,10 @@ class KVCacheManager:
             table[first:] = targets[g]
             self._ids[g][row, first:] = 0
             self._ids[g][row, first : len(table)] = [b.block_id for b in table[first:]]
-            self._release(list(reversed(gone)))
+            published = [b for b in reversed(gone) if b.block_hash is not None]  # tail first: a hit reads from the prefix's start
+            self._release([b for b in reversed(gone) if b.block_hash is None])
+            self._release(published, park=True)
+            self._parked.setdefault(request_id, []).extend(published)
             released += len(gone)
         self._evicted[request_id] = self.num_evicted(request_id) + held - kept
         return released
@@ -656,7 +661,7 @@ class KVCacheManager:
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
         self._load_cut.discard(request_id)
-        for block in self._window_tails.pop(request_id, ()):
+        for block in self._parked.pop(request_id, ()):
             self._pool_of(block).refresh(block)
         if tables is None:
             return
