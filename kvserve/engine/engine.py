@@ -525,16 +525,15 @@ class LLMEngine:
             self.pool.quantize([(residual.block_id, target.block_id) for residual, target in pairs])
         self.kv.release_quantized(pairs)
         for seq, _ in batch.entries:
-            if seq.eviction is None:
+            # a compressing request's prompt is published and served from the cache up to what its compaction leaves whole
+            whole = seq.compression_region(self.kv.block_size).whole if seq.eviction is not None else None
+            if whole is None:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
-                if not seq.eviction_started and seq.probe is None:  # what the compaction never writes is published whole
-                    whole = seq.compression_region(self.kv.block_size).whole
+                if not seq.eviction_started and seq.probe is None:
                     self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, whole))
                 self._evict(seq)
-            # a compressing request's prompt is served from the cache up to what its compaction leaves whole
-            hit_end = seq.compression_region(self.kv.block_size).whole if seq.eviction is not None else None
-            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len, hit_end)
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len, whole)
         outputs = []
         for seq, reason in verified.items():
             if reason is not None:

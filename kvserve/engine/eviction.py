@@ -54,6 +54,7 @@ def evict(engine: LLMEngine, seq: Sequence) -> None:
     policy, n = seq.eviction, seq.num_computed_tokens
     if engine.pool is None:
         return
+    region = seq.compression_region(engine.kv.block_size)  # from region.start on it is compressed; slots before are positions
     if seq.probe is not None:  # the generic question is computed: drop it, compress with its scores
         if n < seq.num_tokens:
             return
@@ -64,15 +65,14 @@ def evict(engine: LLMEngine, seq: Sequence) -> None:
     elif not seq.eviction_started:
         if n < seq.compression_point:
             return
-        if policy.asks_generic_question and seq.compression_region(engine.kv.block_size).compresses(n):
+        if policy.asks_generic_question and region.compresses(n):
             probe = engine._generic_question[: engine.max_model_len - n]  # its positions stay below max_model_len
             if seq.window_scores is None:  # "both" adds the question's scores to the window's
                 seq.window_scores = torch.zeros(engine.kv_spec.num_layers, engine.kv_spec.num_kv_heads, n, device=engine.device)
             if probe:
                 seq.probe, seq.probe_from = probe, n
                 return
-    # the region from `start` on is compressed: slots before it are positions, held whole
-    start = seq.compression_region(engine.kv.block_size).start
+    start = region.start
     held = n - engine.kv.num_evicted(seq.request_id) - start
     kept = policy.tokens_kept(max(n - start, 0))
     scores = None

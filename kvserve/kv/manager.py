@@ -641,8 +641,9 @@ class KVCacheManager:
             table[first:] = targets[g]
             self._ids[g][row, first:] = 0
             self._ids[g][row, first : len(table)] = [b.block_id for b in table[first:]]
-            published = [b for b in reversed(gone) if b.block_hash is not None]  # tail first: a hit reads from the prefix's start
-            self._release([b for b in reversed(gone) if b.block_hash is None])
+            gone.reverse()  # tail first: a hit reads from the prefix's start
+            published = [b for b in gone if b.block_hash is not None]
+            self._release([b for b in gone if b.block_hash is None])
             self._release(published, park=True)
             self._parked.setdefault(request_id, []).extend(published)
             released += len(gone)
