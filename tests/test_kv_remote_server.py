@@ -85,7 +85,18 @@ def loaded(url: str, tokens: int, at_least: int) -> bool:
     return any(line.startswith("kvserve:kv_offload_loads_cut_total") and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines())
 
 
+def stored(redis_server, records: int, deadline_s: float = 120.0) -> None:
+    """Wait until the shared tier holds `records` records: an engine stores what it computed off its step loop (at a
+    lower priority), so an answer can come back before its last blocks reach Redis."""
+    client = redis_server.client()
+    deadline = time.monotonic() + deadline_s
+    while client.dbsize() < records:
+        assert time.monotonic() < deadline, f"Redis holds {client.dbsize()} records, not the {records} written"
+        time.sleep(0.05)
+
+
 def test_a_second_server_reuses_the_first_servers_prefix_and_salts_stay_apart(model_dir, redis_server, reference):
+    redis_server.client().flushdb()
     first, first_url = start(model_dir, "--kv-remote-url", redis_server.url)
     second, second_url = start(model_dir, "--kv-remote-url", redis_server.url)
     try:
@@ -93,6 +104,7 @@ def test_a_second_server_reuses_the_first_servers_prefix_and_salts_stay_apart(mo
         want = complete(reference, prompt)["choices"][0]["text"]
         assert complete(first_url, prompt)["choices"][0]["text"] == want
         assert cached(complete(first_url, salted, cache_salt="tenant-a")) == 0
+        stored(redis_server, 2 * (300 // BLOCK))  # both prompts' whole blocks (the tiny llama has one KV group)
         again = complete(second_url, prompt)
         assert again["choices"][0]["text"] == want and loaded(second_url, cached(again), 300 - 2 * BLOCK)
         assert cached(complete(second_url, salted, cache_salt="tenant-b")) == 0  # another tenant's blocks are not its
