@@ -285,14 +285,17 @@ def test_compressing_requests_read_prefix_hits_write_no_shared_block_and_publish
     llm = _llm(path)
     squeezed = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_compression=method, kv_keep_ratio=0.5)
     first = llm.generate([prompt], squeezed, use_tqdm=False)[0]
-    # 80 tokens, 40 kept: 5 blocks, the kept tokens written into the last 3, so the first 2 are never
-    # written: published whole (a plain request reads them), and all a compressing request reads
+    # 80 tokens, 40 kept: snapkv writes them into 3 blocks taken for them, so none of the prompt's 5 is
+    # written: its 4 full ones are published whole (a plain request reads them); a compressing request
+    # reads all but its window's (its queries are computed). streaming writes into its last 3 blocks:
+    # the first 2 are published, and all a compressing request reads
+    whole, read = (64, 48) if method == "snapkv" else (32, 32)  # snapkv's window: 32 tokens
     plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert plain.num_cached_tokens == 32
+    assert plain.num_cached_tokens == whole
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
     # the kept tokens found in them are moved into blocks of the request's own, and the tokens are those computed alone
     hit = llm.generate([prompt], squeezed, use_tqdm=False)[0]
-    assert hit.num_cached_tokens == 32 and hit.token_ids == first.token_ids
+    assert hit.num_cached_tokens == read and hit.token_ids == first.token_ids
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # the shared blocks still hold the prompt's K/V
     assert again.num_cached_tokens == 64 and again.token_ids == plain.token_ids
     assert llm.stats()["prefix_cache_requests_total"] == 5  # every request looked up
@@ -366,16 +369,50 @@ def test_compression_spares_a_shared_prefix_and_never_publishes_a_compressed_blo
 
 def test_the_compressed_region_leaves_whole_what_its_compaction_never_writes():
     snapkv = EvictionPolicy("snapkv", keep_ratio=0.5, window=8)
-    # 80 tokens from 0: 40 kept in the last 3 of 5 blocks, the first 2 never written
-    assert CompressionRegion.of(snapkv, 80, 0, 16) == CompressionRegion(0, 32, 40)
-    # 124 tokens, the first 64 shared (70 rounds down to a block): 30 of the last 60 kept, 2 blocks of 4
-    assert CompressionRegion.of(snapkv, 124, 70, 16) == CompressionRegion(64, 96, 30)
+    # 80 tokens from 0: 40 kept in 3 blocks taken for them, nothing written before 80; hits end before the window
+    assert CompressionRegion.of(snapkv, 80, 0, 16) == CompressionRegion(0, 80, 40, 64)
+    assert CompressionRegion.of(snapkv, 80, 0, 16).reserve(80, 16) == 3
+    # in place: 40 kept in the last 3 of 5 blocks, the first 2 never written
+    assert CompressionRegion.of(snapkv, 80, 0, 16, in_place=True) == CompressionRegion(0, 32, 40, 32, True)
+    assert CompressionRegion.of(snapkv, 80, 0, 16, in_place=True).reserve(80, 16) == 0
+    # 124 tokens, the first 64 shared (70 rounds down to a block): 30 of the last 60 kept, 2 blocks of 4 in place
+    assert CompressionRegion.of(snapkv, 124, 70, 16, in_place=True) == CompressionRegion(64, 96, 30, 96, True)
+    assert CompressionRegion.of(snapkv, 124, 70, 16) == CompressionRegion(64, 124, 30, 112)
     # the window's queries are computed: a budget of 8 would leave 7 of 8 blocks untouched, the window takes 1 back
-    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16).whole == 96
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16, in_place=True).hit_end == 96
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16).whole == 128
+    # random scores no window: a hit reads everything before the compression point's block
+    assert CompressionRegion.of(EvictionPolicy("random", keep_ratio=0.5), 80, 0, 16).hit_end == 80
     # nothing to compress: all whole (streaming keeps evicting as it decodes: its own blocks stay its own)
-    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=64), 60, 0, 16) == CompressionRegion(0, 60, 60)
-    assert CompressionRegion.of(EvictionPolicy("streaming", budget=64), 60, 0, 16).whole == 0
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=64), 60, 0, 16) == CompressionRegion(0, 60, 60, 60)
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=64), 60, 0, 16).reserve(60, 16) == 0
+    streaming = CompressionRegion.of(EvictionPolicy("streaming", budget=64), 60, 0, 16)
+    assert streaming.whole == 0 and streaming.in_place and streaming.reserve(60, 16) == 0
     assert not CompressionRegion.of(snapkv, 50, 64, 16).compresses(50)
+
+
+def test_a_prompt_whose_compaction_blocks_could_never_fit_compacts_in_place(tiny_dir):
+    """The blocks a SnapKV compaction writes into are taken beside the prompt's; a prompt near what
+    the pool holds alone could never have both, so it writes into its own last blocks instead: it
+    runs, with the tokens of an engine with room, and publishes only what it leaves whole."""
+    path = tiny_dir("llama")
+    # the window's queries alone: the generic question would be cut to the room left before max_model_len
+    flags = dict(kv_compression="snapkv", kv_keep_ratio=0.5, snapkv_window=8, snapkv_query="window")
+    prompt = random_prompts(1, 300, 300, seed=50)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    roomy = _llm(path, **flags)
+    want = roomy.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert roomy.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 288  # every whole block published
+    tight = _llm(path, num_kv_blocks=20, **flags)
+    seqs = []
+    for tokens in (prompt, prompt[:150]):
+        seqs.append(tight.engine.add_request(tokens, params))
+        while tight.engine.has_unfinished_requests():
+            tight.engine.step()
+    assert [s.compacts_in_place for s in seqs] == [True, False] and seqs[0].output_token_ids == want
+    # 150 tokens kept in the last 10 of 19 blocks: the first 9 published
+    assert tight.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 144
+    _check_free(tight)
 
 
 def test_kv_compress_from_is_validated_and_needs_compression(tiny_dir):
@@ -646,8 +683,9 @@ def test_gemma3_compression_frees_blocks_and_works_batched_chunked_and_preempted
         batched = _llm(path, max_num_batched_tokens=48, **flags)
         assert [o.token_ids for o in batched.generate(prompts, params, use_tqdm=False)] == alone, method
         # two sliding groups hold ~2 blocks each, the full group half the prompt and what it generates: 30 blocks preempt
-        # (a preempted sequence is recomputed and compressed again, its output so far included: its tokens may change)
-        squeezed = _llm(path, num_kv_blocks=30, max_num_batched_tokens=48, **flags)
+        # (a preempted sequence is recomputed and compressed again, its output so far included: its tokens may change);
+        # snapkv is admitted with the blocks its compaction writes into as well (the prompt's stay whole): 36 do
+        squeezed = _llm(path, num_kv_blocks=36 if method == "snapkv" else 30, max_num_batched_tokens=48, **flags)
         assert [len(o.token_ids) for o in squeezed.generate(prompts, params, use_tqdm=False)] == [100] * 6
         assert squeezed.stats()["num_preemptions"] > 0 and squeezed.stats()["kv_evicted_tokens_total"] > 0
         _check_free(batched)

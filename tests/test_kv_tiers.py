@@ -205,6 +205,33 @@ def test_a_radix_hit_of_a_few_shared_tokens_still_loads_the_rest_from_the_tier(t
     assert llm.stats()["kv_tiers"]["host"]["hit_tokens"] >= 8 * 64
 
 
+def test_a_sliding_groups_block_evicted_before_the_rest_comes_back_from_the_tier_alone(tiny_dir, tmp_path):
+    """Gemma 3: the pool still holds a prompt's full-attention blocks, but a sliding group's block of
+    its last window went down to the host tier: the tier fills that hole (one block read, the rest
+    read where it is) and the hit is whole again, with the tokens of the first run."""
+    path = str(tiny_dir("gemma3"))
+    prompt = random_prompts(1, 100, 100, seed=12)[0]
+    llm = tiered(path, tmp_path, "host", num_kv_blocks=120)
+    first = one_by_one(llm, [prompt], GREEDY)[0]
+    kv = llm.engine.kv
+    sliding = next(g for g, group in enumerate(kv.groups) if group.window is not None)
+    index = kv.groups[sliding].first_block(96, 16)  # the window before a hit at 96 (the prompt's whole blocks)
+    (block,) = [b for b in kv.prefix_cache.blocks(sliding) if b.token_ids == tuple(prompt[index * 16 : (index + 1) * 16])]
+    key, taken = block.block_hash, []
+    kv.pool.reuse_first(block)  # the first cached block the pool reuses (after the never used ones): its bytes go down first
+    while kv.prefix_cache.cached(sliding, key) is not None:
+        taken += kv.pool.allocate(1, sliding)
+    full = next(g for g, group in enumerate(kv.groups) if group.window is None)
+    held = {b.token_ids for b in kv.prefix_cache.blocks(full)}
+    assert taken[-1] is block and all(tuple(prompt[i * 16 : (i + 1) * 16]) in held for i in range(6))  # the hole is the window's only
+    kv.pool.free(taken)
+    kv.offloader.drain()
+    assert kv.lookup("probe", prompt, None).num_tokens < 96
+    again = one_by_one(llm, [prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 96 and trace(again) == trace(first)
+    assert llm.stats()["kv_tiers"]["host"]["hit_tokens"] == 16
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "both"])
 @pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma3", "float32"), ("llama", "int8"), ("gemma3", "bfloat16")])
 def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_tokens(tiny_dir, tmp_path, tier, family, kv_dtype):

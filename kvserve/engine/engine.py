@@ -272,6 +272,10 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
                        eviction=eviction, compress_at=compress_at, compress_from=compress_from,
                        grammar=self._grammar(params), lora=lora)  # fmt: skip
+        if eviction is not None:  # a prompt whose compaction's own blocks could never fit writes into its last ones
+            probe = len(self._generic_question) if eviction.asks_generic_question else 0
+            reserve = seq.compaction_reserve(self.kv.block_size, len(token_ids))
+            seq.compacts_in_place = not self.kv.fits_alone(len(token_ids) + probe, self.config.max_num_batched_tokens, reserve)
         self.requests[request_id] = seq
         if lora is not None:
             self.kv.serve_adapter(lora.identity)
@@ -525,15 +529,16 @@ class LLMEngine:
             self.pool.quantize([(residual.block_id, target.block_id) for residual, target in pairs])
         self.kv.release_quantized(pairs)
         for seq, _ in batch.entries:
-            # a compressing request's prompt is published and served from the cache up to what its compaction leaves whole
-            whole = seq.compression_region(self.kv.block_size).whole if seq.eviction is not None else None
-            if whole is None:
+            # a compressing request's prompt is published up to what its compaction leaves whole
+            region = seq.compression_region(self.kv.block_size) if seq.eviction is not None else None
+            if region is None:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
                 if not seq.eviction_started and seq.probe is None:
-                    self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, whole))
+                    self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, region.whole))
                 self._evict(seq)
-            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len, whole)
+            self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len,
+                                     eviction.earliest_hit_end(seq, region))  # fmt: skip
         outputs = []
         for seq, reason in verified.items():
             if reason is not None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.engine.sequence import Sequence
-from kvserve.kv.eviction import EvictionPolicy, sink_and_recent, top_positions
+from kvserve.kv.eviction import CompressionRegion, EvictionPolicy, sink_and_recent, top_positions
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,6 +46,15 @@ def eviction_policy(engine: LLMEngine, params: SamplingParams) -> EvictionPolicy
     if engine.kv_spec.format.kind == "kivi":
         raise ValueError(f"kv_compression does not work with --kv-cache-dtype {engine.kv_spec.kv_dtype}")
     return policy
+
+
+def earliest_hit_end(seq: Sequence, region: CompressionRegion | None) -> int | None:
+    """Where a hit on a compressing request's prompt may end first (None: any request's default): the
+    same prompt asked another question hits up to its own SnapKV window, which may begin a window
+    before this one's; a sliding group keeps the blocks such a hit reads."""
+    if region is None:
+        return None
+    return max(region.hit_end - (seq.eviction.window if seq.eviction.scores_window else 0), 0)
 
 
 def evict(engine: LLMEngine, seq: Sequence) -> None:

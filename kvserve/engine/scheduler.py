@@ -73,7 +73,8 @@ class Scheduler:
             n = seq.next_chunk(budget)
             if seq.draft_token_ids and n < seq.num_uncomputed_tokens:  # the budget verifies only the guesses that fit
                 del seq.draft_token_ids[max(n - 1, 0) :]
-            while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
+            while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n,
+                                             seq.compaction_reserve(self.kv.block_size, seq.num_computed_tokens + n)):  # fmt: skip
                 if seq.draft_token_ids:  # guesses never preempt anyone: the sequence decodes one token instead
                     seq.draft_token_ids = []
                     n = seq.next_chunk(budget)
@@ -103,12 +104,13 @@ class Scheduler:
                 if job is not None:
                     self.loading[seq.request_id] = job
                     continue
-            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit):
+            reserve = seq.compaction_reserve(self.kv.block_size, seq.num_tokens)
+            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit, reserve):
                 # with nothing running the pool will not get freer: computing the prefix again takes
                 # no more than the request alone, which fits (a hit must never fail a request)
                 cold = PrefixHit(blocks=[[] for _ in self.kv.groups])
                 chunk = self.config.max_num_batched_tokens
-                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, chunk, cold):
+                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, chunk, cold, reserve):
                     break
                 hit = cold
             self.kv.take_hit(seq.request_id, hit)
@@ -119,7 +121,8 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
                 self.kv.record_hit(hit, seq.prompt_len, seq.prefix_salt)
             n = seq.next_chunk(budget)
-            if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
+            end = seq.num_computed_tokens + n
+            if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens, end, seq.compaction_reserve(self.kv.block_size, end)):
                 raise RuntimeError(f"{seq.request_id} was admitted and its first {n} tokens find no free blocks: can_admit counted short")
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -151,15 +154,15 @@ class Scheduler:
         return [job.future for job in (*self.loading.values(), *self.orphaned_loads)]
 
     def _hit_limit(self, seq: Sequence) -> int | None:
-        """A compressing request reads from the prefix cache only what its compaction never writes
-        (kv/eviction.py CompressionRegion.whole): it moves the kept tokens into blocks of its own."""
+        """A compressing request reads from the prefix cache up to its SnapKV window, whose queries it
+        computes, and only what its compaction never writes (kv/eviction.py CompressionRegion.hit_end)."""
         limit = None
         if seq.prompt_scores_pending:  # row i scores prompt token i + 1: a hit may only cover rows already scored
             limit = len(seq.prompt_logprobs) - 1
         if seq.eviction is None:
             return limit
-        whole = seq.compression_region(self.kv.block_size).whole
-        return whole if limit is None else min(whole, limit)
+        end = seq.compression_region(self.kv.block_size).hit_end
+        return end if limit is None else min(end, limit)
 
     def _preempt_group(self, seq: Sequence) -> list[Sequence]:
         """Preempt seq, with every running beam of its beam group (a group is preempted all or nothing)."""

@@ -65,6 +65,7 @@ class Sequence:
     eviction_started: bool = False  # the prompt's compression is done (streaming: evicting as it decodes)
     compress_at: int | None = None  # compress after this many prompt tokens, before the rest is computed (None: the prompt's end)
     compress_from: int = 0  # the first tokens stay whole and shared (kv_compress_from: a system prompt, previous turns)
+    compacts_in_place: bool = False  # its compaction's own blocks could never fit the pool: it writes into the prompt's last ones
     window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention the scoring queries pay
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
@@ -156,7 +157,14 @@ class Sequence:
 
     def compression_region(self, block_size: int) -> CompressionRegion:
         """What its compression writes and what it leaves whole (kv/eviction.py); needs an eviction policy."""
-        return CompressionRegion.of(self.eviction, self.compression_point, self.compress_from, block_size)
+        return CompressionRegion.of(self.eviction, self.compression_point, self.compress_from, block_size, self.compacts_in_place)
+
+    def compaction_reserve(self, block_size: int, end: int) -> int:
+        """Blocks (per full-attention group) to take with a chunk computing up to `end` for the prompt's
+        compaction to write into (kv/eviction.py): 0 unless that chunk reaches the compression point."""
+        if self.eviction is None or self.eviction_started or end < self.compression_point:
+            return 0
+        return self.compression_region(block_size).reserve(self.compression_point, block_size)
 
     def next_chunk(self, budget: int) -> int:
         """Tokens to compute next within `budget`: a chunk stops at the compression point, so the

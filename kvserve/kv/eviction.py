@@ -15,10 +15,14 @@ window's size still keeps the positions attention needs most (the first token, a
 
 A request compresses only what is its own: its first `compress_from` tokens (kv_compress_from: a
 system prompt, previous turns, which other requests share), rounded down to a block, stay whole and
-shared, and the policy (its budget included) applies to the rest. The compaction writes the kept
-tokens into the last blocks of that rest, so the blocks before them are never written: the prefix
-cache may serve them and publishes them whole (CompressionRegion.whole), and a compressed block is
-never published. Which tokens a request keeps depends on its prompt alone, never on what was cached.
+shared, and the policy (its budget included) applies to the rest. A one-shot compaction (snapkv,
+random) writes the kept tokens into blocks of the request's own, taken with the chunk that ends the
+prompt, so no block of the prompt is ever written: every one is published whole as computed (the
+next turn, or the same document asked another question, reads all of it) and let go once
+compacted. streaming, which compacts again as it decodes, writes into the last blocks of the
+region, leaving the blocks before them whole (CompressionRegion.whole); so does a one-shot
+compaction whose extra blocks could never fit the pool (in_place). A compressed block is never
+published. Which tokens a request keeps depends on its prompt alone, never on what was cached.
 """
 
 from __future__ import annotations
@@ -106,25 +110,37 @@ class EvictionPolicy:
 @dataclass(frozen=True)
 class CompressionRegion:
     """Where a prompt compressed at `point` is compressed: positions [start, point), `kept` of them
-    kept, into the region's last blocks; positions before `whole` are never written."""
+    kept. Positions before `whole` are never written (published as computed); a prefix hit reads at
+    most up to `hit_end` (SnapKV's window queries are computed, never read from the cache).
+    `in_place`: the kept tokens are written into the region's last blocks, not blocks taken for them."""
 
     start: int
     whole: int
     kept: int
+    hit_end: int
+    in_place: bool = False
 
     @classmethod
-    def of(cls, policy: EvictionPolicy, point: int, compress_from: int, block_size: int) -> CompressionRegion:
+    def of(cls, policy: EvictionPolicy, point: int, compress_from: int, block_size: int, in_place: bool = False) -> CompressionRegion:
         start = compress_from // block_size * block_size
+        in_place = in_place or policy.method == "streaming"
         if start >= point:  # none of the prompt (streaming: what follows `start` as it decodes)
-            return cls(start, point, 0)
+            return cls(start, point, 0, point, in_place)
         kept = policy.tokens_kept(point - start)
         if kept >= point - start and policy.method != "streaming":  # kept whole: nothing is ever written
-            return cls(start, point, kept)
-        untouched = -(-(point - start) // block_size) - -(-kept // block_size)
-        whole = start + untouched * block_size
-        if policy.scores_window and kept < point - start:  # the window's queries are computed, never served from the cache
-            whole = max(start, min(whole, (point - policy.window) // block_size * block_size))
-        return cls(start, whole, kept)
+            return cls(start, point, kept, point, in_place)
+        whole = point
+        if in_place:
+            untouched = -(-(point - start) // block_size) - -(-kept // block_size)
+            whole = start + untouched * block_size
+        hit_end = whole
+        if policy.scores_window:  # the window's queries are computed, never served from the cache
+            hit_end = max(start, min(whole, (point - policy.window) // block_size * block_size))
+        return cls(start, whole, kept, hit_end, in_place)
+
+    def reserve(self, point: int, block_size: int) -> int:
+        """Blocks (per full-attention group) the compaction takes to write the kept tokens into."""
+        return 0 if self.in_place or not self.compresses(point) else -(-self.kept // block_size)
 
     def compresses(self, point: int) -> bool:
         return self.kept < point - self.start

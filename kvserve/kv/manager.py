@@ -73,6 +73,7 @@ class KVCacheManager:
         # sliding groups' blocks a request let go while running that a hit at its prompt's end reads: when it
         # finishes they rejoin the LRU order beside its other blocks (a window is as old as the request that used it)
         self._parked: dict[str, list[KVBlock]] = {}  # cached blocks a running request let go, evicted last until it is done
+        self._reserved: dict[str, dict[int, list[KVBlock]]] = {}  # per full-attention group, blocks a compaction will write
 
     @property
     def num_blocks(self) -> int:
@@ -173,21 +174,22 @@ class KVCacheManager:
         if self.pins is not None and len(self.pins):
             self.pins.expire()
 
-    def can_admit(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None = None) -> bool:
+    def can_admit(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None = None, reserve: int = 0) -> bool:
         """The request can reach num_tokens, `chunk` tokens per step, with what is free now (a hit's
-        blocks need no new ones, but those no request holds leave the free queue when taken); pinned
-        conversations give way first."""
-        while not self._fits(request_id, num_tokens, chunk, hit):
+        blocks need no new ones, but those no request holds leave the free queue when taken), and
+        take `reserve` blocks more per full-attention group (a compaction's); pinned conversations
+        give way first."""
+        while not self._fits(request_id, num_tokens, chunk, hit, reserve):
             if self.pins is None or not self.pins.release_oldest():
                 return False
         return True
 
-    def _fits(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None) -> bool:
+    def _fits(self, request_id: str, num_tokens: int, chunk: int, hit: PrefixHit | None, reserve: int = 0) -> bool:
         need = sum(
             max(0, group.peak_blocks(num_tokens, self.block_size, chunk) - self.num_held_blocks(request_id, g)
                 - (hit.held(g) if hit is not None else 0))
             for g, group in enumerate(self.groups)
-        )  # fmt: skip
+        ) + self._reserve_need(request_id, reserve)  # fmt: skip
         taken: dict[int, KVBlock] = {}
         if hit is not None:
             taken = {id(b): b for row in hit.blocks for b in row if b is not None}
@@ -255,22 +257,30 @@ class KVCacheManager:
             usable = forms[i][-1:] if kivi and read_in_full_precision(self.spec, i, end * bs) else forms[i]
             return next((key for key in usable if where[record_key(key, g)] is not None), None)
 
+        def pooled(i: int, g: int) -> KVBlock | None:
+            """Block i of group g if the pool still holds it past the hit (a sliding group's block evicted before
+            the full groups' leaves a hole only the tier fills: the rest is read where it is)."""
+            return None if kivi else cache.cached(g, hashes[i])
+
         end = start
-        while end < whole and all(any(where[record_key(key, g)] is not None for key in forms[end]) for g in full):
+        while end < whole and all(pooled(end, g) is not None or any(where[record_key(key, g)] is not None for key in forms[end])
+                                  for g in full):  # fmt: skip
             end += 1
         entries: list[tuple[int, int, int]] = []  # (block index, group, key), in prefix order
+        kept: list[KVBlock] = []
         while end > start:
             needed = [(i, g) for i in range(start, end) for g in range(len(self.groups))
                       if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
-            entries = [(i, g, located(i, g, end)) for i, g in needed]
+            kept = [b for i, g in needed if (b := pooled(i, g)) is not None]
+            entries = [(i, g, located(i, g, end)) for i, g in needed if pooled(i, g) is None]
             if all(key is not None for _, _, key in entries):
                 break
             end -= 1
-        if end == start or self._recompute_decided.get(request_id) == end:
+        if end == start or not entries or self._recompute_decided.get(request_id) == end:
             return None  # nothing to load, or decided already (a request waiting for room asks again every step)
         if request_id in self._load_cut:
             return None  # its last load ran past its patience: it recomputes the rest
-        held = list({id(b): b for row in hit.blocks for b in row if b is not None}.values())
+        held = list(({id(b): b for row in hit.blocks for b in row if b is not None} | {id(b): b for b in kept}).values())
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
             self._touch(block)
         # a KIVI cache's sink blocks and full-precision forms take a whole chunk each: taken first
@@ -541,10 +551,23 @@ class KVCacheManager:
         return self.prefix_cache.reset()
 
     # ------------------------------------------------------------------ changing
-    def allocate_slots(self, request_id: str, start: int, end: int) -> bool:
-        """Give the request blocks to compute tokens [start, end); False (and nothing taken) if short."""
+    def _reserve_need(self, request_id: str, reserve: int) -> int:
+        """Blocks `reserve` per full-attention group takes, none if the request has taken them."""
+        if not reserve or request_id in self._reserved:
+            return 0
+        return reserve * sum(group.window is None for group in self.groups)
+
+    def fits_alone(self, num_tokens: int, chunk: int, reserve: int) -> bool:
+        """One request of num_tokens, with `reserve` blocks per full-attention group more, fits the whole pool."""
+        return self.spec.peak_blocks(num_tokens, chunk) + self._reserve_need("", reserve) <= self.pool.num_blocks
+
+    def allocate_slots(self, request_id: str, start: int, end: int, reserve: int = 0) -> bool:
+        """Give the request blocks to compute tokens [start, end), and once `reserve` blocks per
+        full-attention group for its compaction to write into (compaction_targets); False (and
+        nothing taken) if short."""
         spans = self._new_blocks(request_id, start, end)
-        needed = sum(max(0, hi - lo) for lo, hi in spans)
+        extra = self._reserve_need(request_id, reserve)
+        needed = sum(max(0, hi - lo) for lo, hi in spans) + extra
         while needed > self._fresh.num_free_blocks:
             if self.pins is None or not self.pins.release_oldest():
                 return False
@@ -563,6 +586,8 @@ class KVCacheManager:
             blocks = self._fresh.allocate(hi - lo, g)
             table.extend(blocks)
             self._ids[g][row, lo:hi] = [b.block_id for b in blocks]
+        if extra:
+            self._reserved[request_id] = {g: self._fresh.allocate(reserve, g) for g, group in enumerate(self.groups) if group.window is None}
         return True
 
     def free_unreachable(self, request_id: str, num_computed: int, prompt_len: int | None = None, hit_end: int | None = None) -> None:
@@ -571,8 +596,8 @@ class KVCacheManager:
         queue's blocks (a whole cached prompt's), except the window before the prompt's last whole
         blocks (a repeat of the prompt, or a document asked another question, hits there): those
         are parked, evicted after every other cached block while the request runs, and rejoin the
-        LRU order when it finishes, as old as its other blocks. `hit_end`: where a hit on this prompt
-        ends instead (a compressing request's: the part its compaction leaves whole)."""
+        LRU order when it finishes, as old as its other blocks. `hit_end`: where the earliest hit on
+        this prompt ends instead (a compressing request's: its own hits end before its SnapKV window)."""
         tables = self._tables.get(request_id)
         if tables is None:
             return
@@ -612,11 +637,20 @@ class KVCacheManager:
 
     def compaction_targets(self, request_id: str, group: int, kept: int, first: int = 0) -> list[KVBlock]:
         """The blocks a compaction of a full-attention group's table from block `first` on to `kept`
-        slots writes: the request's own blocks nearest the region's end, so the blocks before them
-        (a prefix hit, or published whole: kv/eviction.py CompressionRegion) are never written. The
-        scheduler takes no more from the cache than leaves enough of them."""
-        region = self._tables[request_id][group][first:]
+        slots writes: those taken for it (allocate_slots' reserve), or else the request's own blocks
+        nearest the region's end, so the blocks before them (a prefix hit, or published whole:
+        kv/eviction.py CompressionRegion) are never written. The scheduler takes no more from the
+        cache than leaves enough of them."""
         need = blocks_for_tokens(kept, self.block_size)
+        reserved = self._reserved.get(request_id)
+        if reserved is not None:
+            targets = reserved.pop(group)
+            if not reserved:
+                del self._reserved[request_id]
+            if len(targets) != need:
+                raise RuntimeError(f"request {request_id}: {len(targets)} blocks taken to compact {need} into")
+            return targets
+        region = self._tables[request_id][group][first:]
         targets = [b for b in reversed(region) if b is not None and _private(b)][:need]
         if len(targets) < need:
             raise RuntimeError(f"request {request_id}: {len(targets)} blocks of its own to compact {need} into")
@@ -664,6 +698,8 @@ class KVCacheManager:
         self._load_cut.discard(request_id)
         for block in self._parked.pop(request_id, ()):
             self._pool_of(block).refresh(block)
+        for blocks in self._reserved.pop(request_id, {}).values():
+            self._release(blocks)
         if tables is None:
             return
         partial = self.prefix_cache is not None and self.prefix_cache.name == "radix" and self.residual_pool is None
