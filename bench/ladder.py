@@ -20,6 +20,9 @@ turn, so a document comes back after more KV than the pool holds (where a tier p
 SnapKV compresses what is each request's own, its last turn (for a document, the document and its
 question), and leaves the system prompt and earlier turns whole and shared (kv_compress_from), as
 kvserve's chat endpoints do.
+The kvserve rungs climb --repeats times (3), every rung in turn, so a slow spell of a shared
+machine falls on every rung alike, and each rung shows its median run by tok/s (every run's
+rate is in ladder.json); every run of a tier starts with an empty disk tier.
 Per rung: generated tok/s over the whole workload, its ratio to the rung below, TTFT p50/p99 from
 the round's start, the prompt tokens served from the cache (pool or tiers), KV bytes
 per running request (held blocks x block bytes / running requests, averaged over engine steps;
@@ -47,6 +50,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -245,6 +249,15 @@ def run_kvserve(model: str, engine_args: dict, rounds: list[list[list[int]]], sh
     return result
 
 
+def median_run(runs: list[RungResult]) -> RungResult:
+    """The run of median throughput (the lower middle of an even count), with every run's rates kept."""
+    chosen = sorted(runs, key=lambda r: r.tokens_per_second)[(len(runs) - 1) // 2]
+    if len(runs) > 1:
+        chosen.extra["runs_tokens_per_second"] = [round(r.tokens_per_second, 2) for r in runs]
+        chosen.extra["runs_ttft_p50"] = [round(r.ttft_p50, 3) for r in runs]
+    return chosen
+
+
 def cache_bytes(cache) -> int:
     layers = getattr(cache, "layers", None)
     if layers is not None:
@@ -320,6 +333,30 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
     engine_args = dict(base)
     evaluation = Evaluation(scale.eval_plan, read_text(default_text_path()), progress=False)
     evaluated: dict[tuple, RungResult] = {}
+    plan: list[tuple[Rung, dict]] = []  # the kvserve rungs this model climbs, each with its engine arguments
+    for rung in RUNGS[KVSERVE_RUNGS_START:]:
+        if rung.needs_windows and not windows:
+            continue
+        added = dict(rung.engine)
+        if "kv_offload_host_gib" in added:
+            added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir / Path(model).name), kv_offload_disk_gib=args.tier_gib)
+        engine_args.update(added)
+        plan.append((rung, dict(engine_args)))
+    # every repeat climbs the whole ladder, so a slow spell of a shared machine falls on every rung alike; a rung shows
+    # its median run by tokens per second
+    runs: dict[tuple[str, str], list[RungResult]] = {}
+    for repeat in range(args.repeats):
+        for rung, rung_args in plan:
+            bar.set_description(f"{Path(model).name}: {rung.name}" + (f" ({repeat + 1}/{args.repeats})" if args.repeats > 1 else ""))
+            for name, (rounds, shared) in workloads.items():
+                run_args = dict(rung_args)
+                if run_args.get("kv_offload_disk_dir"):  # an empty disk tier for every run: an engine reads what an earlier one left
+                    run_args["kv_offload_disk_dir"] = str(Path(run_args["kv_offload_disk_dir"]) / f"{rung.name}-{name}-{repeat}")
+                result = run_kvserve(model, run_args, rounds, shared, scale.new_tokens)
+                result.rung = rung.name
+                runs.setdefault((rung.name, name), []).append(result)
+                if run_args.get("kv_offload_disk_dir"):
+                    shutil.rmtree(run_args["kv_offload_disk_dir"], ignore_errors=True)
     try:
         for rung in RUNGS:
             bar.set_description(f"{Path(model).name}: {rung.name}")
@@ -339,15 +376,10 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
                     results[name].append(RungResult(rung.name, skipped="no sliding-window layers"))
                 bar.update(1)
                 continue
-            added = dict(rung.engine)
-            if "kv_offload_host_gib" in added:
-                added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir / Path(model).name), kv_offload_disk_gib=args.tier_gib)
-            engine_args.update(added)
-            for name, (rounds, shared) in workloads.items():
-                result = run_kvserve(model, engine_args, rounds, shared, scale.new_tokens)
-                result.rung = rung.name
-                results[name].append(result)
-            key = tuple(engine_args.get(k) for k in QUALITY_KEYS)
+            rung_args = next(a for r, a in plan if r is rung)
+            for name in workloads:
+                results[name].append(median_run(runs[rung.name, name]))
+            key = tuple(rung_args.get(k) for k in QUALITY_KEYS)
             rung_results = [results[name][-1] for name in workloads]
             if key in evaluated:
                 source = evaluated[key]
@@ -355,7 +387,7 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
                     result.perplexity_delta_pct, result.mean_kl, result.greedy_agreement = source.perplexity_delta_pct, source.mean_kl, source.greedy_agreement
                     result.quality_from = source.quality_from or source.rung
             else:
-                quality = {k: v for k, v in engine_args.items() if k in QUALITY_KEYS or k in ("dtype", "disable_hybrid_kv_cache_manager")}
+                quality = {k: v for k, v in rung_args.items() if k in QUALITY_KEYS or k in ("dtype", "disable_hybrid_kv_cache_manager")}
                 scored = evaluation.run(rung.name, " ".join(f"{k}={v}" for k, v in quality.items()),
                                         EngineConfig(model=model, kv_cache_memory=max(args.kv_cache_memory, 0.25), **quality))  # fmt: skip
                 for result in rung_results:
@@ -505,7 +537,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for name in ("kv_cache_memory", "tier_gib"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {getattr(args, name)}")
-    for name in ("max_num_seqs", "hf_batch", "llama_cpp_parallel", "threads"):
+    if not hasattr(args, "repeats"):
+        args.repeats = 1 if args.quick else 3
+    for name in ("max_num_seqs", "hf_batch", "llama_cpp_parallel", "threads", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -542,6 +576,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp-parallel", type=int, default=16, help="llama-batched-bench's -npl")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (which spans of text, in which order)")
+    parser.add_argument("--repeats", type=int, default=argparse.SUPPRESS,
+                        help="climbs of the kvserve rungs, each rung shown by its median run (a shared machine's swings fall on "
+                        "every rung alike) (default: 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a tiny workload and evaluation (for a tiny model: the test)")
     args = parser.parse_args(argv)
     check_args(parser, args)

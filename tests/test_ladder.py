@@ -23,7 +23,7 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     model = tiny_dir("gemma3")
     # /bin/false as llama.cpp: its failure leaves its row out with the reason and keeps every kvserve rung
     ladder.main(["--quick", "--models", str(model), "--out", str(tmp_path), "--kv-cache-memory", "0.002", "--tier-gib", "0.01",
-                 "--llama-cpp", "/bin/false"])  # fmt: skip
+                 "--llama-cpp", "/bin/false", "--repeats", "2"])  # fmt: skip
     table = (tmp_path / "ladder.md").read_text()
     assert "| llama.cpp `llama-batched-bench` | failed: /bin/false exited with status 1 |" in table
     assert "--quick: a smoke test" in table
@@ -35,6 +35,8 @@ def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
     for r in rungs:
         assert r["tokens_per_second"] > 0 and r["ttft_p99"] >= r["ttft_p50"] > 0 and r["kv_bytes_per_request"] > 0
         assert r["max_concurrent"] >= 1 and r["generated_tokens"] == 10 * ladder.QUICK.new_tokens
+    for r in rungs[1:]:  # two climbs: each rung shows its slower run (the lower middle of two), both rates kept
+        assert len(r["extra"]["runs_tokens_per_second"]) == 2 and round(r["tokens_per_second"], 2) == min(r["extra"]["runs_tokens_per_second"])
     first = rungs[1]
     assert (first["perplexity_delta_pct"], first["greedy_agreement"]) == (0.0, 1.0)  # the reference
     assert rungs[2]["kv_bytes_per_request"] < first["kv_bytes_per_request"]  # int8 holds less than 16-bit
