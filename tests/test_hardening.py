@@ -272,8 +272,9 @@ def test_kv_compression_extension_field(guarded):
 
 def test_a_compressing_chat_keeps_its_system_prompt_and_earlier_turns_whole_and_shared(guarded, reference):
     """kv_compression on a chat compresses its last turn only: the system prompt and earlier turns stay
-    whole (kv_compress_from, set from the conversation), so the next turn reads them from the cache,
-    where compressing the whole prompt (kv_compress_from 0) leaves about half; the answer is LLM.chat's."""
+    whole (kv_compress_from, set from the conversation) and out of the budget, where compressing the
+    whole prompt (kv_compress_from 0) drops half of them; either way the prompt's blocks are never
+    written, so the next turn reads the whole conversation from the cache; the answer is LLM.chat's."""
     _, url = guarded
     conversation = [{"role": "system", "content": "Everyone is permitted to copy and distribute verbatim copies of this license. " * 6},
                     {"role": "user", "content": "May I copy it?"}, {"role": "assistant", "content": "Yes, verbatim."},
@@ -284,10 +285,12 @@ def test_a_compressing_chat_keeps_its_system_prompt_and_earlier_turns_whole_and_
     earlier = render(conversation[:3], chat_template=CHAT_TEMPLATE)
     shared = next(i for i, (a, b) in enumerate(zip([*earlier, -1], ids)) if a != b) // 16 * 16
     assert shared >= 0.7 * len(ids)
-    cached = {}
+    cached, evicted = {}, {}
     for salt, extra in (("spared", {}), ("whole-prompt", {"kv_compress_from": 0})):
+        before = metrics(url)["kvserve:kv_evicted_tokens_total"]
         first = post(url, {"messages": conversation, **squeeze, **extra, "cache_salt": salt}, "/v1/chat/completions")
         assert first.status_code == 200, first.text
+        evicted[salt] = metrics(url)["kvserve:kv_evicted_tokens_total"] - before
         answer = first.json()["choices"][0]["message"]["content"]
         if not extra:
             offline = reference.chat(conversation, SamplingParams(**squeeze), chat_template=CHAT_TEMPLATE, use_tqdm=False)[0]
@@ -296,7 +299,8 @@ def test_a_compressing_chat_keeps_its_system_prompt_and_earlier_turns_whole_and_
         second = post(url, {"messages": turn, **squeeze, "cache_salt": salt}, "/v1/chat/completions")
         assert second.status_code == 200, second.text
         cached[salt] = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached["spared"] >= shared > cached["whole-prompt"]
+    assert 0 < evicted["spared"] <= (len(ids) - shared) / 2 + 1 and evicted["whole-prompt"] >= len(ids) / 2 - 1
+    assert cached["spared"] >= shared and cached["whole-prompt"] >= shared
 
 
 def test_temperature_below_the_greedy_threshold_is_greedy(guarded):
