@@ -64,7 +64,7 @@ class AttentionBackend(abc.ABC):
             return
         kv = self.layers[layer]
         for span in meta.window_scores:
-            keys, _ = kv.gather(span.block_tables[kv.group])
+            keys = kv.gather_keys(span.block_tables[kv.group])
             scored = span.kv_len if span.context is None else span.context
             scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
             span.out[layer, :, :scored].add_(scores[:, :scored], alpha=span.weight)

@@ -114,11 +114,20 @@ class LayerKV:
 
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks' K and V for block tables [..., n], in float: [..., n * block_size, kv_heads, head_dim]."""
+        return self._gather(block_ids, ("key", "value"))
+
+    def gather_keys(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """gather's K alone (SnapKV's scores read no value)."""
+        return self._gather(block_ids, ("key",))[0]
+
+    def _gather(self, block_ids: torch.Tensor, kinds: tuple[str, ...]) -> list[torch.Tensor]:
         spec, bs = self.spec, self.block_size
         heads, dim = spec.num_kv_heads, spec.head_dim
         flat = block_ids.reshape(-1)
         out = []
-        for fp, records, which in ((self.key, self.key_records, "key"), (self.value, self.value_records, "value")):
+        sides = {"key": (self.key, self.key_records), "value": (self.value, self.value_records)}
+        for which in kinds:
+            fp, records = sides[which]
             if records is None:
                 blocks = fp.view(-1, bs, heads, dim).index_select(0, flat)
             else:
@@ -129,7 +138,7 @@ class LayerKV:
                     in_residual = (flat >= self.first_residual).view(-1, 1, 1, 1)
                     blocks = torch.where(in_residual, fp.index_select(0, residual).float(), blocks)
             out.append(blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, heads, dim))
-        return out[0], out[1]
+        return out
 
 
 class PagedKVPool:
