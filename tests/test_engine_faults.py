@@ -65,7 +65,7 @@ def test_a_request_an_empty_pool_never_admits_fails_instead_of_spinning(llm):
     the requests behind it run; the engine does not step forever."""
     engine: LLMEngine = llm.engine
     admit = engine.kv.can_admit
-    engine.kv.can_admit = lambda request_id, num_tokens, chunk, hit=None: num_tokens < 40 and admit(request_id, num_tokens, chunk, hit)
+    engine.kv.can_admit = lambda request_id, num_tokens, chunk, hit=None, reserve=0: num_tokens < 40 and admit(request_id, num_tokens, chunk, hit, reserve)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     engine.add_request(list(range(5, 55)), params, request_id="big")
     engine.add_request([5, 6, 7], params, request_id="small")

@@ -393,6 +393,6 @@ def test_an_idle_pool_that_refuses_a_hit_computes_the_prefix_again(tiny_dir, mon
     cold = llm.generate([prompt], params, use_tqdm=False)[0]
     kv = llm.engine.kv
     admit = kv.can_admit
-    monkeypatch.setattr(kv, "can_admit", lambda rid, n, chunk, hit=None: admit(rid, n, chunk, hit) and not (hit is not None and hit.num_tokens))
+    monkeypatch.setattr(kv, "can_admit", lambda rid, n, chunk, hit=None, reserve=0: admit(rid, n, chunk, hit, reserve) and not (hit is not None and hit.num_tokens))
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert again.finish_reason == "length" and again.num_cached_tokens == 0 and again.token_ids == cold.token_ids
