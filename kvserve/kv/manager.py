@@ -74,6 +74,7 @@ class KVCacheManager:
         # finishes they rejoin the LRU order beside its other blocks (a window is as old as the request that used it)
         self._parked: dict[str, list[KVBlock]] = {}  # cached blocks a running request let go, evicted last until it is done
         self._reserved: dict[str, dict[int, list[KVBlock]]] = {}  # per full-attention group, blocks a compaction will write
+        self._num_full_groups = sum(group.window is None for group in self.groups)
 
     @property
     def num_blocks(self) -> int:
@@ -269,10 +270,10 @@ class KVCacheManager:
         entries: list[tuple[int, int, int]] = []  # (block index, group, key), in prefix order
         kept: list[KVBlock] = []
         while end > start:
-            needed = [(i, g) for i in range(start, end) for g in range(len(self.groups))
+            needed = [(i, g, pooled(i, g)) for i in range(start, end) for g in range(len(self.groups))
                       if self.groups[g].window is None or i >= self.groups[g].first_block(end * bs, bs)]  # fmt: skip
-            kept = [b for i, g in needed if (b := pooled(i, g)) is not None]
-            entries = [(i, g, located(i, g, end)) for i, g in needed if pooled(i, g) is None]
+            kept = [b for _, _, b in needed if b is not None]
+            entries = [(i, g, located(i, g, end)) for i, g, b in needed if b is None]
             if all(key is not None for _, _, key in entries):
                 break
             end -= 1
@@ -553,13 +554,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------ changing
     def _reserve_need(self, request_id: str, reserve: int) -> int:
         """Blocks `reserve` per full-attention group takes, none if the request has taken them."""
-        if not reserve or request_id in self._reserved:
-            return 0
-        return reserve * sum(group.window is None for group in self.groups)
+        return 0 if request_id in self._reserved else reserve * self._num_full_groups
 
     def fits_alone(self, num_tokens: int, chunk: int, reserve: int) -> bool:
         """One request of num_tokens, with `reserve` blocks per full-attention group more, fits the whole pool."""
-        return self.spec.peak_blocks(num_tokens, chunk) + self._reserve_need("", reserve) <= self.pool.num_blocks
+        return self.spec.peak_blocks(num_tokens, chunk) + reserve * self._num_full_groups <= self.pool.num_blocks
 
     def allocate_slots(self, request_id: str, start: int, end: int, reserve: int = 0) -> bool:
         """Give the request blocks to compute tokens [start, end), and once `reserve` blocks per
