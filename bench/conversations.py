@@ -10,8 +10,8 @@ flags), streamed; reported per mode: TTFT p50 / p99 of turns 2 and on, and the s
 tokens served from the cache (usage's cached_tokens), and the share of the conversation so far (the
 previous turn's prompt and answer: what a follow-up can reuse; its new turn cannot be) served from it.
 
-    .venv/bin/python bench/conversations.py --model smollm2-135m-instruct --conversations 8 --turns 10 --kv-cache-memory 0.5
-    .venv/bin/python bench/conversations.py --model gemma-3-270m --conversations 8 --turns 10 --kv-cache-memory 0.15 --conversation-kv-share 0.85
+    .venv/bin/python bench/conversations.py --model smollm2-135m-instruct --other-tokens 2000 --kv-cache-memory 1.25 --conversation-kv-share 0.95
+    .venv/bin/python bench/conversations.py --model gemma-3-270m --other-tokens 2000 --kv-cache-memory 0.38 --conversation-kv-share 0.88
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import httpx
 from tqdm import tqdm
@@ -41,7 +43,11 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' i
 
 
 def turns_text(count: int, words_per_turn: int) -> list[str]:
+    """`count` turns of distinct prose: licenses, then Python's own documentation (pydoc's topics)."""
     words = " ".join((PROSE / name).read_text() for name in ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-3", "Artistic")).split()
+    words += " ".join(topics[key] for key in sorted(topics)).split()
+    if count * words_per_turn > len(words):
+        raise SystemExit(f"{count} turns of {words_per_turn} words need {count * words_per_turn} words of prose; there are {len(words)}")
     return [" ".join(words[i * words_per_turn : (i + 1) * words_per_turn]) + "\n\nWhat does this part say?" for i in range(count)]
 
 
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="more `kvserve serve` flags, in one string")
     parser.add_argument("--salt", default=str(os.getpid()))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench stops its server too (the finally below)
     turns = turns_text(args.conversations * args.turns, args.turn_words)
     words = " ".join((PROSE / name).read_text() for name in ("GPL-2", "LGPL-2.1", "GFDL-1.3", "CC0-1.0")).split()
     others = [" ".join(words[i * args.other_tokens : (i + 1) * args.other_tokens]) for i in range(len(words) // args.other_tokens)]
