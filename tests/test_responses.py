@@ -149,6 +149,8 @@ def test_a_running_stream_is_cancelled(client, server):
     assert again.status_code == 400 and "has finished" in again.json()["error"]["message"]
     kept = client.responses.retrieve(response_id)  # kept as cancelled, as OpenAI keeps it
     assert kept.status == "cancelled" and kept.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    with pytest.raises(openai.BadRequestError, match="was cancelled and cannot be continued"):
+        client.responses.create(input="More", previous_response_id=response_id, **GREEDY)
     with pytest.raises(openai.BadRequestError, match="function_call_output"):  # unrelated, cheap here: an output answering no call
         client.responses.create(input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}], **GREEDY)
 
@@ -166,14 +168,39 @@ def test_a_running_stream_is_cancelled(client, server):
     ({"input": "x", "metadata": {"k": 5}}, "metadata"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x" * 5000}, "input"),
+    ({"input": "x", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": "not json at all"}}}, "text"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{not json"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}]}, "input"),
 ])  # fmt: skip
 def test_what_is_not_supported_is_a_400_naming_the_field(server, body, field):
     got = httpx.post(f"{server}/v1/responses", json={"model": "tiny", **body}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == field, got.text
+    assert not got.json()["error"]["message"].startswith("input: response_format"), got.text
     missing = httpx.post(f"{server}/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": "resp_nope"},
                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
-    assert missing.status_code == 404
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_metadata_key_that_is_not_unicode_is_refused_before_anything_runs_or_is_stored(server):
+    pinned = lambda: httpx.get(f"{server}/v1/kv/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()["conversations"]  # noqa: E731
+    before = pinned()["pinned"]
+    body = '{"model": "tiny", "input": "hi", "metadata": {"\\ud800": "x"}, "max_output_tokens": 4, "stream": true}'
+    got = httpx.post(f"{server}/v1/responses", content=body, headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert got.status_code == 400 and got.json()["error"]["param"] == "metadata", got.text
+    assert pinned()["pinned"] == before
+
+
+def test_an_answer_cut_at_max_output_tokens_leaves_its_message_incomplete(client):
+    made = client.responses.create(input="Go on", extra_body={"ignore_eos": True}, **GREEDY)
+    assert made.status == "incomplete" and made.output[-1].status == "incomplete"
+    with client.responses.stream(input="Go on", extra_body={"ignore_eos": True}, **GREEDY) as stream:
+        done = [e.item for e in stream if e.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete"
 
 
 def test_offline_chat_and_get_tokenizer_take_vllm_and_transformers_arguments(tiny_dir):
@@ -198,6 +225,8 @@ def test_offline_chat_and_get_tokenizer_take_vllm_and_transformers_arguments(tin
     assert tokenizer.decode(continued.prompt_token_ids).endswith("assistant: Five")
     with pytest.raises(ValueError, match="add_generation_prompt"):
         llm.chat(messages, params, chat_template=TOOLS_TEMPLATE, continue_final_message=True)
+    with pytest.raises(ValueError, match="unpaired surrogate"):
+        llm.chat([{"role": "user", "content": "\ud800"}], params, chat_template=TOOLS_TEMPLATE)
 
 
 def test_chat_and_completions_truncate_as_asked(server):

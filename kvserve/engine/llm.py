@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
@@ -60,6 +61,10 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        try:
+            json.dumps(conversations, ensure_ascii=False, default=str).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("messages hold an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text") from None
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs the model's tokenizer (this engine runs on token ids only)")

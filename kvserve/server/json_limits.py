@@ -55,6 +55,8 @@ def _holds_a_fault(value: object) -> bool:
         deeper = []
         for item in level:
             children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+            if isinstance(item, dict) and any(not key.isascii() and _unencodable(key) for key in item if isinstance(key, str)):
+                return True  # a key is text too (metadata's keys are stored and sent back)
             for child in children:
                 if isinstance(child, str):
                     if not child.isascii() and _unencodable(child):
@@ -91,6 +93,9 @@ def first_unpaired_surrogate(value: object) -> str | None:
             continue
         if isinstance(item, dict):
             children = item.items()
+            for key in item:
+                if isinstance(key, str) and _unencodable(key):
+                    return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}" if path else key.encode("utf-8", "backslashreplace").decode()
         elif isinstance(item, list):
             children = enumerate(item)
         else:

@@ -28,8 +28,9 @@ class OutputBuilder:
     def calls(self) -> list[dict]:
         return [item for item in self.items if item["type"] == "function_call"]
 
-    def feed(self, delta: str, last: bool) -> list[Event]:
-        """Events for new generated text (`last`: the generation ended)."""
+    def feed(self, delta: str, last: bool, cut: bool = False) -> list[Event]:
+        """Events for new generated text (`last`: the generation ended; `cut`: at max_output_tokens, so
+        the message it leaves open is incomplete)."""
         if self.parser is not None:
             content, calls = self.parser.parse(delta, last=last)
         else:
@@ -43,7 +44,7 @@ class OutputBuilder:
         if last:
             if not self.items and self._open is None:
                 events += self._write("")
-            events += self._close()
+            events += self._close("incomplete" if cut else "completed")
         return events
 
     def _write(self, text: str) -> list[Event]:
@@ -62,12 +63,12 @@ class OutputBuilder:
                                                           "content_index": 0, "delta": text, "logprobs": []}))  # fmt: skip
         return events
 
-    def _close(self) -> list[Event]:
+    def _close(self, status: str = "completed") -> list[Event]:
         if self._open is None:
             return []
         item, index, text = self._open, self.items.index(self._open), "".join(self._text)
         part = {"type": "output_text", "text": text, "annotations": []}
-        item["content"], item["status"] = [part], "completed"
+        item["content"], item["status"] = [part], status
         self._open = None
         return [("response.output_text.done", {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
                 ("response.content_part.done", {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}),
@@ -86,10 +87,7 @@ class OutputBuilder:
 
     def cut_short(self) -> None:
         """The generation stopped early (cancelled, failed): the open message keeps its text, status incomplete."""
-        item = self._open
-        if item is not None:
-            self._close()
-            item["status"] = "incomplete"
+        self._close("incomplete")
 
     def assistant_message(self) -> dict:
         """The output as the chat message a follow-up's history holds (content and tool calls)."""

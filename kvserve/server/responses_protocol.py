@@ -7,10 +7,11 @@ not do is a 400 naming the field."""
 
 from __future__ import annotations
 
+import json
 import reprlib
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator, model_validator
 
 from kvserve.server.protocol import CacheSalt, ChatCompletionRequest, Count, FieldError, Flag, FlagOn, Number, UnicodeBody
 
@@ -46,7 +47,7 @@ class ResponsesRequest(UnicodeBody):
     text: dict | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     store: FlagOn = True
     previous_response_id: StrictStr | None = Field(None, max_length=MAX_RESPONSE_ID_CHARS)
     truncation: Literal["disabled", "auto"] | None = None
@@ -115,9 +116,18 @@ class ResponsesRequest(UnicodeBody):
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             err = exc.errors()[0]
-            where = str(err["loc"][0]) if err["loc"] else "input"
+            cause, message = (err.get("ctx") or {}).get("error"), err["msg"].removeprefix("Value error, ")
+            if isinstance(cause, FieldError):
+                where = cause.param
+            elif err["loc"]:
+                where = str(err["loc"][0])
+            else:  # a check across fields: its message starts with the field's name
+                head = message.split(":", 1)[0]
+                where = head if head in ChatCompletionRequest.model_fields else "input"
             param = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}.get(where, where)
-            raise FieldError(param, f"{param}: {err['msg'].removeprefix('Value error, ')}") from None
+            message = message.removeprefix(f"{where}: ")
+            field = "text.format" if param == "text" else param
+            raise FieldError(param, f"{field}: {message.removeprefix('response_format: ')}") from None
 
 
 def _text_of(content, where: str) -> str | list[dict]:
@@ -146,6 +156,7 @@ def input_messages(items: str | list) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    call_ids: set[str] = set()
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -160,6 +171,13 @@ def input_messages(items: str | list) -> list[dict]:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
                 raise FieldError("input", f"{where}: a function_call item needs call_id, name and arguments strings")
+            if call_id in call_ids:
+                raise FieldError("input", f"{where}: call_id {reprlib.repr(call_id)} is used by an earlier function_call")
+            call_ids.add(call_id)
+            try:
+                json.loads(arguments)
+            except ValueError:
+                raise FieldError("input", f"{where}.arguments must be a JSON object's text, got {reprlib.repr(arguments)}") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -217,6 +235,9 @@ def chat_tool_choice(choice: str | dict) -> str | dict:
         return {"type": "function", "function": {"name": choice["name"]}}
     if isinstance(choice, dict) and choice.get("type") in ("allowed_tools", "mcp", "custom"):
         raise FieldError("tool_choice", f"tool_choice of type {choice['type']!r} is not supported by this server")
+    if choice not in ("none", "auto", "required") and not (isinstance(choice, dict) and "function" in choice):  # chat's shape: taken
+        raise FieldError("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}, "
+                         f"got {reprlib.repr(choice)}")  # fmt: skip
     return choice
 
 

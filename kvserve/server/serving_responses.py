@@ -35,9 +35,9 @@ from kvserve.structured.spec import GrammarError
 MAX_RUNNING_TRACKED = 4096
 
 
-def _not_found(response_id: str) -> APIError:
+def _not_found(response_id: str, param: str = "response_id") -> APIError:
     return APIError(404, f"no response {reprlib.repr(response_id)} is stored here (or it is another key's or cache_salt's)",
-                    "response_id", "not_found_error", "response_not_found")  # fmt: skip
+                    param, "not_found_error", "response_not_found")  # fmt: skip
 
 
 class ServingResponses:
@@ -66,7 +66,10 @@ class ServingResponses:
         if body.previous_response_id is not None:
             previous = await asyncio.to_thread(self.store.get, body.previous_response_id, owner)
             if previous is None:
-                raise _not_found(body.previous_response_id)
+                raise _not_found(body.previous_response_id, "previous_response_id")
+            if previous.response.get("status") in ("cancelled", "failed"):
+                raise APIError(400, f"previous_response_id: response {reprlib.repr(body.previous_response_id)} was "
+                               f"{previous.response['status']} and cannot be continued", "previous_response_id")  # fmt: skip
             history, previous_cut = previous.history, previous.truncated_items
         try:
             conversation = history + input_messages(body.input)
@@ -121,7 +124,7 @@ class ServingResponses:
         finally:
             self._running.pop(response_id, None)
         out = outs[(0, 0)]
-        builder.feed(out.text, last=True)
+        builder.feed(out.text, last=True, cut=out.finish_reason == "length")
         return JSONResponse(await finish(out))
 
     async def _keep(self, body: ResponsesRequest, response: dict, history: list[dict] | None, owner: str, truncation: Truncation,
@@ -142,7 +145,13 @@ class ServingResponses:
         reserve, budget = room.reserve, room.budget
 
         async def render(messages: list) -> list[int]:
-            return await serving.render_messages(messages, None, True, tools=tools)
+            try:
+                return await serving.render_messages(messages, None, True, tools=tools)
+            except APIError as exc:  # the chat path's refusals name its field: here the conversation is `input`
+                if exc.param == "messages":
+                    exc.param = "input"
+                    exc.message = exc.message.replace("messages carry tool_calls", "input carries function_call items", 1)
+                raise
 
         if reserve >= limit:
             raise APIError(400, f"max_output_tokens={reserve} leaves no room for the input in max_model_len={limit}", "max_output_tokens")
@@ -209,7 +218,7 @@ class ServingResponses:
         final = None
         try:
             async for _, _, out in sub.outputs():
-                for kind, fields in builder.feed(out.text, last=out.finished):
+                for kind, fields in builder.feed(out.text, last=out.finished, cut=out.finish_reason == "length"):
                     yield event(kind, **fields)
                 if out.finished:
                     final = out
