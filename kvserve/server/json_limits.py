@@ -95,7 +95,8 @@ def first_unpaired_surrogate(value: object) -> str | None:
             children = item.items()
             for key in item:
                 if isinstance(key, str) and _unencodable(key):
-                    return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}" if path else key.encode("utf-8", "backslashreplace").decode()
+                    name = key.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{name}" if path else name
         elif isinstance(item, list):
             children = enumerate(item)
         else:

@@ -125,9 +125,8 @@ class ResponsesRequest(UnicodeBody):
                 head = message.split(":", 1)[0]
                 where = head if head in ChatCompletionRequest.model_fields else "input"
             param = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}.get(where, where)
-            message = message.removeprefix(f"{where}: ")
             field = "text.format" if param == "text" else param
-            raise FieldError(param, f"{field}: {message.removeprefix('response_format: ')}") from None
+            raise FieldError(param, f"{field}: {message.removeprefix(f'{where}: ')}") from None
 
 
 def _text_of(content, where: str) -> str | list[dict]:
