@@ -367,8 +367,35 @@ def test_compression_spares_a_shared_prefix_and_never_publishes_a_compressed_blo
     _check_free(llm)
 
 
+def test_a_request_with_too_little_of_its_own_to_compress_runs_as_a_plain_one(tiny_dir):
+    """snapkv with 16 own tokens after a 64-token shared prefix (window 8: no more than two windows):
+    no question, no compaction; it reads and publishes the cache as a plain request, same tokens."""
+    path = tiny_dir("llama")
+    shared = random_prompts(1, 64, 64, seed=43)[0]
+    own = random_prompts(1, 16, 16, seed=44)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, kv_compress_from=64)
+    llm = _llm(path, kv_compression="snapkv", kv_keep_ratio=0.5, snapkv_window=8)
+    seq = llm.engine.add_request(shared + own, params)
+    assert seq.eviction is None and seq.question is None
+    while not seq.is_finished:
+        llm.engine.step()
+    assert llm.stats()["kv_compactions_total"] == 0 and llm.stats()["kv_probe_tokens_total"] == 0
+    plain = _llm(path).generate([shared + own], GREEDY, use_tqdm=False)[0]
+    assert seq.output_token_ids == plain.token_ids[:8]
+    uncompressed = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, kv_compression="none")
+    assert llm.generate([shared + own + [5]], uncompressed, use_tqdm=False)[0].num_cached_tokens == 80  # its own block was published
+    longer = llm.engine.add_request(shared + own + [5], params)  # 17 own tokens: compressed
+    assert longer.eviction is not None and longer.question is not None
+    llm.engine.abort_request(longer.request_id)
+    _check_free(llm)
+
+
 def test_the_compressed_region_leaves_whole_what_its_compaction_never_writes():
     snapkv = EvictionPolicy("snapkv", keep_ratio=0.5, window=8)
+    # a region no longer than two windows is kept whole (random has no window to pay for)
+    assert not CompressionRegion.of(snapkv, 80, 64, 16).compresses(80) and CompressionRegion.of(snapkv, 81, 64, 16).compresses(81)
+    assert CompressionRegion.of(snapkv, 80, 64, 16) == CompressionRegion(64, 80, 16, 80)
+    assert CompressionRegion.of(EvictionPolicy("random", keep_ratio=0.5, window=8), 80, 64, 16).compresses(80)
     # 80 tokens from 0: 40 kept in 3 blocks taken for them, nothing written before 80; hits end before the window
     assert CompressionRegion.of(snapkv, 80, 0, 16) == CompressionRegion(0, 80, 40, 64)
     assert CompressionRegion.of(snapkv, 80, 0, 16).reserve(80, 16) == 3
@@ -563,7 +590,8 @@ def test_the_question_weight_is_validated():
 def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):
     path = tiny_dir("llama")
     prompt = random_prompts(1, 90, 90, seed=26)[0]
-    llm = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8)
+    # a step of 100 tokens holds the prompt, not its question too: the question runs in a step of its own
+    llm = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8, max_num_batched_tokens=100)
     engine, question = llm.engine, _generic(llm)
     seq = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     engine.step()  # the prompt, its first token sampled; the question is next
@@ -577,6 +605,54 @@ def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(t
     # counted once: the first question was dropped unrun
     assert llm.stats()["kv_probe_tokens_total"] == len(question) and llm.stats()["kv_compactions_total"] == 1
     _check_free(llm)
+
+
+@pytest.mark.parametrize("query", ["generic", "both"])
+def test_the_prompts_last_chunk_takes_the_generic_question_on(tiny_dir, monkeypatch, query):
+    """With room in the step, the generic question is computed with the prompt's last chunk: one step
+    samples the first token, scores with transformers' attention and compresses; the tokens and the
+    positions kept are those of the question computed in a step of its own (a 100-token step)."""
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 90, 90, seed=28)[0]
+    runs = {}
+    for budget in (512, 100, 72):  # one chunk with the question; the prompt alone; two chunks, the second with the question
+        seen = []
+        real = engine_eviction.top_positions
+        monkeypatch.setattr(engine_eviction, "top_positions", lambda scores, *a: seen.append(scores.clone()) or real(scores, *a))
+        llm = _llm(path, kv_compression="snapkv", snapkv_query=query, kv_keep_ratio=0.4, snapkv_window=8, max_num_batched_tokens=budget,
+                   snapkv_question_weight=3.0)  # fmt: skip
+        kept = _record_compactions(llm)
+        question, engine = _generic(llm), llm.engine
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        steps = 1 if budget == 512 else 2
+        for _ in range(steps):
+            engine.step()
+        assert seq.eviction_started and seq.probe is None and len(seq.token_ids) == 91 and seq.num_computed_tokens == 90
+        assert llm.stats()["kv_probe_tokens_total"] == len(question) and llm.stats()["kv_compactions_total"] == 1
+        while not seq.is_finished:
+            engine.step()
+        monkeypatch.setattr(engine_eviction, "top_positions", real)
+        runs[budget] = (seq.output_token_ids, seen[0], kept[0])
+        _check_free(llm)
+    asked = _hf_window_scores(path, prompt + question, len(question), 2)[..., :90]
+    expected = asked if query == "generic" else _hf_window_scores(path, prompt, 8, 2) + asked * (3.0 * 8 / len(question))
+    for budget, (tokens, scores, keep) in runs.items():
+        torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-4, msg=f"budget {budget}")
+        assert tokens == runs[100][0] and torch.equal(keep, runs[100][2]), budget
+
+
+def test_prompt_logprobs_of_a_prompt_whose_last_chunk_asks_the_generic_question(tiny_dir):
+    """The question's rows score no prompt token: the prompt's logprobs are those of the uncompressed run."""
+    path = tiny_dir("llama")
+    prompt = random_prompts(1, 90, 90, seed=29)[0]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    compressed = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8, max_num_batched_tokens=64)
+    plain = _llm(path, max_num_batched_tokens=64)
+    got, want = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (compressed, plain))
+    assert compressed.stats()["kv_probe_tokens_total"] == len(_generic(compressed))
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == 90 and got.token_ids[0] == want.token_ids[0]
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert a.token_id == b.token_id and a.rank == b.rank and a.top.keys() == b.top.keys() and abs(a.logprob - b.logprob) < 1e-4
 
 
 def test_a_request_chooses_the_generic_question(tiny_dir):
@@ -639,8 +715,8 @@ def test_a_generic_question_on_gemma3_and_where_it_cannot_run(tiny_dir):
     out = full.generate([random_prompts(1, 39, 39, seed=25)[0]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
     assert len(out.token_ids) == 1 and full.stats()["kv_probe_tokens_total"] == 0  # finished on its first token: never computed
     seq = full.engine.add_request(random_prompts(1, 38, 38, seed=25)[0], SamplingParams(max_tokens=2, temperature=0))
-    full.engine.step()
-    assert seq.probe == _generic(full)[:2]  # the room left below max_model_len
+    full.engine.step()  # the prompt and the room left below max_model_len of the question, in one step
+    assert seq.eviction_started and full.stats()["kv_probe_tokens_total"] == 2 and full.stats()["kv_compactions_total"] == 1
     while not seq.is_finished:
         full.engine.step()
     assert full.stats()["kv_probe_tokens_total"] == 2 and full.stats()["kv_compactions_total"] == 1

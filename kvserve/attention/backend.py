@@ -66,8 +66,8 @@ class AttentionBackend(abc.ABC):
         for span in meta.window_scores:
             keys = kv.gather_keys(span.block_tables[kv.group])
             scored = span.kv_len if span.context is None else span.context
-            scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale)
-            span.out[layer, :, :scored].add_(scores[:, :scored], alpha=span.weight)
+            scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale, span.weighted_from, span.weight)
+            span.out[layer, :, :scored].add_(scores[:, :scored])
 
     def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v in the pool's Hadamard basis when it stores K/V rotated (kv/rotation.py)."""

@@ -37,6 +37,7 @@ class WindowScoreSpan:
     out: torch.Tensor  # full-attention layers' rows are filled; sliding-window layers evict nothing
     context: int | None = None  # a generic question's rows score only the first `context` keys, those it follows
     weight: float = 1.0  # each query's scores count this much (a generic question's under --snapkv-query both)
+    weighted_from: int = 0  # rows before this one (a prompt window's, scored with its question in one pass) count 1
 
     @property
     def kv_len(self) -> int:

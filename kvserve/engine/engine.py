@@ -29,7 +29,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.engine.speculative import Speculator, accepted_length
 from kvserve.kv.centering import CALIBRATION_TOKENS, calibration_tokens, key_centers
-from kvserve.kv.eviction import GENERIC_QUESTION
+from kvserve.kv.eviction import GENERIC_QUESTION, CompressionRegion
 from kvserve.kv.rotation import is_power_of_two
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import PagedKVPool
@@ -266,9 +266,12 @@ class LLMEngine:
         if self.tokenizer is not None:
             text = OutputText(self.tokenizer.incremental_detokenizer(), params.stop, params.include_stop_str_in_output)
         eviction = self.eviction_policy(params)
-        compress_from = min(params.kv_compress_from or 0, compress_at or len(token_ids))  # prompt tokens: the output is its own
-        if eviction is not None and eviction.method != "streaming" and compress_from == (compress_at or len(token_ids)):
-            eviction = None  # every token it would compress is shared: it compresses nothing (streaming: its output, as it decodes)
+        point = compress_at or len(token_ids)
+        compress_from = min(params.kv_compress_from or 0, point)  # prompt tokens: the output is its own
+        if eviction is not None and eviction.method != "streaming" and (
+                compress_from == point or not CompressionRegion.of(eviction, point, compress_from, self.kv.block_size).compresses(point)):
+            eviction = None  # every token it would compress is shared, or too few to pay for scoring: it compresses nothing
+            # (streaming: its output, as it decodes)
         seq = Sequence(request_id, token_ids, params, prompt=prompt_text, cache_salt=cache_salt, seed=seed, text=text, stream=stream,
                        eviction=eviction, compress_at=compress_at, compress_from=compress_from,
                        grammar=self._grammar(params), lora=lora)  # fmt: skip
@@ -276,6 +279,9 @@ class LLMEngine:
             probe = len(self._generic_question) if eviction.asks_generic_question else 0
             reserve = seq.compaction_reserve(self.kv.block_size, len(token_ids))
             seq.compacts_in_place = not self.kv.fits_alone(len(token_ids) + probe, self.config.max_num_batched_tokens, reserve)
+            answers_once = compress_at is None and params.max_tokens == 1  # finished by its first token: no question is worth asking
+            if probe and not answers_once and self.pool is not None and seq.compression_region(self.kv.block_size).compresses(seq.compression_point):
+                seq.question = self._generic_question[: self.max_model_len - seq.compression_point] or None
         self.requests[request_id] = seq
         if lora is not None:
             self.kv.serve_adapter(lora.identity)
@@ -358,6 +364,7 @@ class LLMEngine:
         seq = self.add_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt,
                                compress_at=compress_at)  # fmt: skip
         seq.captured = []
+        seq.question = None  # its captured rows are the prompt's: a generic question is computed in a step of its own
         seq.max_chunk = chunk
         if compress_at is None:
             seq.eviction = None  # compression follows a prefill, and scoring ends with it
@@ -534,7 +541,7 @@ class LLMEngine:
             if region is None:
                 self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             else:
-                if not seq.eviction_started and seq.probe is None:
+                if not seq.eviction_started:
                     self.kv.cache_blocks(seq.request_id, seq.token_ids, min(seq.num_computed_tokens, region.whole))
                 self._evict(seq)
             self.kv.free_unreachable(seq.request_id, seq.num_computed_tokens if seq.probe is None else seq.probe_from, seq.prompt_len,

@@ -139,11 +139,12 @@ class ModelRunner:
         flat rows that score it and the ones after (row of position p scores the token at p + 1)."""
         out = []
         for seq, n in batch.entries:
-            if not seq.prompt_scores_pending or seq.probe is not None:
+            if not seq.prompt_scores_pending:
                 continue
             start = seq.num_computed_tokens
+            end = start + n if seq.probe is None else min(start + n, seq.probe_from)  # a generic question's rows score nothing
             first = max(len(seq.prompt_logprobs), start + 1)  # a recomputed row (after a preemption) scores nothing new
-            last = min(start + n, seq.prompt_len - 1)  # the last prompt row predicts the first generated token
+            last = min(end, seq.prompt_len - 1)  # the last prompt row predicts the first generated token
             if first <= last:
                 row = self._first_row(batch, seq) + first - 1 - start
                 out.append((seq, first, np.arange(row, row + last - first + 1)))
@@ -213,9 +214,7 @@ class ModelRunner:
                 slot_parts[g].append(table[rows, slots[g] // bs] * bs + slots[g] % bs)
             for row, seq in enumerate(decodes):
                 if seq.eviction is not None:
-                    span = self._window_span(seq, row, int(positions[row]), int(positions[row]) + 1, [t[row] for t in tables])
-                    if span is not None:
-                        meta.window_scores.append(span)
+                    meta.window_scores += self._window_spans(seq, row, int(positions[row]), int(positions[row]) + 1, [t[row] for t in tables])
                 if seq.num_computed_tokens + 1 == seq.num_tokens and seq.probe is None:
                     for sampler in (seq, *seq.forks):  # forks sample their first token from the parent's logits
                         sample_rows.append(row)
@@ -239,9 +238,14 @@ class ModelRunner:
                 slots = positions - evicted[g]
                 slot_parts[g].append(table[slots // bs] * bs + slots % bs)
             meta.prefills.append(PrefillSpan(row, row + n, [start - e for e in evicted], [torch.from_numpy(t).to(self.device) for t in tables]))
-            span = self._window_span(seq, row, start, end, tables)
-            if span is not None:
-                meta.window_scores.append(span)
+            if seq.eviction is not None:
+                meta.window_scores += self._window_spans(seq, row, start, end, tables)
+            if seq.probe is not None and start < seq.probe_from <= end and seq.probe_from == len(seq.token_ids):
+                # the prompt's last row, followed in this chunk by the generic question, draws the first token
+                for sampler in (seq, *seq.forks):
+                    sample_rows.append(row + seq.probe_from - 1 - start)
+                    samplers.append(sampler)
+                    sample_positions.append(seq.probe_from)
             if end == seq.num_tokens and seq.probe is None:  # the generic question's last row samples nothing
                 if seq.draft_token_ids:  # a verification: the last token's row and every guess's
                     first = len(seq.token_ids) - 1 - start
@@ -260,24 +264,29 @@ class ModelRunner:
         meta.slot_mappings = [torch.from_numpy(np.concatenate(parts)).to(self.device) for parts in slot_parts]
         return meta, np.concatenate(ids_parts), np.asarray(sample_rows, dtype=np.int64), samplers, sample_positions
 
-    def _window_span(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> WindowScoreSpan | None:
-        """The rows of positions [start, end), flat rows from `row` on, that are SnapKV window queries of a
-        prompt that will be compressed, or of the generic question that scores it instead or as well (every row)."""
-        if seq.probe is not None:
-            weight = seq.eviction.question_query_weight(seq.probe_from, len(seq.probe))
-            return WindowScoreSpan(row, row + end - start, start - self.kv.num_evicted(seq.request_id), tables, seq.window_scores,
-                                   context=seq.probe_from, weight=weight)  # fmt: skip
-        policy, total = seq.eviction, seq.compression_point
-        if policy is None or not policy.scores_window or seq.eviction_started or not seq.compression_region(self.kv.block_size).compresses(total):
-            return None
-        first, end = max(start, total - policy.window), min(end, total)
-        if first >= end:
-            return None
+    def _window_spans(self, seq: Sequence, row: int, start: int, end: int, tables: list[np.ndarray]) -> list[WindowScoreSpan]:
+        """The rows of positions [start, end), flat rows from `row` on, that score a prompt to be compressed:
+        its SnapKV window's queries, then the generic question's that follows it (every row of it); the
+        two in one span (one read of the keys) when this chunk holds both."""
+        policy, evicted = seq.eviction, self.kv.num_evicted(seq.request_id)
+        total = seq.probe_from if seq.probe is not None else seq.compression_point
+        first, last = max(start, total - policy.window), min(end, total)
+        window = (policy.scores_window and not seq.eviction_started and first < last
+                  and seq.compression_region(self.kv.block_size).compresses(total))  # fmt: skip
+        if seq.probe is None or end <= seq.probe_from:
+            return [WindowScoreSpan(row + first - start, row + last - start, first - evicted, tables, self._scores_of(seq, total))] if window else []
+        weight = policy.question_query_weight(seq.probe_from, len(seq.probe))
+        asked = max(start, seq.probe_from)
+        begin = first if window else asked  # a window ends where the question begins
+        return [WindowScoreSpan(row + begin - start, row + end - start, begin - evicted, tables, self._scores_of(seq, seq.probe_from),
+                                context=seq.probe_from, weight=weight, weighted_from=asked - begin)]  # fmt: skip
+
+    def _scores_of(self, seq: Sequence, total: int) -> torch.Tensor:
+        """seq's SnapKV scores [layers, kv_heads, total], zeros until its first scored rows."""
         if seq.window_scores is None:
             spec = self.kv.spec
             seq.window_scores = torch.zeros(spec.num_layers, spec.num_kv_heads, total, device=self.device)
-        first_slot = first - self.kv.num_evicted(seq.request_id)
-        return WindowScoreSpan(row + first - start, row + end - start, first_slot, tables, seq.window_scores)
+        return seq.window_scores
 
 
 class SimulatedRunner:

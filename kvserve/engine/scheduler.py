@@ -105,12 +105,12 @@ class Scheduler:
                     self.loading[seq.request_id] = job
                     continue
             reserve = seq.compaction_reserve(self.kv.block_size, seq.num_tokens)
-            if not self.kv.can_admit(seq.request_id, seq.num_tokens, self.config.max_num_batched_tokens, hit, reserve):
+            if not self.kv.can_admit(seq.request_id, seq.num_tokens_to_admit, self.config.max_num_batched_tokens, hit, reserve):
                 # with nothing running the pool will not get freer: computing the prefix again takes
                 # no more than the request alone, which fits (a hit must never fail a request)
                 cold = PrefixHit(blocks=[[] for _ in self.kv.groups])
                 chunk = self.config.max_num_batched_tokens
-                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens, chunk, cold, reserve):
+                if self.running or not hit.num_tokens or not self.kv.can_admit(seq.request_id, seq.num_tokens_to_admit, chunk, cold, reserve):
                     break
                 hit = cold
             self.kv.take_hit(seq.request_id, hit)

@@ -69,6 +69,7 @@ class Sequence:
     window_scores: torch.Tensor | None = None  # snapkv: [layers, kv_heads, tokens] attention the scoring queries pay
     probe: list[int] | None = None  # snapkv's generic question, computed at positions probe_from on to score, then dropped
     probe_from: int = 0
+    question: list[int] | None = None  # the generic question its chunk reaching the compression point takes on, room allowing
     grammar: Any = None  # structured outputs: the xgrammar GrammarMatcher that has accepted the output so far
     beam_group: str | None = None  # beam search: the group this beam belongs to (engine/beam_search.py)
     held: bool = False  # a beam that has drawn this round's token: not scheduled until its group has chosen
@@ -133,6 +134,7 @@ class Sequence:
         self.draft_token_ids = []
         self.eviction_started, self.window_scores = False, None
         self.probe, self.probe_from = None, 0
+        self.question = None  # its compression point moved on (its output is compressed too): asked after that chunk
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -149,6 +151,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_tokens_to_admit(self) -> int:
+        """Tokens its admission finds blocks for: num_tokens, and a generic question it may take on."""
+        return self.num_tokens + (len(self.question) if self.question is not None and self.probe is None else 0)
 
     @property
     def compression_point(self) -> int:
@@ -168,8 +175,14 @@ class Sequence:
 
     def next_chunk(self, budget: int) -> int:
         """Tokens to compute next within `budget`: a chunk stops at the compression point, so the
-        tokens after it are computed against the compressed cache."""
+        tokens after it are computed against the compressed cache. The chunk that reaches it takes
+        the generic question on when `budget` holds it too (its rows score the prompt in the same
+        step, then are dropped); otherwise the question is computed in a step of its own."""
         n = min(self.num_uncomputed_tokens, budget, self.max_chunk or budget)
         if self.eviction is not None and not self.eviction_started and self.probe is None and self.num_computed_tokens < self.compression_point:
             n = min(n, self.compression_point - self.num_computed_tokens)
+            question = self.question
+            if question is not None and self.num_computed_tokens + n == self.compression_point and n + len(question) <= budget:
+                self.probe, self.probe_from = question, self.compression_point
+                n += len(question)
         return n

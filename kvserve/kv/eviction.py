@@ -127,8 +127,11 @@ class CompressionRegion:
         if start >= point:  # none of the prompt (streaming: what follows `start` as it decodes)
             return cls(start, point, 0, point, in_place)
         kept = policy.tokens_kept(point - start)
-        if kept >= point - start and policy.method != "streaming":  # kept whole: nothing is ever written
-            return cls(start, point, kept, point, in_place)
+        # SnapKV keeps a region no longer than its window whole: the window would be all of it, and
+        # scoring it (and a generic question) costs more than the block or two it could free
+        short = policy.method == "snapkv" and point - start <= 2 * policy.window
+        if (kept >= point - start or short) and policy.method != "streaming":  # kept whole: nothing is ever written
+            return cls(start, point, point - start, point, in_place)
         whole = point
         if in_place:
             untouched = -(-(point - start) // block_size) - -(-kept // block_size)
