@@ -276,9 +276,10 @@ def test_a_compressing_chat_keeps_its_system_prompt_and_earlier_turns_whole_and_
     whole prompt (kv_compress_from 0) drops half of them; either way the prompt's blocks are never
     written, so the next turn reads the whole conversation from the cache; the answer is LLM.chat's."""
     _, url = guarded
-    conversation = [{"role": "system", "content": "Everyone is permitted to copy and distribute verbatim copies of this license. " * 6},
+    # the last turn is longer than two SnapKV windows (a shorter one is kept whole: nothing would be compressed)
+    conversation = [{"role": "system", "content": "Everyone is permitted to copy and distribute verbatim copies of this license. " * 10},
                     {"role": "user", "content": "May I copy it?"}, {"role": "assistant", "content": "Yes, verbatim."},
-                    {"role": "user", "content": "And change it?"}]  # fmt: skip
+                    {"role": "user", "content": "And may I change it, then give my changed copies to others under the same terms? " * 2}]  # fmt: skip
     squeeze = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_compression": "snapkv", "kv_keep_ratio": 0.5}
     render = reference.get_tokenizer().apply_chat_template
     ids = render(conversation, chat_template=CHAT_TEMPLATE, add_generation_prompt=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import png_pixels
 
 BENCH = Path(__file__).parent.parent / "bench"
@@ -81,3 +82,20 @@ def test_batched_bench_refuses_bad_flags_before_loading_a_model():
                           (["--llama-batched-bench", "/nonexistent"], "not an executable file"), (["--new-tokens", "0"], "must be positive")):  # fmt: skip
         run = subprocess.run([sys.executable, str(BENCH / "batched_bench.py"), *flags], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and reason in run.stderr, (flags, run.stderr)
+
+
+def test_one_rung_against_the_rung_below(tiny_dir, capsys):
+    """bench/ladder_rung.py: the rung asked for and the one below it, in turns, with both ratios; a name
+    the model does not climb, and the first kvserve rung (nothing below it), are refused."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("ladder_rung", BENCH / "ladder_rung.py")
+    rung = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rung)
+    model = str(tiny_dir("gemma3"))
+    rung.main(["--quick", "--model", model, "--rung", "+ SnapKV 0.5", "--repeats", "2", "--kv-cache-memory", "0.002", "--tier-gib", "0.01"])
+    out = capsys.readouterr().out
+    assert out.count("+ host and disk tiers (run ") == 2 and out.count("+ SnapKV 0.5 (run ") == 2
+    assert "+ SnapKV 0.5 / + host and disk tiers: tok/s " in out and "(target >= 0.97x)" in out
+    for bad, message in (("+ nothing", "climbs paged, 16-bit KV"), ("paged, 16-bit KV", "no rung below it")):
+        with pytest.raises(SystemExit, match=message):
+            rung.main(["--quick", "--model", model, "--rung", bad, "--kv-cache-memory", "0.002"])
