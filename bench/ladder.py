@@ -312,6 +312,21 @@ def run_transformers(path: Path, dtype: str, rounds: list[list[list[int]]], new_
 
 
 # ---------------------------------------------------------------------- the ladder of one model
+def rung_plan(base: dict, windows: bool, tier_gib: float, tier_dir: Path) -> list[tuple[Rung, dict]]:
+    """The kvserve rungs a model climbs (the window rung only with sliding windows), each with its engine
+    arguments: `base` and every rung's additions up to it (the tier rung's host and disk tiers of tier_gib)."""
+    engine_args, plan = dict(base), []
+    for rung in RUNGS[KVSERVE_RUNGS_START:]:
+        if rung.needs_windows and not windows:
+            continue
+        added = dict(rung.engine)
+        if "kv_offload_host_gib" in added:
+            added = dict(kv_offload_host_gib=tier_gib, kv_offload_disk_dir=str(tier_dir), kv_offload_disk_gib=tier_gib)
+        engine_args.update(added)
+        plan.append((rung, dict(engine_args)))
+    return plan
+
+
 def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_dir: Path) -> dict[str, tuple[list[RungResult], dict]]:
     """Every rung on both workloads; by workload, the rungs' results and the workload's description
     (transformers runs the mixed workload only)."""
@@ -330,18 +345,9 @@ def climb(model: str, args: argparse.Namespace, scale: Scale, bar: tqdm, tier_di
                     "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs}
              for name, (rounds, _) in workloads.items()}  # fmt: skip
     results: dict[str, list[RungResult]] = {name: [] for name in workloads}
-    engine_args = dict(base)
     evaluation = Evaluation(scale.eval_plan, read_text(default_text_path()), progress=False)
     evaluated: dict[tuple, RungResult] = {}
-    plan: list[tuple[Rung, dict]] = []  # the kvserve rungs this model climbs, each with its engine arguments
-    for rung in RUNGS[KVSERVE_RUNGS_START:]:
-        if rung.needs_windows and not windows:
-            continue
-        added = dict(rung.engine)
-        if "kv_offload_host_gib" in added:
-            added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir / Path(model).name), kv_offload_disk_gib=args.tier_gib)
-        engine_args.update(added)
-        plan.append((rung, dict(engine_args)))
+    plan = rung_plan(base, windows, args.tier_gib, tier_dir / Path(model).name)
     # every repeat climbs the whole ladder, so a slow spell of a shared machine falls on every rung alike; a rung shows
     # its median run by tokens per second
     runs: dict[tuple[str, str], list[RungResult]] = {}

@@ -30,29 +30,15 @@ from kvserve import LLM  # noqa: E402
 WORKLOADS = {"mixed": ladder.workload, "revisit": ladder.revisit_workload}
 
 
-def rung_stacks(model: str, args: argparse.Namespace, tier_dir: Path) -> list[tuple[str, dict]]:
-    """(rung name, engine arguments) of the rung asked for and the rung below it, as bench/ladder.py climbs."""
-    base = dict(max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
-    probe = LLM(model, **{**base, "kv_cache_memory": 0.01, "max_num_seqs": 1})
-    windows = any(g.window is not None for g in probe.engine.kv.groups)
-    del probe
-    gc.collect()
-    stack, climbed = dict(base), []
-    for rung in ladder.RUNGS[ladder.KVSERVE_RUNGS_START :]:
-        if rung.needs_windows and not windows:
-            continue
-        added = dict(rung.engine)
-        if "kv_offload_host_gib" in added:
-            added = dict(kv_offload_host_gib=args.tier_gib, kv_offload_disk_dir=str(tier_dir), kv_offload_disk_gib=args.tier_gib)
-        stack.update(added)
-        climbed.append((rung.name, dict(stack)))
-    names = [name for name, _ in climbed]
-    if args.rung not in names:
-        sys.exit(f"--rung {args.rung!r}: {model} climbs {', '.join(names)}")
-    at = names.index(args.rung)
+def rung_pair(plan: list, model: str, rung: str) -> list[tuple[str, dict]]:
+    """(rung name, engine arguments) of `rung` and of the rung below it in the model's plan (ladder.rung_plan)."""
+    names = [r.name for r, _ in plan]
+    if rung not in names:
+        sys.exit(f"--rung {rung!r}: {model} climbs {', '.join(names)}")
+    at = names.index(rung)
     if at == 0:
-        sys.exit(f"--rung {args.rung!r} is the first kvserve rung: it has no rung below it to compare with")
-    return climbed[at - 1 : at + 1]
+        sys.exit(f"--rung {rung!r} is the first kvserve rung: it has no rung below it to compare with")
+    return [(r.name, args) for r, args in plan[at - 1 : at + 1]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,12 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {getattr(args, name)}")
     scale = ladder.QUICK if args.quick else ladder.Scale()
+    base = dict(max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
     with tempfile.TemporaryDirectory(prefix="kvserve-ladder-rung-") as tmp:
-        pair = rung_stacks(args.model, args, Path(tmp) / "tiers")
-        probe = LLM(args.model, max_num_seqs=1, kv_cache_memory=0.01, dtype=args.dtype)
+        probe = LLM(args.model, **{**base, "kv_cache_memory": 0.01, "max_num_seqs": 1})
+        windows = any(g.window is not None for g in probe.engine.kv.groups)
         rounds, shared = WORKLOADS[args.workload](probe.tokenizer, scale, args.seed, probe.engine.model_config.bos_token_id)
         del probe
         gc.collect()
+        pair = rung_pair(ladder.rung_plan(base, windows, args.tier_gib, Path(tmp) / "tiers"), args.model, args.rung)
         runs: dict[str, list[ladder.RungResult]] = {name: [] for name, _ in pair}
         for repeat in range(args.repeats):
             for name, engine_args in pair:

@@ -23,6 +23,4 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale
     hidden = torch.arange(length, device=q.device)[None, :] > slots[:, None]  # [w, L]
     logits.masked_fill_(hidden, float("-inf"))
     probs = logits.softmax(-1)
-    if weighted_from == 0:
-        return probs.sum(dim=(1, 2)) * weight if weight != 1.0 else probs.sum(dim=(1, 2))
     return probs[:, :, :weighted_from].sum(dim=(1, 2)) + probs[:, :, weighted_from:].sum(dim=(1, 2)) * weight
