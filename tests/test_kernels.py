@@ -393,6 +393,68 @@ def test_linear_takes_the_amx_kernel_for_every_row_count_where_amx_is_ready(rows
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() < 0.05
 
 
+@pytest.mark.parametrize("layout", ["packed", "amx", "float32", "float-bf16"])
+def test_packed_rows_are_the_weights_rows_in_every_layout(layout):
+    """A tied embedding looks its tokens up in the lm_head's packed copy: the rows gathered from each
+    layout (ragged tiles: 200 rows, and k = 80 pads AMX's 32-wide k tiles) are the weight's own."""
+    from kvserve.model.layers import PackedEmbedding
+
+    if layout == "packed" and not products.bf16_dot_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    if not library.cpu_kernels_available():
+        pytest.skip("no native kernels")
+    torch.manual_seed(3)
+    weight = torch.randn(200, 80, dtype=torch.float32 if layout == "float32" else torch.bfloat16)
+    pack = {"packed": products.pack_weight, "amx": products.amx_pack_weight}.get(layout, products.pack_float_weight)
+    packed = pack(weight)
+    ids = torch.tensor([[0, 15, 16, 199], [7, 7, 183, 31]])
+    rows = products.packed_rows(packed, ids)
+    assert rows.dtype == weight.dtype and rows.shape == (8, 80)
+    assert torch.equal(rows, weight[ids.reshape(-1)])
+    assert torch.equal(products.packed_rows(packed, torch.arange(200)), weight)
+    assert torch.equal(PackedEmbedding(packed)(ids), weight[ids])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied, untied
+def test_the_lm_head_is_held_once_in_its_packed_copy(tiny_dir, family):
+    """With the native kernels the lm_head keeps only its packed copy: a tied embedding looks its
+    rows up there (the same values, so the same tokens and logprobs as the row-major embedding), an
+    untied model keeps its own embedding, and the torch fallbacks unpack the copy on demand."""
+    from torch import nn
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.layers import PackedEmbedding
+
+    llm = LLM(str(tiny_dir(family)), dtype="bfloat16", kv_cache_memory=0.02)
+    model = llm.engine.model
+    packed = model.amx_lm_head or model.packed_lm_head or model.float_lm_head
+    if packed is None:
+        pytest.skip("no native lm_head kernel on this CPU")
+    assert model.lm_head.weight.numel() == 0
+    source = hf_model_weights(tiny_dir(family))
+    expected = source["lm_head.weight" if family == "llama" else "model.embed_tokens.weight"].to(torch.bfloat16)
+    assert torch.equal(model._row_major_lm_head(), expected)
+    if family == "llama":
+        assert isinstance(model.embed_tokens, nn.Embedding)
+        return
+    assert isinstance(model.embed_tokens, PackedEmbedding)
+    ids = torch.arange(expected.shape[0]).view(4, -1)
+    assert torch.equal(model.embed_tokens(ids), expected[ids])
+    prompts = [[5, 9, 200, 13, 7], [1, 2, 3]]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    packed_run = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.embed_tokens = nn.Embedding.from_pretrained(expected, freeze=True)  # the row-major embedding, as before
+    llm.reset_prefix_cache()
+    row_major_run = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert packed_run == row_major_run
+
+
+def hf_model_weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: t for f in sorted(path.glob("*.safetensors")) for name, t in load_file(f).items()}
+
+
 def test_the_amx_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
     assert not products.amx_available()

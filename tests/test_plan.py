@@ -451,6 +451,22 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(tiny_root, weight_dtyp
         assert held <= weights  # the engine holds the blocks, plus the F32 norms the file has
 
 
+def test_plan_counts_bf16_weights_as_the_engine_holds_them(tiny_dir):
+    """bf16 weights: the lm_head once, in its packed copy (the tied embedding reads its rows there),
+    and its int8 screen where the CPU has one: the plan's count is the engine's, to the byte."""
+    from kvserve.kernels import products
+    from kvserve.model.weight_bytes import weight_bytes
+
+    if not products.bf16_dot_available():
+        pytest.skip("this CPU has no AVX512-BF16: bf16 weights take the float kernels")
+    path = str(tiny_dir("qwen2"))  # tied
+    proc = run_plan("--model", path, "--seq-lens", "100", "--memory-gib", "1", "--headroom-gib", "0", "--dtype", "bfloat16", "--json")
+    planned = json.loads(proc.stdout)
+    held = weight_bytes(LLM(path, dtype="bfloat16", kv_cache_memory=0.02).engine.model)
+    assert planned["weights_held_as"] == "bfloat16" and planned["weights_bytes"] == GIB - planned["kv_budget_bytes"]
+    assert abs(planned["weights_bytes"] - held) <= 0.01 * held  # the formula counts Gemma's four norms per layer
+
+
 def test_plan_refuses_the_weight_dtypes_the_engine_refuses():
     for flags, words in ((("--dtype", "float32", "--weight-dtype", "bfloat16"), "needs --dtype bfloat16"),
                          (("--dtype", "float16", "--weight-dtype", "gguf"), "float32 or bfloat16 activations")):  # fmt: skip

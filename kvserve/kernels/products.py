@@ -200,6 +200,28 @@ def amx_unpack_weight(weight: AmxWeight) -> torch.Tensor:
     return tiles.reshape(col_tiles * 16, k_tiles * 32)[: weight.n, : weight.k]
 
 
+@functools.lru_cache(maxsize=8)
+def _unit_offsets(per_row: int) -> torch.Tensor:
+    """[1, per_row]: where a row's units lie from its first, 16 apart."""
+    return torch.arange(0, per_row * 16, 16)[None, :]
+
+
+def packed_rows(weight: PackedWeight | AmxWeight | FloatPackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [n, k] weight gathered from its packed layout: the same values as the
+    row-major weight's rows (a tied embedding looks its tokens up in the lm_head's packed copy).
+    Every layout keeps tiles of 16 rows with a row's units (k-pairs, or values for the float tiles)
+    16 apart, so one gather takes them all."""
+    ids = ids.reshape(-1).long()
+    if isinstance(weight, FloatPackedWeight):  # [n/16][k][16] values
+        units, per_row = weight.data, weight.k
+    else:  # k-pairs as int32: PackedWeight [n/16][k/2][16]; AmxWeight [n/16][k/32][16 pairs][16][2], zero-padded k
+        units, per_row = weight.data.view(torch.int32), weight.k // 2 if isinstance(weight, PackedWeight) else -(-weight.k // 32) * 16
+    rows = torch.take(units, (ids // 16 * (per_row * 16) + ids % 16)[:, None] + _unit_offsets(per_row))
+    if rows.dtype == torch.int32:
+        rows = rows.view(weight.data.dtype).view(len(ids), -1)[:, : weight.k]
+    return rows
+
+
 def amx_pack_weight(weight: torch.Tensor, library=None) -> AmxWeight:
     """Pack a bf16 [n, k] weight once into AMX B tiles (plain C++: runs on any CPU)."""
     library = library if library is not None else _require()

@@ -125,6 +125,23 @@ class GgufEmbedding(nn.Module):
         return gguf_dequantize(self.blocks, ids.cpu()).to(device=ids.device, dtype=self.dtype)
 
 
+class PackedEmbedding(nn.Module):
+    """The tied token embedding read from the lm_head's packed copy (packed bf16, AMX tiles or float
+    tiles), so the matrix is held once: the looked-up rows are gathered from the packed layout, the
+    same values the row-major weight held."""
+
+    def __init__(self, weight: products.PackedWeight | products.AmxWeight | products.FloatPackedWeight) -> None:
+        super().__init__()
+        self.packed = weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.packed.n
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return products.packed_rows(self.packed, ids.cpu()).to(ids.device).reshape(*ids.shape, self.packed.k)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32.
 

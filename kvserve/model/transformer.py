@@ -19,7 +19,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.layers import (
-    GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm,
+    GatedMLP, Linear, PackedEmbedding, RMSNorm, RotaryEmbedding, fits_float_matmul, packs_as_float, residual_add_norm,
 )
 
 
@@ -173,8 +173,9 @@ class CausalLM(nn.Module):
             self.gguf_screen = gguf.gguf_screen(weight)
 
     def enable_native_kernels(self) -> None:
-        """Route the products (projections and lm_head) to the native CPU kernels. The lm_head's
-        row-major weight stays: it may be the tied embedding, and the torch fallbacks read it."""
+        """Route the products (projections and lm_head) to the native CPU kernels. The lm_head is then
+        held once, in its packed copy: a tied embedding looks its rows up there (PackedEmbedding) and
+        the torch fallbacks unpack it (_row_major_lm_head)."""
         if self.gguf_lm_head is not None:
             pass
         elif products.can_pack(self.lm_head.weight):
@@ -188,6 +189,11 @@ class CausalLM(nn.Module):
                 self.screened_lm_head = sampling.screen_weight(self.amx_lm_head or self.packed_lm_head, self.lm_head.weight)
         elif packs_as_float(self.lm_head.weight):
             self.float_lm_head = products.pack_float_weight(self.lm_head.weight)
+        packed = self.amx_lm_head or self.packed_lm_head or self.float_lm_head
+        if packed is not None:
+            if isinstance(self.embed_tokens, nn.Embedding) and self.embed_tokens.weight is self.lm_head.weight:
+                self.embed_tokens = PackedEmbedding(packed)
+            self.lm_head.weight = nn.Parameter(torch.empty(0, dtype=self.lm_head.weight.dtype), requires_grad=False)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.enable_native()
@@ -249,7 +255,7 @@ class CausalLM(nn.Module):
             out = self._native_logits_buffer(normed.shape[0])
             return self._softcap(products.float_matmul(normed, self.float_lm_head, out_dtype=torch.float32, out=out)[0])
         hidden_t = normed.t().contiguous()
-        weight = self.lm_head.weight
+        weight = self._row_major_lm_head()
         vocab, rows = weight.shape[0], hidden_t.shape[1]
         chunk = min(LOGITS_CHUNK, vocab)
         key = (rows, weight.dtype, weight.device)
@@ -263,6 +269,17 @@ class CausalLM(nn.Module):
             torch.mm(weight[start:end], hidden_t, out=part)
             self._logits_buffer[:, start:end].copy_(part.t())
         return self._softcap(self._logits_buffer.float())
+
+    def _row_major_lm_head(self) -> torch.Tensor:
+        """The lm_head as [vocab, hidden] for the torch paths: its parameter, or, where the native
+        kernels hold only the packed copy, a copy unpacked from it."""
+        if self.lm_head.weight.numel():
+            return self.lm_head.weight
+        if self.amx_lm_head is not None:
+            return products.amx_unpack_weight(self.amx_lm_head).contiguous()
+        if self.packed_lm_head is not None:
+            return products.unpack_weight(self.packed_lm_head).contiguous()
+        return products.unpack_float_weight(self.float_lm_head).contiguous()
 
     def _native_logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [rows, vocab] for the native lm_head products, reused across steps (grown when
@@ -332,7 +349,7 @@ class CausalLM(nn.Module):
         if self._use_float_lm_head(normed):
             return products.float_matmul(normed, self.float_lm_head, want_output=False, want_argmax=True)[1]
         hidden_t = normed.t().contiguous()
-        weight = self.lm_head.weight
+        weight = self._row_major_lm_head()
         vocab, rows = weight.shape[0], hidden_t.shape[1]
         chunk = min(GREEDY_CHUNK, vocab)
         num_chunks = -(-vocab // chunk)

@@ -113,9 +113,22 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
     if weight_dtype in ("int8", "int4"):
         return quantized_weight_bytes(config, dtype, weight_dtype), "int8 (Q8_0 blocks)" if weight_dtype == "int8" else "int4 (Q4_1 blocks)"
     held = dtype if weight_dtype == "auto" else weight_dtype
-    # the native kernels' packed lm_head beside the row-major one (the embedding's, or the torch fallbacks')
-    packed_lm_head = config.vocab_size * config.hidden_size * _DTYPE_BYTES[held]
-    return model_weight_bytes(config, _DTYPE_BYTES[held]) + packed_lm_head, held
+    # the lm_head is held once, in the native kernels' packed copy (a tied embedding reads its rows
+    # there); in bf16, where the CPU screens greedy rows, its int8 screen beside it
+    screen = lm_head_screen_bytes(config) if held == "bfloat16" else 0
+    return model_weight_bytes(config, _DTYPE_BYTES[held]) + screen, held
+
+
+def lm_head_screen_bytes(config: ModelConfig) -> int:
+    """The int8 screen of a bf16 lm_head (kernels/sampling.py screen_weight) where this CPU runs one:
+    a byte per weight in tiles of 16 rows, each row's scale and error, each group's bound."""
+    from kvserve.kernels import sampling
+
+    group = sampling.screen_group(config.hidden_size)
+    if group is None or not sampling.int8_screen_available():
+        return 0
+    rows, groups = -(-config.vocab_size // 16) * 16, config.hidden_size // group
+    return rows * config.hidden_size + rows * 4 * (2 + groups) + rows // 16 * 4 * (groups + 1)
 
 
 def quantized_weight_bytes(config: ModelConfig, dtype: str, weight_dtype: str = "int8") -> int:
