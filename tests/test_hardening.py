@@ -124,6 +124,15 @@ def post(url: str, body, path: str = "/v1/completions", headers=AUTH, **kw) -> h
 
 
 # ---------------------------------------------------------------------------- access
+def test_the_start_up_log_says_how_the_weights_and_the_kv_cache_are_held(guarded, reference):
+    """Which form the weights are held in and their bytes (the same model loaded here holds as many), the pool's size."""
+    proc, _ = guarded
+    stats = reference.stats()
+    line = next(line for line in server_log(proc).splitlines() if "weights held as" in line)
+    assert f"weights held as float32 (float32 activations), {stats['weight_bytes'] / 2**20:.1f} MiB; KV cache " in line
+    assert "blocks" in line and "MiB (float32)" in line
+
+
 def test_api_key_guards_v1_and_admin_routes(guarded):
     _, url = guarded
     body = {"prompt": "hi", "max_tokens": 2}
