@@ -17,10 +17,16 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale
     the queries from `weighted_from` on count `weight`."""
     w, heads, dim = q.shape
     length, kv_heads, _ = keys.shape
-    queries = q.float().view(w, kv_heads, heads // kv_heads, dim)
-    logits = torch.einsum("wkgd,lkd->kgwl", queries, keys.float()) * scale
-    slots = torch.arange(first_slot, first_slot + w, device=q.device)
-    hidden = torch.arange(length, device=q.device)[None, :] > slots[:, None]  # [w, L]
-    logits.masked_fill_(hidden, float("-inf"))
-    probs = logits.softmax(-1)
-    return probs[:, :, :weighted_from].sum(dim=(1, 2)) + probs[:, :, weighted_from:].sum(dim=(1, 2)) * weight
+    group = heads // kv_heads
+    # one batched product per KV head: its query heads' rows (query-major) against its keys
+    queries = q.float().view(w, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, w * group, dim)
+    logits = torch.bmm(queries, keys.float().permute(1, 2, 0)).mul_(scale).view(kv_heads, w, group, length)
+    first_hidden = first_slot + 1  # query i sees slots 0 .. first_slot + i: only the last columns hide any
+    if first_hidden < length:
+        columns = torch.arange(first_hidden, length, device=q.device)
+        hidden = columns[None, :] > torch.arange(first_slot, first_slot + w, device=q.device)[:, None]  # [w, columns]
+        logits[..., first_hidden:].masked_fill_(hidden[None, :, None, :], float("-inf"))
+    probs = logits.softmax(-1).view(kv_heads, w * group, length)
+    row_weights = torch.ones(w, device=q.device)
+    row_weights[min(weighted_from, w) :] = weight
+    return torch.matmul(row_weights.repeat_interleave(group), probs)  # the weighted sum over queries and query heads
