@@ -101,7 +101,8 @@ class SamplingParams:
             raise ValueError(f"snapkv_query must be one of {', '.join(SNAPKV_QUERIES)}; got {reprlib.repr(self.snapkv_query)}")
         if self.kv_compress_from is not None and (isinstance(self.kv_compress_from, bool) or not isinstance(self.kv_compress_from, int)
                                                   or not 0 <= self.kv_compress_from <= MAX_TOKEN_ID):  # fmt: skip
-            raise ValueError(f"kv_compress_from must be a number of prompt tokens (an integer >= 0), got {reprlib.repr(self.kv_compress_from)}")
+            raise ValueError(f"kv_compress_from must be a number of prompt tokens (an integer from 0 to {MAX_TOKEN_ID}), "
+                             f"got {reprlib.repr(self.kv_compress_from)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(self.structured_outputs).__name__}")
 

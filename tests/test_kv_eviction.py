@@ -446,6 +446,9 @@ def test_kv_compress_from_is_validated_and_needs_compression(tiny_dir):
     for bad in (-1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="kv_compress_from"):
             SamplingParams(kv_compress_from=bad)
+    with pytest.raises(ValueError, match=r"an integer from 0 to 2147483647\), got 2147483648"):  # the bound is named (QA)
+        SamplingParams(kv_compress_from=2**31)
+    assert SamplingParams(kv_compress_from=2**31 - 1).kv_compress_from == 2**31 - 1
     llm = _llm(tiny_dir("llama"))
     with pytest.raises(ValueError, match="kv_compress_from needs kv_compression"):
         llm.generate([[5] * 40], SamplingParams(max_tokens=2, kv_compress_from=16), use_tqdm=False)

@@ -61,8 +61,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                      help="how the engine holds the weights, as its flag: gguf, a GGUF file's quantized blocks (its tensor bytes); "
                      "int8, the projections, embedding and lm_head in Q8_0 blocks (34 bytes per 32 weights) and the norms in float32; "
                      "int4, the q, k, o, gate and up projections in Q4_1 blocks (20 bytes per 32), v, down, the embedding and lm_head in Q8_0; "
-                     "float32 / bfloat16, every parameter at that size plus the lm_head's packed copy (and with bf16 on AVX512-VNNI "
-                     "CPUs its int8 screen, vocab x hidden bytes more, not counted); "
+                     "float32 / bfloat16, every parameter at that size, the lm_head once in its packed copy (a tied embedding reads its "
+                     "rows there) and, with bf16 on CPUs with the int8 screen (AVX512-VNNI), the screen: vocab x hidden bytes more; "
                      "auto: gguf for a GGUF --model with --dtype float32, else --dtype (default: %(default)s)")
     mem.add_argument("--headroom-gib", type=float, default=0.5, help="workspace kept free (activations, logits)")
     mem.add_argument("--max-loras", type=int, default=0,
