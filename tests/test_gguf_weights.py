@@ -413,3 +413,31 @@ def test_greedy_rows_on_a_q8_0_lm_head_take_the_screen_with_the_same_tokens(tmp_
     assert calls, "greedy rows took the screen"
     model.gguf_screen = None
     assert traces(llm, prompts, params) == with_screen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_untied_embedding_stays_in_its_blocks_under_dequantized_weights(tiny_root, dtype):
+    """Dequantized weights from a GGUF whose embedding is untied (the tiny Llama: a Q8_0 token_embd,
+    a Q4_1 output) keep the embedding in the file's blocks: a looked-up row dequantizes to the
+    values the float copy held, so the same tokens and logprobs come out as with that copy."""
+    from gguf import GGUFReader
+    from torch import nn
+
+    from kvserve.model.layers import GgufEmbedding
+
+    path = tiny_gguf(tiny_root, quantized=True)
+    llm = LLM(str(path), dtype=dtype, weight_dtype=dtype, kv_cache_memory=0.02, skip_tokenizer_init=True)
+    model = llm.engine.model
+    assert isinstance(model.embed_tokens, GgufEmbedding) and model.gguf_lm_head is None and llm.stats()["weight_dtype"] == dtype
+    (tensor,) = [t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"]
+    n, k = model.config.vocab_size, model.config.hidden_size
+    expected = torch.from_numpy(reference(tensor.tensor_type.name, np.asarray(tensor.data), n, k)).to(getattr(torch, dtype))
+    ids = torch.arange(n).view(2, -1)
+    assert torch.equal(model.embed_tokens(ids), expected[ids])
+    assert model.embed_tokens.blocks.data.numel() == -(-n // 16) * 16 * int(tensor.n_bytes) // n  # the file's bytes, in tiles of 16 rows
+    prompts = [[5, 9, 200, 13, 7], [1, 2, 3]]
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True)
+    blocks_run = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.embed_tokens = nn.Embedding.from_pretrained(expected, freeze=True)  # the float copy, as before
+    llm.reset_prefix_cache()
+    assert blocks_run == [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -427,6 +427,24 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
     return floats, blocks
 
 
+def _embedding_blocks(path: Path, config: ModelConfig) -> dict[str, tuple[GgufWeight, ...]]:
+    """An untied GGUF model's token embedding in its file blocks, for dequantized weights: it is only
+    ever looked up, and a looked-up row dequantizes to the values the float copy held (a tied one
+    is read from the lm_head's packed copy instead). Empty where its type is none the kernels read."""
+    tensor = next((t for t in gguf_index(path)["tensors"] if t["name"] == "token_embd.weight"), None)
+    if tensor is None or tensor["type"] not in GGUF_BLOCKS or tuple(tensor["shape"]) != (config.vocab_size, config.hidden_size) \
+            or config.hidden_size % GGUF_BLOCKS[tensor["type"]][1]:  # fmt: skip
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+    if len(raw) != tensor["bytes"]:
+        raise ModelLoadError(path, f"tensor 'token_embd.weight' ends past the file ({len(raw):,} of {tensor['bytes']:,} bytes)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the file's read-only map: gguf_weight copies it into tiles
+        rows = torch.from_numpy(np.asarray(raw)).reshape(config.vocab_size, -1)
+    return {"embed_tokens.weight": (gguf_weight(rows, tensor["type"], config.vocab_size, config.hidden_size),)}
+
+
 def _dequantized(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -544,6 +562,8 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
         getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
         if checkpoint.weight_format in QUANTIZED_AT_LOAD:
             held = _quantized_weights(config, getters, checkpoint.weight_format)
+        elif checkpoint.path.is_file() and not config.tie_word_embeddings and device.type == "cpu" and library.cpu_kernels_available():
+            held = _embedding_blocks(checkpoint.path, config)
         state = _internal_state(config, lambda name: getters[name]() if name in getters else None, frozenset(held))
     with torch.device("meta"):
         model = CausalLM(config, max_positions)

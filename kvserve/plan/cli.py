@@ -116,7 +116,23 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
     # the lm_head is held once, in the native kernels' packed copy (a tied embedding reads its rows
     # there); in bf16, where the CPU screens greedy rows, its int8 screen beside it
     screen = lm_head_screen_bytes(config) if held == "bfloat16" else 0
-    return model_weight_bytes(config, _DTYPE_BYTES[held]) + screen, held
+    saved = _embedding_saved(path, config, held) if is_gguf else 0
+    return model_weight_bytes(config, _DTYPE_BYTES[held]) + screen - saved, held
+
+
+def _embedding_saved(path: Path, config: ModelConfig, held: str) -> int:
+    """Bytes an untied GGUF model's embedding saves held in its file blocks (model/loader.py
+    _embedding_blocks) rather than in `held`: 0 where the engine dequantizes it."""
+    from kvserve.kernels.gguf import GGUF_BLOCKS
+    from kvserve.model.loader import gguf_index
+
+    if config.tie_word_embeddings:
+        return 0
+    tensor = next((t for t in gguf_index(path)["tensors"] if t["name"] == "token_embd.weight"), None)
+    if tensor is None or tensor["type"] not in GGUF_BLOCKS or config.hidden_size % GGUF_BLOCKS[tensor["type"]][1]:
+        return 0
+    blocks = -(-config.vocab_size // 16) * 16 * tensor["bytes"] // config.vocab_size  # the kernels' tiles of 16 rows
+    return config.vocab_size * config.hidden_size * _DTYPE_BYTES[held] - blocks
 
 
 def lm_head_screen_bytes(config: ModelConfig) -> int:
