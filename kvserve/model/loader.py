@@ -405,12 +405,8 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
         name = gguf_to_hf_name(tensor["name"], config.architecture)
         shape, type_name = tuple(tensor["shape"]), tensor["type"]
         try:
-            raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
-            if len(raw) != tensor["bytes"]:
-                raise ValueError(f"the file ends inside it ({len(raw):,} of {tensor['bytes']:,} bytes)")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the file's read-only map: copied below
-                raw_tensor = torch.from_numpy(np.asarray(raw))
+            raw_tensor = _raw_tensor(data, tensor)
+            raw = raw_tensor.numpy()
             if type_name in FLOAT_GGUF_TYPES:
                 floats[name] = _hf_conventions(name, _float_tensor(raw_tensor, type_name).reshape(shape), config)
                 continue
@@ -427,21 +423,39 @@ def _read_gguf_tensors(path: Path, config: ModelConfig) -> tuple[dict[str, torch
     return floats, blocks
 
 
-def _embedding_blocks(path: Path, config: ModelConfig) -> dict[str, tuple[GgufWeight, ...]]:
-    """An untied GGUF model's token embedding in its file blocks, for dequantized weights: it is only
-    ever looked up, and a looked-up row dequantizes to the values the float copy held (a tied one
-    is read from the lm_head's packed copy instead). Empty where its type is none the kernels read."""
-    tensor = next((t for t in gguf_index(path)["tensors"] if t["name"] == "token_embd.weight"), None)
-    if tensor is None or tensor["type"] not in GGUF_BLOCKS or tuple(tensor["shape"]) != (config.vocab_size, config.hidden_size) \
-            or config.hidden_size % GGUF_BLOCKS[tensor["type"]][1]:  # fmt: skip
-        return {}
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+def _raw_tensor(data: np.memmap, tensor: dict) -> torch.Tensor:
+    """A tensor's bytes in the file's read-only map (a view: whoever keeps them copies them)."""
     raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
     if len(raw) != tensor["bytes"]:
-        raise ModelLoadError(path, f"tensor 'token_embd.weight' ends past the file ({len(raw):,} of {tensor['bytes']:,} bytes)")
+        raise ValueError(f"the file ends inside it ({len(raw):,} of {tensor['bytes']:,} bytes)")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the file's read-only map: gguf_weight copies it into tiles
-        rows = torch.from_numpy(np.asarray(raw)).reshape(config.vocab_size, -1)
+        warnings.simplefilter("ignore")  # torch warns of the map's read-only memory
+        return torch.from_numpy(np.asarray(raw))
+
+
+def untied_embedding_tensor(index: dict, config: ModelConfig) -> dict | None:
+    """The index entry of an untied GGUF model's token embedding when dequantized weights keep it in
+    its file blocks (_embedding_blocks; kvserve plan counts it so): a type the kernels read, whole
+    blocks per row. None otherwise (a tied one is read from the lm_head's packed copy)."""
+    if config.tie_word_embeddings:
+        return None
+    tensor = next((t for t in index["tensors"] if t["name"] == "token_embd.weight"), None)
+    if tensor is None or tensor["type"] not in GGUF_BLOCKS or tuple(tensor["shape"]) != (config.vocab_size, config.hidden_size) \
+            or config.hidden_size % GGUF_BLOCKS[tensor["type"]][1]:  # fmt: skip
+        return None
+    return tensor
+
+
+def _embedding_blocks(path: Path, config: ModelConfig) -> dict[str, tuple[GgufWeight, ...]]:
+    """An untied GGUF model's token embedding in its file blocks, for dequantized weights: it is only
+    ever looked up, and a looked-up row dequantizes to the values the float copy held."""
+    tensor = untied_embedding_tensor(gguf_index(path), config)
+    if tensor is None:
+        return {}
+    try:
+        rows = _raw_tensor(np.memmap(path, dtype=np.uint8, mode="r"), tensor).reshape(config.vocab_size, -1)
+    except ValueError as exc:
+        raise ModelLoadError(path, f"tensor 'token_embd.weight' cannot be read: {describe(exc)}") from None
     return {"embed_tokens.weight": (gguf_weight(rows, tensor["type"], config.vocab_size, config.hidden_size),)}
 
 
@@ -562,7 +576,7 @@ def _build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.devic
         getters = {_normalize_hf_name(name): getter for name, getter in _iter_safetensors(list(checkpoint.weight_files))}
         if checkpoint.weight_format in QUANTIZED_AT_LOAD:
             held = _quantized_weights(config, getters, checkpoint.weight_format)
-        elif checkpoint.path.is_file() and not config.tie_word_embeddings and device.type == "cpu" and library.cpu_kernels_available():
+        elif checkpoint.path.is_file() and device.type == "cpu" and library.cpu_kernels_available():
             held = _embedding_blocks(checkpoint.path, config)
         state = _internal_state(config, lambda name: getters[name]() if name in getters else None, frozenset(held))
     with torch.device("meta"):

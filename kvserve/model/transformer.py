@@ -189,7 +189,7 @@ class CausalLM(nn.Module):
                 self.screened_lm_head = sampling.screen_weight(self.amx_lm_head or self.packed_lm_head, self.lm_head.weight)
         elif packs_as_float(self.lm_head.weight):
             self.float_lm_head = products.pack_float_weight(self.lm_head.weight)
-        packed = self.amx_lm_head or self.packed_lm_head or self.float_lm_head
+        packed = self._packed_lm_head
         if packed is not None:
             if isinstance(self.embed_tokens, nn.Embedding) and self.embed_tokens.weight is self.lm_head.weight:
                 self.embed_tokens = PackedEmbedding(packed)
@@ -270,16 +270,17 @@ class CausalLM(nn.Module):
             self._logits_buffer[:, start:end].copy_(part.t())
         return self._softcap(self._logits_buffer.float())
 
+    @property
+    def _packed_lm_head(self) -> products.PackedWeight | products.AmxWeight | products.FloatPackedWeight | None:
+        return self.amx_lm_head or self.packed_lm_head or self.float_lm_head
+
     def _row_major_lm_head(self) -> torch.Tensor:
         """The lm_head as [vocab, hidden] for the torch paths: its parameter, or, where the native
-        kernels hold only the packed copy, a copy unpacked from it."""
+        kernels hold only the packed copy, every row gathered from it."""
         if self.lm_head.weight.numel():
             return self.lm_head.weight
-        if self.amx_lm_head is not None:
-            return products.amx_unpack_weight(self.amx_lm_head).contiguous()
-        if self.packed_lm_head is not None:
-            return products.unpack_weight(self.packed_lm_head).contiguous()
-        return products.unpack_float_weight(self.float_lm_head).contiguous()
+        packed = self._packed_lm_head
+        return products.packed_rows(packed, torch.arange(packed.n))
 
     def _native_logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [rows, vocab] for the native lm_head products, reused across steps (grown when

@@ -123,13 +123,10 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
 def _embedding_saved(path: Path, config: ModelConfig, held: str) -> int:
     """Bytes an untied GGUF model's embedding saves held in its file blocks (model/loader.py
     _embedding_blocks) rather than in `held`: 0 where the engine dequantizes it."""
-    from kvserve.kernels.gguf import GGUF_BLOCKS
-    from kvserve.model.loader import gguf_index
+    from kvserve.model.loader import gguf_index, untied_embedding_tensor
 
-    if config.tie_word_embeddings:
-        return 0
-    tensor = next((t for t in gguf_index(path)["tensors"] if t["name"] == "token_embd.weight"), None)
-    if tensor is None or tensor["type"] not in GGUF_BLOCKS or config.hidden_size % GGUF_BLOCKS[tensor["type"]][1]:
+    tensor = untied_embedding_tensor(gguf_index(path), config)
+    if tensor is None:
         return 0
     blocks = -(-config.vocab_size // 16) * 16 * tensor["bytes"] // config.vocab_size  # the kernels' tiles of 16 rows
     return config.vocab_size * config.hidden_size * _DTYPE_BYTES[held] - blocks
