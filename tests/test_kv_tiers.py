@@ -232,6 +232,27 @@ def test_a_sliding_groups_block_evicted_before_the_rest_comes_back_from_the_tier
     assert llm.stats()["kv_tiers"]["host"]["hit_tokens"] == 16
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_waiting_requests_load_their_prefixes_once_each(tiny_dir, tmp_path, family):
+    """Eight prompts asked again at once, through a pool that holds two: a load starts only for a
+    request the pool can admit, so no load's blocks are evicted by another's before its request runs
+    (before, loads started for every waiting request evicted each other: 13 loads for 8 prefixes).
+    Each prefix comes back whole in one load, with the tokens of an engine without tiers."""
+    path = str(tiny_dir(family))
+    prompts = random_prompts(8, 90, 120, seed=3)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = tiered(path, tmp_path, "host", max_num_seqs=2)
+    assert [trace(o) for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    llm.engine.kv.offloader.drain()
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [trace(o) for o in again] == expected
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    stats = llm.stats()
+    assert stats["kv_offload_decisions_total"]["load"] == 8
+    assert stats["kv_tiers"]["host"]["hit_tokens"] == sum(o.num_cached_tokens for o in again)
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "both"])
 @pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma3", "float32"), ("llama", "int8"), ("gemma3", "bfloat16")])
 def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_tokens(tiny_dir, tmp_path, tier, family, kv_dtype):

@@ -95,17 +95,22 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.request_id in self.loading or seq.held:
-                continue  # its prefix is on its way from a tier (or it is a beam its group holds); the others go on
+            if seq.request_id in self.loading:
+                break  # its prefix is on its way from a tier: the requests behind it wait, so none takes the blocks it needs
+            if seq.held:
+                continue  # a beam its group holds; the others go on
             # admit only when the whole remaining prompt has blocks, so admission does not thrash
             hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.prefix_salt, self._hit_limit(seq))
-            if self.kv.offloader is not None:
+            reserve = seq.compaction_reserve(self.kv.block_size, seq.num_tokens)
+            fits = self.kv.can_admit(seq.request_id, seq.num_tokens_to_admit, self.config.max_num_batched_tokens, hit, reserve)
+            if fits and self.kv.offloader is not None:
+                # a load starts only for a request the pool can admit (loaded or computed, its prefix takes the same
+                # blocks): loads started for requests that must wait would evict each other's blocks before admission
                 job = self.kv.start_tier_load(seq.request_id, seq.token_ids, hit, self._hit_limit(seq))
                 if job is not None:
                     self.loading[seq.request_id] = job
-                    continue
-            reserve = seq.compaction_reserve(self.kv.block_size, seq.num_tokens)
-            if not self.kv.can_admit(seq.request_id, seq.num_tokens_to_admit, self.config.max_num_batched_tokens, hit, reserve):
+                    break
+            if not fits:
                 # with nothing running the pool will not get freer: computing the prefix again takes
                 # no more than the request alone, which fits (a hit must never fail a request)
                 cold = PrefixHit(blocks=[[] for _ in self.kv.groups])
