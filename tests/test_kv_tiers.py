@@ -414,6 +414,35 @@ def test_corrupt_truncated_and_deleted_records_are_misses_with_the_right_tokens(
     assert again.stats()["kv_tiers"]["disk"]["corrupt_records"] >= 1
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_load_that_meets_a_bad_record_is_the_requests_last(tiny_dir, tmp_path, family):
+    """Records deleted or damaged on disk between two passes: each request loads once, takes the
+    prefix up to the first bad record and recomputes the rest (before, on Gemma 3 a request loaded
+    again and again, up to six times, each load ending at the next bad record), with the tokens of
+    an engine without tiers."""
+    path = str(tiny_dir(family))
+    prompts = random_prompts(8, 90, 120, seed=9)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = tiered(path, tmp_path, "disk")
+    assert [trace(o) for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    llm.engine.kv.offloader.drain()
+    files = sorted((tmp_path / "disk").glob("*.kvb"))
+    assert len(files) >= 24
+    for i, file in enumerate(files):
+        if i % 3 == 0:
+            file.unlink()
+        elif i % 3 == 1:
+            data = bytearray(file.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            file.write_bytes(bytes(data))
+    loads = llm.stats()["kv_offload_decisions_total"]["load"]
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [trace(o) for o in again] == expected
+    assert sum(o.num_cached_tokens for o in again) < sum((len(p) - 1) // 16 * 16 for p in prompts)  # the bad records were met
+    assert 0 < llm.stats()["kv_offload_decisions_total"]["load"] - loads <= len(prompts)
+
+
 def test_a_full_disk_tier_degrades_to_recompute(tiny_dir, tmp_path):
     path = str(tiny_dir("llama"))
     prompts = random_prompts(6, 90, 120, seed=4)

@@ -149,7 +149,7 @@ class Scheduler:
                 self.kv.cut_tier_load(request_id, job)
             if job.future.done():
                 del self.loading[request_id]
-                self.kv.finish_tier_load(job)
+                self.kv.finish_tier_load(job, request_id)
         for job in [j for j in self.orphaned_loads if j.future.done()]:
             self.orphaned_loads.remove(job)
             self.kv.finish_tier_load(job)

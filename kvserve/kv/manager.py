@@ -57,7 +57,7 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         self.offloader: KVOffloader | None = None  # the tiers under the pool (kv/tiers/), set by the engine
         self._recompute_decided: dict[str, int] = {}  # request -> the tier hit's end it chose to recompute
-        self._load_cut: set[str] = set()  # requests whose load was cut (overdue): no second load
+        self._no_more_loads: set[str] = set()  # requests whose load was cut (overdue) or came back short: no second load
         if prefix_cache is not None:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
@@ -279,8 +279,8 @@ class KVCacheManager:
             end -= 1
         if end == start or not entries or self._recompute_decided.get(request_id) == end:
             return None  # nothing to load, or decided already (a request waiting for room asks again every step)
-        if request_id in self._load_cut:
-            return None  # its last load ran past its patience: it recomputes the rest
+        if request_id in self._no_more_loads:
+            return None  # its last load ran past its patience or met a bad record: it recomputes the rest
         held = list(({id(b): b for row in hit.blocks for b in row if b is not None} | {id(b): b for b in kept}).values())
         for block in held:  # the pool's part of the hit must not be evicted for the load's blocks
             self._touch(block)
@@ -313,17 +313,22 @@ class KVCacheManager:
     def cut_tier_load(self, request_id: str, job: LoadJob) -> None:
         """An overdue load stops after the record in hand; the request takes what has come (a partial hit)."""
         self.offloader.cut(job)
-        self._load_cut.add(request_id)
+        self._no_more_loads.add(request_id)
 
-    def finish_tier_load(self, job: LoadJob) -> int:
+    def finish_tier_load(self, job: LoadJob, request_id: str | None = None) -> int:
         """A finished load's blocks join the prefix cache up to the first block index that failed in
-        any group; every target is released (a published one stays cached). Returns the tokens published."""
+        any group; every target is released (a published one stays cached). A load that came back
+        short leaves its request (`request_id`) to recompute the rest: another load would find the
+        next bad record, and on a sliding-window model read again what a shorter hit cannot use.
+        Returns the tokens published."""
         try:
             tiers = job.future.result()
         except Exception:  # noqa: BLE001 - a failed load is a miss: the prefix is recomputed
             logger.exception("loading KV blocks from a tier failed; the prefix is recomputed")
             tiers = [None] * len(job.keys)
         stop = min((entry[0] for entry, tier in zip(job.entries, tiers) if tier is None), default=None)
+        if stop is not None and request_id is not None:
+            self._no_more_loads.add(request_id)
         served: dict[int, str] = {}  # block index -> the tier of its first record
         for (i, g, key, parent, tokens, salt), block, tier in zip(job.entries, job.targets, tiers):
             if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
@@ -694,7 +699,7 @@ class KVCacheManager:
         self._published_full_precision.pop(request_id, None)
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
-        self._load_cut.discard(request_id)
+        self._no_more_loads.discard(request_id)
         for block in self._parked.pop(request_id, ()):
             self._pool_of(block).refresh(block)
         for blocks in self._reserved.pop(request_id, {}).values():
