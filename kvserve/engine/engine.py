@@ -37,6 +37,7 @@ from kvserve.kv.hashing import CacheIdentity, root_hash, validate_cache_salt
 from kvserve.kv.conversation_pins import ConversationKVConfig
 from kvserve.lora.manager import LoRAHandle, LoRAManager
 from kvserve.lora.request import LoRARequest
+from kvserve.heap import release_free_heap
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
@@ -99,6 +100,7 @@ class LLMEngine:
             self.lora = LoRAManager(checkpoint.config, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
                                     config.torch_dtype, self.device, native=backend == "cpu_paged")  # fmt: skip
         self.runner = ModelRunner(self.model, attention, self.kv, self.device, Sampler(native=backend == "cpu_paged"), self.lora)
+        release_free_heap()  # what loading parsed and dropped (tokenizer.json, GGUF metadata) leaves the process
 
     def weights_description(self) -> str:
         """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)", "int4 (Q4_1 blocks)" or the dtype of their copies."""
