@@ -61,8 +61,9 @@ def transformers_copy(gguf: Path, out: Path) -> Path:
         # transformers 5.0 rebuilds Gemma 3's GGUF tokenizer without its merges; kvserve's cache holds
         # the one its own transformers rebuilt (tokenizer.json), made when kvserve first loaded the file
         from kvserve.cache_dir import cache_root, file_digest
+        from kvserve.model.tokenizer import GGUF_TOKENIZER_DIR
 
-        cached = cache_root() / "gguf" / file_digest(gguf) / "tokenizer"
+        cached = cache_root() / "gguf" / file_digest(gguf) / GGUF_TOKENIZER_DIR
         if not (cached / "tokenizer.json").is_file():
             sys.exit(f"the tokenizer rebuilt from {gguf.name} splits words into pieces; load the model with kvserve once "
                      f"(it caches a good one in {cached}) and run this again")  # fmt: skip

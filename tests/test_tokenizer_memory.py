@@ -1,6 +1,7 @@
 """A GGUF model's tokenizer is read by transformers' generic fast class, not its family class
 (GemmaTokenizer, Qwen2Tokenizer), which rebuilds the vocabulary and merges in Python: the same
-ids, texts and special tokens, in far less memory (Gemma 3's 262,144-token vocabulary)."""
+tokenizer (normalizer included: Qwen2's NFC), ids, texts and special tokens, in far less memory
+(Gemma 3's 262,144-token vocabulary)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cache_dir import cache_root, file_digest
 from kvserve.model.registry import resolve_model_path
 from kvserve.model.tokenizer import load_tokenizer
 
@@ -26,20 +26,26 @@ def _prose() -> list[str]:
         "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>",
         "  leading  spaces\n\n\ttabs and\r\nCRLF   ",
         "Emoji 😀 🏳️‍🌈, CJK 世界 日本語 한국어, accents naïve café, bytes 𝔘𝔫𝔦 ꙮ ﷽ \u200b",
+        "decomposed: cafe\u0301 e\u0301te\u0301 \u1100\u1161\u11a8 \u212b \ufb01 \u2460",  # NFC changes these
         "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # code\n",
         "",
     ]
 
 
 @pytest.mark.parametrize("alias", MODELS)
-def test_the_generic_class_reads_the_same_tokenizer_as_the_family_class(alias):
+def test_the_generic_class_reads_the_same_tokenizer_as_the_family_class(alias, tmp_path):
     from transformers import AutoTokenizer
 
     path = resolve_model_path(alias)
     ours = load_tokenizer(path, ARCHITECTURES[alias])
-    family = AutoTokenizer.from_pretrained(str(cache_root() / "gguf" / file_digest(path) / "tokenizer"))
+    # the reference, built without kvserve: transformers' tokenizer from the GGUF, saved, then read by its family class
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp_path))
+    family = AutoTokenizer.from_pretrained(str(tmp_path))
     tok = ours.hf_tokenizer
     assert type(tok) is not type(family) or type(family).__name__ == "TokenizersBackend"  # the family class is not read
+    assert ours.class_name == type(family).__name__  # what /tokenizer_info says
+    assert tok.backend_tokenizer.to_str() == family.backend_tokenizer.to_str()  # normalizer, pre-tokenizer, model, decoder
+    assert (tok.padding_side, tok.truncation_side) == (family.padding_side, family.truncation_side)
     for text in _prose():
         for special in (True, False):
             ids = tok.encode(text, add_special_tokens=special)

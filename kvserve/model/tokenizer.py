@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -16,6 +17,10 @@ from kvserve.model.errors import ModelLoadError, describe
 
 log = logging.getLogger(__name__)
 
+# a GGUF's converted tokenizer under ~/.cache/kvserve/gguf/<digest>/; v2: the family class's own parts written
+# out (the first layout, "tokenizer", lacked Qwen2's NFC normalizer, which only the family class added back)
+GGUF_TOKENIZER_DIR = "tokenizer-v2"
+
 # any of these beside the weights means the directory brings a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -28,9 +33,10 @@ class NoChatTemplateError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer, architecture: str) -> None:
+    def __init__(self, hf_tokenizer, architecture: str, family: str | None = None) -> None:
         self._tok = hf_tokenizer
         self.architecture = architecture
+        self._family = family  # the transformers class whose tokenizer this reproduces, where another class reads it
         # base checkpoints ship none, and a turn format they never learned would only produce noise
         self.chat_template: str | None = hf_tokenizer.chat_template
 
@@ -70,7 +76,7 @@ class Tokenizer:
 
     @property
     def class_name(self) -> str:
-        return type(self._tok).__name__
+        return self._family or type(self._tok).__name__
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The vocabulary's own strings for these ids (byte-level 'Ġ' and all), as /tokenize's token_strs shows them."""
@@ -190,13 +196,18 @@ def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
         except Exception as exc:  # noqa: BLE001 - any failure here is the files' fault
             _blame_config(path)
             raise ModelLoadError(path / found[0], f"cannot load the tokenizer ({', '.join(found)}): {describe(exc)}") from None
-    cached = cache_root() / "gguf" / file_digest(path) / "tokenizer"
+    cached = cache_root() / "gguf" / file_digest(path) / GGUF_TOKENIZER_DIR
     if not (cached / "tokenizer.json").exists():
         _convert_gguf_tokenizer(path, cached)
-    return Tokenizer(_read_converted(cached), architecture)
+    family = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    return Tokenizer(_read_converted(cached), architecture, family)
 
 
 def _convert_gguf_tokenizer(path: Path, cached: Path) -> None:
+    """The GGUF's tokenizer as transformers' family class makes it, written out whole: the family
+    class adds parts of its own when it reads saved files (Qwen2Tokenizer an NFC normalizer, which
+    transformers' GGUF reader leaves out; GemmaTokenizer left padding), and the generic class that
+    reads the cache (_read_converted) takes the file as it is."""
     from transformers import AutoTokenizer
 
     log.info("converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
@@ -207,6 +218,12 @@ def _convert_gguf_tokenizer(path: Path, cached: Path) -> None:
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tokenizer.", suffix=".partial"))
     tok.save_pretrained(str(partial))
+    family = AutoTokenizer.from_pretrained(str(partial))
+    family.save_pretrained(str(partial))
+    config_file = partial / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(tokenizer_class=type(family).__name__, padding_side=family.padding_side, truncation_side=family.truncation_side)
+    config_file.write_text(json.dumps(config, indent=2))
     try:
         os.rename(partial, cached)  # whole or not at all: a process starting beside this one never reads half of it
     except OSError:  # another process cached it first
@@ -217,7 +234,7 @@ def _read_converted(cached: Path):
     """A converted GGUF tokenizer, read by transformers' generic fast class: the family classes
     (GemmaTokenizer, Qwen2Tokenizer) rebuild the vocabulary and merges in Python from tokenizer.json,
     which holds Gemma 3's 262,144 tokens and 514,906 merges twice (~280 MB against ~115 MB; the
-    same ids, texts and special tokens: tests/test_tokenizer_memory.py)."""
+    same tokenizer, ids and texts: tests/test_tokenizer_memory.py)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(cached))
