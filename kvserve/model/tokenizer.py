@@ -199,7 +199,8 @@ def load_tokenizer(path: Path, architecture: str) -> Tokenizer | None:
     cached = cache_root() / "gguf" / file_digest(path) / GGUF_TOKENIZER_DIR
     if not (cached / "tokenizer.json").exists():
         _convert_gguf_tokenizer(path, cached)
-    family = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    config = cached / "tokenizer_config.json"
+    family = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
     return Tokenizer(_read_converted(cached), architecture, family)
 
 
