@@ -438,7 +438,7 @@ def test_capacity_at_the_same_memory():
     assert capacity["int4"] >= 3.5 * base and capacity["int2"] >= 6 * base
     llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=0.25, kv_cache_dtype="int4")
     assert llm.engine.config.max_num_seqs == 64 and llm.stats()["token_capacity"] >= 3.5 * base
-    outputs = llm.generate(random_prompts(24, 100, 300, seed=4, vocab=40000), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    outputs = llm.generate(random_prompts(12, 100, 300, seed=4, vocab=40000), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip
     assert all(len(o.token_ids) == 200 for o in outputs)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
