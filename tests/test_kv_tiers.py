@@ -253,6 +253,35 @@ def test_waiting_requests_load_their_prefixes_once_each(tiny_dir, tmp_path, fami
     assert stats["kv_tiers"]["host"]["hit_tokens"] == sum(o.num_cached_tokens for o in again)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_host_tier_loads_are_admitted_in_the_step_that_finds_them(tiny_dir, tmp_path, tier):
+    """A short load from the host tier is read on the step loop at once: two requests asked again run
+    from their whole prefixes after one step, together; a disk tier's loads go to the tiers' worker
+    and their requests wait for them. Tokens as without tiers either way."""
+    from kvserve.engine.sequence import SequenceStatus
+
+    path = str(tiny_dir("llama"))
+    prompts = random_prompts(8, 90, 120, seed=3)
+    plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
+    expected = [trace(o) for o in plain.generate(prompts[:2], GREEDY, use_tqdm=False)]
+    llm = tiered(path, tmp_path, tier, max_num_seqs=2)
+    llm.generate(prompts, GREEDY, use_tqdm=False)  # the first two are evicted to the tier by the six after them
+    llm.engine.kv.offloader.drain()
+    engine = llm.engine
+    seqs = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    engine.step()
+    if tier == "host":
+        assert [s.status for s in seqs] == [SequenceStatus.RUNNING] * 2 and not engine.scheduler.loading
+        assert [s.num_cached_tokens for s in seqs] == [(len(p) - 1) // 16 * 16 for p in prompts[:2]]
+    else:
+        assert seqs[0].status is SequenceStatus.WAITING and seqs[0].request_id in engine.scheduler.loading
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [trace(outputs[s.request_id]) for s in seqs] == expected
+    assert llm.stats()["kv_tiers"][tier]["hit_tokens"] == sum((len(p) - 1) // 16 * 16 for p in prompts[:2])
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "both"])
 @pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma3", "float32"), ("llama", "int8"), ("gemma3", "bfloat16")])
 def test_prefixes_evicted_from_the_pool_come_back_from_the_tiers_with_the_same_tokens(tiny_dir, tmp_path, tier, family, kv_dtype):
@@ -638,16 +667,18 @@ def test_computed_blocks_wait_for_a_slow_writer_and_evicted_ones_are_dropped(mon
 
 def test_a_load_past_its_patience_is_cut_and_the_request_takes_a_partial_hit(tiny_dir, tmp_path):
     """A tier that reads far slower than measured: the load is cut after 3x its estimate, the request
-    takes the blocks loaded so far (a partial hit, counted) and recomputes the rest, same tokens."""
+    takes the blocks loaded so far (a partial hit, counted) and recomputes the rest, same tokens.
+    (A disk tier: a short load from the host tier is read on the step loop at once, never cut.)"""
     path = str(tiny_dir("llama"))
     prompts = random_prompts(4, 100, 120, seed=7)
     plain = LLM(path, dtype="float32", num_kv_blocks=24, max_num_seqs=2)
     expected = [trace(o) for o in one_by_one(plain, prompts, GREEDY)]
-    llm = tiered(path, tmp_path, "host", kv_offload_policy="write_through")
+    llm = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
     assert [trace(o) for o in one_by_one(llm, prompts, GREEDY)] == expected
     offloader = llm.engine.kv.offloader
+    offloader.drain()
     store = offloader.stores[0]
-    counters = offloader.counters["host"]
+    counters = offloader.counters["disk"]
     counters.loads, counters.latency, counters.bandwidth = 10, 1e-4, 1e10  # measured fast: a few hundred microseconds expected
     slow_get = store.get
     store.get = lambda key: (time.sleep(0.03), slow_get(key))[1]  # 30 ms a record: far past 3x the estimate

@@ -107,9 +107,13 @@ class Scheduler:
                 # a load starts only for a request the pool can admit (loaded or computed, its prefix takes the same
                 # blocks): loads started for requests that must wait would evict each other's blocks before admission
                 job = self.kv.start_tier_load(seq.request_id, seq.token_ids, hit, self._hit_limit(seq))
-                if job is not None:
+                if job is not None and not job.future.done():
                     self.loading[seq.request_id] = job
                     break
+                if job is not None:  # read at once (the host tier): admitted in this step, from its longer hit
+                    self.kv.finish_tier_load(job, seq.request_id)
+                    hit = self.kv.lookup(seq.request_id, seq.token_ids, seq.prefix_salt, self._hit_limit(seq))
+                    fits = self.kv.can_admit(seq.request_id, seq.num_tokens_to_admit, self.config.max_num_batched_tokens, hit, reserve)
             if not fits:
                 # with nothing running the pool will not get freer: computing the prefix again takes
                 # no more than the request alone, which fits (a hit must never fail a request)

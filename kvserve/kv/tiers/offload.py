@@ -8,8 +8,9 @@ and the host tier hands what it drops for room to the disk tier. At a graceful s
 sends what only the pool or the host tier holds down to the disk tier, so a restart starts warm.
 
 Up: a request whose prefix continues in the tiers gets fresh pool blocks, held (so nothing reuses
-them) while the worker reads, checks and copies the records into them; the scheduler then
-publishes them to the prefix cache and the request takes them as an ordinary prefix hit. A
+them) while the worker reads, checks and copies the records into them (a short read from the host
+tier is done at once, on the step loop); the scheduler then publishes them to the prefix cache and
+the request takes them as an ordinary prefix hit. A
 missing, corrupt or foreign record ends the usable prefix there: the rest is recomputed.
 
 Load or recompute: each tier's read latency and bandwidth are measured on the engine's own loads
@@ -47,6 +48,10 @@ PATIENCE = 3.0
 MIN_PATIENCE_S = 0.05
 MAX_ADAPTER_KEYS = 1 << 18  # records remembered per LoRA adapter, to drop when it is unloaded
 MAX_PENDING_BYTES = 256 << 20  # copied out, not yet stored: past this an evicted block is dropped, a computed one waits
+# a load from this process's memory (the host tier) expected to take at most this long is read at once on
+# the step loop: its request is admitted in the same step instead of one step later, and several requests
+# whose prefixes come back together are admitted together (a worker's read would also contend for the GIL)
+INLINE_LOAD_S = 0.02
 
 
 def _yield_to_the_step_loop() -> None:
@@ -312,9 +317,27 @@ class KVOffloader:
 
     # ------------------------------------------------------------------ up
     def load(self, job: LoadJob, block_ids: Sequence[int]) -> None:
-        """Start reading job.keys into the blocks block_ids (held by the caller until it is done)."""
+        """Start reading job.keys into the blocks block_ids (held by the caller until it is done). A
+        short load from the host tier is done when this returns (job.future.done())."""
         job.started = time.monotonic()
-        job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.cut)
+        if not self._reads_at_once(job):
+            job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.cut)
+            return
+        job.future = Future()
+        try:
+            job.future.set_result(self._read(job.keys, list(block_ids)))
+        except Exception as error:  # noqa: BLE001 - handed to finish_tier_load, as the worker's would be
+            job.future.set_exception(error)
+
+    def _reads_at_once(self, job: LoadJob) -> bool:
+        """Every record is in an in-process tier (none still on its way down: the worker stores those
+        first) and the load is expected within INLINE_LOAD_S."""
+        if job.expected_seconds > INLINE_LOAD_S:
+            return False
+        with self._lock:
+            if any(key in self._pending for key in job.keys):
+                return False
+        return all((store := self._local_tier_of(key)) is not None and store.in_process for key in job.keys)
 
     def cut(self, job: LoadJob) -> None:
         """Stop an overdue load after the record in hand: what it loaded is still published."""
