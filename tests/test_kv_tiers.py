@@ -218,7 +218,8 @@ def test_a_sliding_groups_block_evicted_before_the_rest_comes_back_from_the_tier
     index = kv.groups[sliding].first_block(96, 16)  # the window before a hit at 96 (the prompt's whole blocks)
     (block,) = [b for b in kv.prefix_cache.blocks(sliding) if b.token_ids == tuple(prompt[index * 16 : (index + 1) * 16])]
     key, taken = block.block_hash, []
-    kv.pool.reuse_first(block)  # the first cached block the pool reuses (after the never used ones): its bytes go down first
+    kv.pool.refresh(block)
+    kv.pool._free.move_to_end(block.block_id, last=False)  # the LRU queue's head: the first cached block the pool reuses
     while kv.prefix_cache.cached(sliding, key) is not None:
         taken += kv.pool.allocate(1, sliding)
     full = next(g for g, group in enumerate(kv.groups) if group.window is None)
@@ -230,6 +231,26 @@ def test_a_sliding_groups_block_evicted_before_the_rest_comes_back_from_the_tier
     again = one_by_one(llm, [prompt], GREEDY)[0]
     assert again.num_cached_tokens == 96 and trace(again) == trace(first)
     assert llm.stats()["kv_tiers"]["host"]["hit_tokens"] == 16
+
+
+def test_blocks_marked_to_reuse_first_are_not_written_back(tiny_dir, tmp_path):
+    """A block the pool reuses first (a sliding window's behind the window a hit at its prompt's end
+    reads, an unloaded adapter's) is dropped when evicted, not copied down: few hits could use it.
+    An ordinary cached block evicted beside it goes down to the host tier."""
+    from kvserve.kv.tiers import record_key
+
+    llm = tiered(str(tiny_dir("llama")), tmp_path, "host", num_kv_blocks=40)
+    prompt = random_prompts(1, 100, 100, seed=13)[0]
+    one_by_one(llm, [prompt], GREEDY)
+    kv = llm.engine.kv
+    early, ordinary = [b for b in kv.prefix_cache.blocks(0) if b.token_ids in (tuple(prompt[:16]), tuple(prompt[16:32]))]
+    keys = [record_key(b.block_hash, 0) for b in (early, ordinary)]
+    kv.pool.reuse_first(early)
+    taken = kv.pool.allocate(kv.pool.num_free_blocks)
+    kv.pool.free(taken)
+    kv.offloader.drain()
+    host = kv.offloader.stores[0]
+    assert not host.contains(keys[0]) and host.contains(keys[1])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -392,6 +413,8 @@ def test_write_through_stores_every_computed_block_in_host_and_disk_alike(tiny_d
     prompts = random_prompts(4, 90, 120, seed=31)
     first = tiered(path, tmp_path, "both", kv_offload_host_gib=0.05, kv_offload_policy="write_through")
     expected = [trace(o) for o in one_by_one(first, prompts, GREEDY)]
+    # every step hands what it copied out to the worker when it ends: an idle engine holds nothing back
+    assert not first.engine.kv.offloader._outbox
     first.engine.kv.offloader.drain()
     host, disk = first.engine.kv.offloader.local
     keys = [key for key, _ in host.records()]

@@ -449,6 +449,13 @@ class LLMEngine:
         """One scheduler step and one forward pass; returns the outputs of streamed sequences that got
         a token and of every sequence that finished. An exception inside the step fails that step's
         sequences alone (finish_reason "error", blocks freed); the engine goes on."""
+        try:
+            return self._step()
+        finally:
+            if self.kv.offloader is not None:  # the step's blocks copied out for the tiers go to their worker at once
+                self.kv.offloader.flush()
+
+    def _step(self) -> list[RequestOutput]:
         handed_over = self._handed_over()
         self.kv.expire_pins()
         if self.speculator is not None:

@@ -42,7 +42,8 @@ class BlockPool:
         self._early: OrderedDict[int, KVBlock] = OrderedDict()  # cached, evicted before the LRU queue
         self._free: OrderedDict[int, KVBlock] = OrderedDict()  # cached, least recently freed first
         self._parked: OrderedDict[int, KVBlock] = OrderedDict()  # cached, a running request's: evicted after the LRU queue
-        self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
+        # the prefix cache forgets a reused block; False: it was one of the blocks to reuse first (few hits could use it)
+        self.on_evict: Callable[[KVBlock, bool], None] | None = None
         self.num_evictions = 0
         self._used: dict[int, int] = {}  # group -> blocks some request holds
 
@@ -67,10 +68,11 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            _, block = (self._plain or self._early or self._free or self._parked).popitem(last=False)
+            queue = self._plain or self._early or self._free or self._parked
+            _, block = queue.popitem(last=False)
             if block.block_hash is not None:
                 if self.on_evict is not None:
-                    self.on_evict(block)
+                    self.on_evict(block, queue is not self._early)
                 self.num_evictions += 1
                 forget(block)
             block.ref_count = 1

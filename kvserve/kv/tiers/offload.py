@@ -48,6 +48,9 @@ PATIENCE = 3.0
 MIN_PATIENCE_S = 0.05
 MAX_ADAPTER_KEYS = 1 << 18  # records remembered per LoRA adapter, to drop when it is unloaded
 MAX_PENDING_BYTES = 256 << 20  # copied out, not yet stored: past this an evicted block is dropped, a computed one waits
+# records copied out go to the worker in one job a step (flush) or per this many: one wake-up of the worker,
+# and one contention for Python's lock with the step loop, for a step's evictions instead of one per block
+OUTBOX_RECORDS = 256
 # a load from this process's memory (the host tier) expected to take at most this long is read at once on
 # the step loop: its request is admitted in the same step instead of one step later, and several requests
 # whose prefixes come back together are admitted together (a worker's read would also contend for the GIL)
@@ -120,6 +123,7 @@ class KVOffloader:
         self.query_tokens = 0
         self._pending: dict[str, tuple[BlockRecord, BlockStore]] = {}  # copied out, not yet stored: (record, its first tier)
         self._pending_bytes = 0
+        self._outbox: list[tuple[str, BlockRecord, list[BlockStore]]] = []  # copied out on the step loop, not yet handed to the worker
         self.dropped_blocks = 0  # evicted while the worker was MAX_PENDING_BYTES behind
         self.waits_for_writer = 0  # computed blocks that waited for the worker to fall below MAX_PENDING_BYTES
         self.loads_cut = 0  # loads past their patience: their requests took a partial hit
@@ -173,13 +177,31 @@ class KVOffloader:
                     self.dropped_blocks += 1
                     return False
                 self.waits_for_writer += 1  # a computed block is what write-through and the shared tier are for: wait
+                self._hand_over()
                 self._room.wait_for(lambda: self._pending_bytes < MAX_PENDING_BYTES)
         record = BlockRecord(block_hash, group, tuple(token_ids), self._read_block(block_id))
         with self._lock:
             self._pending[key] = (record, targets[0])
             self._pending_bytes += len(record.payload)
-        self._worker.submit(self._write, key, record, targets)
+        self._outbox.append((key, record, targets))
+        if len(self._outbox) >= OUTBOX_RECORDS:
+            self.flush()
         return True
+
+    def flush(self) -> None:
+        """Hand the records copied out since the last flush to the worker, as one job (the engine calls
+        it once a step; every read, drain and shutdown first)."""
+        with self._lock:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            self._worker.submit(self._write_all, items)
+
+    def _write_all(self, items: list[tuple[str, BlockRecord, list[BlockStore]]]) -> None:
+        for key, record, targets in items:
+            self._write(key, record, targets)
 
     def _write(self, key: str, record: BlockRecord, targets: list[BlockStore]) -> None:
         try:
@@ -231,6 +253,7 @@ class KVOffloader:
         with self._lock:
             keys = list(self._adapter_keys.pop(adapter, ()))
         if keys:
+            self.flush()  # records of it still on their way down are stored, then deleted
             self._worker.submit(self._delete_local, keys)
 
     def _delete_local(self, keys: list[str]) -> None:
@@ -260,12 +283,14 @@ class KVOffloader:
                     if not durable.contains(key):
                         self._worker.submit(self._store, durable, key, data)
                         queued += 1
+        self.flush()
         done = self._worker.submit(lambda: None)
         wait([done], timeout=max(0.0, deadline - time.monotonic()))
         return queued
 
     def flushed(self) -> Future:
         """Done once every block copied out before this call is stored (a producer answers then)."""
+        self.flush()
         return self._worker.submit(lambda: None)
 
     # ------------------------------------------------------------------ lookups
@@ -321,6 +346,7 @@ class KVOffloader:
         short load from the host tier is done when this returns (job.future.done())."""
         job.started = time.monotonic()
         if not self._reads_at_once(job):
+            self.flush()  # the worker stores what is on its way down before it reads
             job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.cut)
             return
         job.future = Future()
@@ -429,9 +455,11 @@ class KVOffloader:
 
     def drain(self) -> None:
         """Wait for every queued write and load (tests, shutdown)."""
+        self.flush()
         self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
+        self.flush()
         self._worker.shutdown(wait=True)
         for store in self.stores:
             store.close()
