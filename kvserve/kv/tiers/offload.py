@@ -183,9 +183,9 @@ class KVOffloader:
         with self._lock:
             self._pending[key] = (record, targets[0])
             self._pending_bytes += len(record.payload)
-        self._outbox.append((key, record, targets))
-        if len(self._outbox) >= OUTBOX_RECORDS:
-            self.flush()
+            self._outbox.append((key, record, targets))
+            if len(self._outbox) >= OUTBOX_RECORDS:
+                self._hand_over()
         return True
 
     def flush(self) -> None:
@@ -195,6 +195,7 @@ class KVOffloader:
             self._hand_over()
 
     def _hand_over(self) -> None:
+        """flush() with the lock held."""
         if self._outbox:
             items, self._outbox = self._outbox, []
             self._worker.submit(self._write_all, items)
