@@ -90,7 +90,7 @@ class BlockArena:
     def _evict(self, block: KVBlock, side: "_Side") -> None:
         if block.block_hash is not None:
             if side.on_evict is not None:
-                side.on_evict(block, True)
+                side.on_evict(block)
             side.num_evictions += 1
             forget(block)
 
@@ -190,7 +190,7 @@ class _Side:
 
     def __init__(self, arena: BlockArena) -> None:
         self.arena = arena
-        self.on_evict: Callable[[KVBlock, bool], None] | None = None  # as BlockPool's
+        self.on_evict: Callable[[KVBlock], None] | None = None
         self.num_evictions = 0
         self.used: dict[int, int] = {}
 

@@ -42,8 +42,8 @@ class BlockPool:
         self._early: OrderedDict[int, KVBlock] = OrderedDict()  # cached, evicted before the LRU queue
         self._free: OrderedDict[int, KVBlock] = OrderedDict()  # cached, least recently freed first
         self._parked: OrderedDict[int, KVBlock] = OrderedDict()  # cached, a running request's: evicted after the LRU queue
-        # the prefix cache forgets a reused block; False: it was one of the blocks to reuse first (few hits could use it)
-        self.on_evict: Callable[[KVBlock, bool], None] | None = None
+        self.on_evict: Callable[[KVBlock], None] | None = None  # the prefix cache forgets a reused block
+        self.reusing_first = False  # while on_evict runs: the block was one to reuse first (few hits could use it)
         self.num_evictions = 0
         self._used: dict[int, int] = {}  # group -> blocks some request holds
 
@@ -72,7 +72,8 @@ class BlockPool:
             _, block = queue.popitem(last=False)
             if block.block_hash is not None:
                 if self.on_evict is not None:
-                    self.on_evict(block, queue is not self._early)
+                    self.reusing_first = queue is self._early
+                    self.on_evict(block)
                 self.num_evictions += 1
                 forget(block)
             block.ref_count = 1

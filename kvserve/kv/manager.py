@@ -93,11 +93,11 @@ class KVCacheManager:
         """Per group, the blocks some request holds (a block shared by several counts once)."""
         return [self.pool.num_used_blocks(g) for g in range(len(self.groups))]
 
-    def _evicting(self, block: KVBlock, worth_keeping: bool = True) -> None:
+    def _evicting(self, block: KVBlock) -> None:
         """The pool is about to reuse a cached block: its bytes go down to the tiers first (write-back),
         unless it was one to reuse first (a sliding window's block behind the window every cached
         prompt's last tokens read, an unloaded adapter's): few hits could use it, and each copy costs the step loop."""
-        if self.offloader is not None and worth_keeping:
+        if self.offloader is not None and not getattr(self._pool_of(block), "reusing_first", False):
             self.offloader.offload(block.block_id, block.block_hash, block.group, block.token_ids, adapter=block.adapter)
         self.prefix_cache.evicted(block)
 
