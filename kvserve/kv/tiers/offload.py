@@ -456,8 +456,7 @@ class KVOffloader:
 
     def drain(self) -> None:
         """Wait for every queued write and load (tests, shutdown)."""
-        self.flush()
-        self._worker.submit(lambda: None).result()
+        self.flushed().result()
 
     def close(self) -> None:
         self.flush()
