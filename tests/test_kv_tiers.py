@@ -537,6 +537,9 @@ def test_a_preempted_sequence_resumes_from_the_tier_with_the_same_tokens(tiny_di
     (dict(kv_offload_host_gib=1e-12), "at least 1 KiB"),
     (dict(kv_offload_disk_dir="/tmp/x", kv_offload_disk_gib=1e-12), "at least 1 KiB"),
     (dict(kv_offload_policy="write_through"), "give one"),
+    # found by QA: budgets no machine here has started without a word
+    (dict(kv_offload_host_gib=1e12), "more than this machine gives this process"),
+    (dict(kv_offload_disk_dir="/tmp/x", kv_offload_disk_gib=1e9), "more than the file system under /tmp/x holds"),
 ])  # fmt: skip
 def test_bad_tier_settings_are_refused_by_name(tiny_dir, settings, message):
     with pytest.raises(ValueError, match=message):
@@ -686,6 +689,29 @@ def test_computed_blocks_wait_for_a_slow_writer_and_evicted_ones_are_dropped(mon
         back.offload(i, record.block_hash, 0, record.token_ids)
     back.drain()
     assert back.dropped_blocks > 0 and store.usage().entries == 20 - back.dropped_blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_tier_is_credited_only_with_the_prompt_tokens_requests_take(tiny_dir, tmp_path, family):
+    """Loads cut past their patience: on Gemma 3 a cut publishes full-attention blocks whose sliding
+    window was never read, which no hit can use; the tier's hit_tokens count only what the requests
+    took (their cached tokens, every one from the tier here), not what the loads published."""
+    path = str(tiny_dir(family))
+    prompts = random_prompts(4, 100, 120, seed=7)
+    llm = tiered(path, tmp_path, "disk", kv_offload_policy="write_through")
+    one_by_one(llm, prompts, GREEDY)
+    offloader = llm.engine.kv.offloader
+    counters = offloader.counters["disk"]
+    counters.loads, counters.latency, counters.bandwidth = 10, 1e-4, 1e10
+    store = offloader.stores[0]
+    slow_get = store.get
+    store.get = lambda key: (time.sleep(0.03), slow_get(key))[1]
+    llm.reset_prefix_cache()
+    outs = one_by_one(llm, prompts, GREEDY)
+    assert offloader.loads_cut >= 1
+    assert counters.hit_tokens == sum(o.num_cached_tokens for o in outs)
+    if family == "llama":
+        assert counters.hit_tokens > 0
 
 
 def test_a_load_past_its_patience_is_cut_and_the_request_takes_a_partial_hit(tiny_dir, tmp_path):

@@ -41,6 +41,7 @@ from kvserve.heap import release_free_heap
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
+from kvserve.kv.tiers.budgets import check_disk_budget, check_host_budget
 from kvserve.kv.tiers.offload import KVOffloader
 from kvserve.kv.tiers.remote import RemoteStore, masked_url
 from kvserve.kv.tiers.signing import KEY_ENV, load_signer
@@ -130,9 +131,11 @@ class LLMEngine:
         """The host and disk tiers under the pool (kv/tiers/), keyed by this cache's identity."""
         stores: list = []
         if config.kv_offload_host_gib > 0:
+            check_host_budget(config.kv_offload_host_gib)
             stores.append(HostStore(int(config.kv_offload_host_gib * GIB)))
         if config.kv_offload_disk_dir is not None:
             stores.append(DiskStore(config.kv_offload_disk_dir, int(config.kv_offload_disk_gib * GIB)))
+            check_disk_budget(config.kv_offload_disk_dir, config.kv_offload_disk_gib)  # on a directory the store could write in
         if config.kv_remote_url is not None:
             stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:

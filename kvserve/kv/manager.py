@@ -58,6 +58,7 @@ class KVCacheManager:
         self.offloader: KVOffloader | None = None  # the tiers under the pool (kv/tiers/), set by the engine
         self._recompute_decided: dict[str, int] = {}  # request -> the tier hit's end it chose to recompute
         self._no_more_loads: set[str] = set()  # requests whose load was cut (overdue) or came back short: no second load
+        self._tier_served: dict[str, dict[int, str]] = {}  # request -> block index -> the tier its load read it from, until admitted
         if prefix_cache is not None:
             self.pool.on_evict = self._evicting
             if self.residual_pool is not None:  # sink blocks are published from it
@@ -322,7 +323,9 @@ class KVCacheManager:
         any group; every target is released (a published one stays cached). A load that came back
         short leaves its request (`request_id`) to recompute the rest: another load would find the
         next bad record, and on a sliding-window model read again what a shorter hit cannot use.
-        Returns the tokens published."""
+        The tiers are credited only with the blocks the request then takes (take_hit): a load cut on
+        a sliding-window model publishes full-attention blocks a shorter hit cannot use without its
+        last window, and an orphaned load's request is gone. Returns the tokens published."""
         try:
             tiers = job.future.result()
         except Exception:  # noqa: BLE001 - a failed load is a miss: the prefix is recomputed
@@ -335,7 +338,8 @@ class KVCacheManager:
         for (i, g, key, parent, tokens, salt), block, tier in zip(job.entries, job.targets, tiers):
             if (stop is None or i < stop) and self.prefix_cache.publish(g, block, key, parent, tokens, salt):
                 served.setdefault(i, tier)
-        self.offloader.credit_hits(list(served.values()), self.block_size)
+        if request_id is not None and served:
+            self._tier_served[request_id] = served
         self._release(list(reversed(job.targets)))
         return len(served) * self.block_size
 
@@ -382,7 +386,12 @@ class KVCacheManager:
         self.prefix_stats.record(hit, prompt_len, salt, root)
 
     def take_hit(self, request_id: str, hit: PrefixHit) -> None:
-        """Start the request's tables from a lookup's blocks; a partial block is copied into a new one."""
+        """Start the request's tables from a lookup's blocks; a partial block is copied into a new one.
+        The tiers are credited with the blocks of the hit that a load of this request brought back."""
+        served = self._tier_served.pop(request_id, None)
+        if served:
+            used = [tier for i, tier in served.items() if (i + 1) * self.block_size <= hit.num_tokens]
+            self.offloader.credit_hits(used, self.block_size)
         if not hit.num_tokens:
             return
         tables = self._tables[request_id] = [[] for _ in self.groups]
@@ -702,6 +711,7 @@ class KVCacheManager:
         self._quantized.pop(request_id, None)
         self._recompute_decided.pop(request_id, None)
         self._no_more_loads.discard(request_id)
+        self._tier_served.pop(request_id, None)
         for block in self._parked.pop(request_id, ()):
             self._pool_of(block).refresh(block)
         for blocks in self._reserved.pop(request_id, {}).values():

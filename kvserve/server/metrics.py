@@ -86,7 +86,7 @@ class ServerMetrics:
                                       [*tier, "direction"], registry=r)  # fmt: skip
         self._offload_seconds = Counter("kvserve:kv_offload_seconds", "Seconds spent moving KV records, by tier and direction",
                                         [*tier, "direction"], registry=r)  # fmt: skip
-        self._tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of recomputed", tier, registry=r)
+        self._tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens requests took from KV blocks loaded from a tier instead of recomputed", tier, registry=r)
         self._tier_corrupt = Counter("kvserve:kv_tier_corrupt_records", "Unusable KV records found (damaged, truncated, foreign): "
                                      "recomputed", tier, registry=r)  # fmt: skip
         self._tier_rejected = Counter("kvserve:kv_tier_records_rejected", "KV records refused when read, by reason: damaged, "

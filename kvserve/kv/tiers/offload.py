@@ -72,7 +72,7 @@ class TierCounters:
     seconds_written: float = 0.0
     bytes_read: int = 0
     seconds_read: float = 0.0
-    hit_tokens: int = 0  # prompt tokens whose blocks a load from this tier brought back into the prefix cache
+    hit_tokens: int = 0  # prompt tokens a request took from blocks a load from this tier brought back into the pool
     corrupt_records: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))  # corrupt_records by reason
     latency: float = 0.0  # measured per load (seconds), then averaged
@@ -443,7 +443,8 @@ class KVOffloader:
             c.bandwidth += weight * (nbytes / seconds - c.bandwidth)
 
     def credit_hits(self, tiers: Sequence[str], block_size: int) -> None:
-        """The tier each block a load served came from (counted by the manager, which knows what was used)."""
+        """The tier each block of a request's hit that a load brought back came from (counted by the
+        manager when the request takes its hit: it knows what was used)."""
         for tier in tiers:
             self.counters[tier].hit_tokens += block_size
         for tier in set(tiers):
