@@ -8,25 +8,13 @@ library without it this does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
+from kvserve.libc import libc
 
 
 def release_free_heap() -> bool:
     """Return the heap's free pages to the system; False where the C library cannot (not glibc)."""
-    libc = _libc()
-    if libc is None:
+    c = libc()
+    if c is None or not hasattr(c, "malloc_trim"):
         return False
-    libc.malloc_trim(0)
+    c.malloc_trim(0)
     return True

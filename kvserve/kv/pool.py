@@ -19,7 +19,6 @@ else computes an offset into the pool.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from kvserve.kernels.args import KVView
 from kvserve.kv import quant
 from kvserve.kv.rotation import Rotation
 from kvserve.kv.spec import KVCacheSpec
+from kvserve.libc import libc
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
@@ -50,9 +50,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
     if end <= start:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+    c = libc()
+    if c is None:
+        return False
+    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return c.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import logging
 import queue
 import threading
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.beam import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
+from kvserve.libc import libc
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.beam_choices import beam_choices
@@ -418,8 +417,6 @@ class AsyncEngine:
 
 def _name_os_thread(name: str) -> None:
     """Give the calling thread its name in the OS as well (top -H, /proc/PID/task), where Linux allows it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    c = libc()
+    if c is not None and hasattr(c, "prctl"):
+        c.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

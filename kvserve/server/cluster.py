@@ -12,8 +12,6 @@ router or every replica is gone.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import math
 import os
 import re
@@ -32,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.kv.tiers.signing import KEY_ENV as KV_KEY_ENV
+from kvserve.libc import libc
 from kvserve.server.config import API_KEY_ENV
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -137,10 +136,9 @@ def _reserved_port(host: str, port: int, flags: str | None = None) -> socket.soc
 def _die_with_parent() -> None:
     """In a child before exec: SIGTERM when the cluster process dies, however it dies (SIGKILL, OOM),
     so that no replica outlives it serving on its own. Linux only; elsewhere a no-op."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    c = libc()
+    if c is not None and hasattr(c, "prctl"):
+        c.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 class _Child:

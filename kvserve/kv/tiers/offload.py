@@ -346,25 +346,33 @@ class KVOffloader:
         """Start reading job.keys into the blocks block_ids (held by the caller until it is done). A
         short load from the host tier is done when this returns (job.future.done())."""
         job.started = time.monotonic()
-        if not self._reads_at_once(job):
+        stores = self._read_at_once(job)
+        if stores is None:
             self.flush()  # the worker stores what is on its way down before it reads
             job.future = self._worker.submit(self._read, job.keys, list(block_ids), job.cut)
             return
         job.future = Future()
         try:
-            job.future.set_result(self._read(job.keys, list(block_ids)))
+            job.future.set_result(self._read(job.keys, list(block_ids), local=stores))
         except Exception as error:  # noqa: BLE001 - handed to finish_tier_load, as the worker's would be
             job.future.set_exception(error)
 
-    def _reads_at_once(self, job: LoadJob) -> bool:
-        """Every record is in an in-process tier (none still on its way down: the worker stores those
-        first) and the load is expected within INLINE_LOAD_S."""
+    def _read_at_once(self, job: LoadJob) -> list[BlockStore] | None:
+        """The in-process tier of each record when the load is read on the step loop: every record is
+        in one (none still on its way down: the worker stores those first) and the load is expected
+        within INLINE_LOAD_S. None: the worker reads it."""
         if job.expected_seconds > INLINE_LOAD_S:
-            return False
+            return None
         with self._lock:
             if any(key in self._pending for key in job.keys):
-                return False
-        return all((store := self._local_tier_of(key)) is not None and store.in_process for key in job.keys)
+                return None
+        stores = []
+        for key in job.keys:
+            store = self._local_tier_of(key)
+            if store is None or not store.in_process:
+                return None
+            stores.append(store)
+        return stores
 
     def cut(self, job: LoadJob) -> None:
         """Stop an overdue load after the record in hand: what it loaded is still published."""
@@ -372,10 +380,13 @@ class KVOffloader:
             job.cut.set()
             self.loads_cut += 1
 
-    def _read(self, keys: list[str], block_ids: list[int], cut: threading.Event | None = None) -> list[str | None]:
+    def _read(self, keys: list[str], block_ids: list[int], cut: threading.Event | None = None,
+              local: list[BlockStore | None] | None = None) -> list[str | None]:  # fmt: skip
         """Each record into its block, in prefix order; the first that fails ends the prefix, and so
-        does `cut`. Per key: the tier it came from, or None."""
-        local = [self._local_tier_of(key) for key in keys]
+        does `cut`. `local`: each key's local tier where the caller has just looked them up. Per key:
+        the tier it came from, or None."""
+        if local is None:
+            local = [self._local_tier_of(key) for key in keys]
         fetched = self._fetch_remote([key for key, store in zip(keys, local) if store is None])
         loaded: list[str | None] = []
         touched: set[str] = set()
