@@ -198,7 +198,7 @@ class EngineConfig:
     def _validate_offload(self) -> None:
         host, disk_dir, disk = self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib
         if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < float("inf"):
-            raise ValueError(f"--kv-offload-host-gib (kv_offload_host_gib) must be a finite number of GiB, 0 for no host tier; got {host!r}")
+            raise ValueError(f"--kv-offload-host-gib (kv_offload_host_gib) must be a non-negative, finite number of GiB, 0 for no host tier; got {host!r}")
         if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir.strip()):
             raise ValueError(f"--kv-offload-disk-dir (kv_offload_disk_dir) must name a directory, got {disk_dir!r}")
         if disk is not None:

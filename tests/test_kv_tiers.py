@@ -162,6 +162,8 @@ def test_a_pool_block_round_trips_through_a_record(kv_dtype):
 
 # ---------------------------------------------------------------------- the engine with tiers
 from conftest import random_prompts  # noqa: E402
+import kvserve.engine.engine as engine_module  # noqa: E402
+from kvserve.kv.tiers import budgets  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
@@ -544,6 +546,46 @@ def test_a_preempted_sequence_resumes_from_the_tier_with_the_same_tokens(tiny_di
 def test_bad_tier_settings_are_refused_by_name(tiny_dir, settings, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=24, **settings)
+
+
+def test_a_refused_tier_budget_creates_nothing_and_loads_nothing(tiny_dir, tmp_path, monkeypatch):
+    """Found by QA: a disk tier refused for its size left the directories it had created; the
+    budgets are now checked before the model loads and before anything is created."""
+    target = tmp_path / "made" / "here"
+    loaded = []
+    monkeypatch.setattr(engine_module, "resolve_model_path", lambda *a: loaded.append(a))
+    with pytest.raises(ValueError, match="more than the file system under"):
+        LLM(str(tiny_dir("llama")), kv_offload_disk_dir=str(target), kv_offload_disk_gib=1e9)
+    assert not (tmp_path / "made").exists() and not loaded
+
+
+def test_host_and_tmpfs_disk_tiers_are_counted_together(tiny_dir, monkeypatch):
+    """A disk tier on tmpfs is memory too: with the host tier they may not pass the machine's memory
+    (found by QA: 20 + 20 GiB started on a 23.5 GiB machine)."""
+    gib = 1 << 30
+    monkeypatch.setattr(budgets, "device_memory_bytes", lambda device: 10 * gib)
+    monkeypatch.setattr(budgets, "_disk_usage", lambda directory: shutil._ntuple_diskusage(8 * gib, 0, 8 * gib))
+    monkeypatch.setattr(budgets, "_file_system_type", lambda path: "tmpfs")
+    with pytest.raises(ValueError, match="tmpfs: memory too"):
+        LLM(str(tiny_dir("llama")), kv_offload_host_gib=6.0, kv_offload_disk_dir="/dev/shm/kvserve-test", kv_offload_disk_gib=5.0)
+    monkeypatch.setattr(budgets, "_file_system_type", lambda path: "ext4")  # on disk: each within its own limit
+    budgets.check_tier_budgets(6.0, "/dev/shm/kvserve-test", 5.0)
+
+
+def test_tier_budgets_past_what_is_left_start_with_a_warning(tiny_dir, tmp_path, monkeypatch, caplog):
+    """Beside the weights and the pool, or above what is free now (ulimit -v counts what the process
+    already maps): a warning, not a refusal, since the tiers fill only as blocks leave the pool."""
+    gib = 1 << 30
+    monkeypatch.setattr(budgets, "_free_memory_bytes", lambda: gib // 4)
+    with caplog.at_level(logging.WARNING, logger=budgets.__name__):
+        llm = LLM(str(tiny_dir("llama")), dtype="float32", num_kv_blocks=24, kv_offload_host_gib=0.5)
+    assert "more than the 0.25 GiB of memory free now" in caplog.text
+    total = 2 * gib
+    monkeypatch.setattr(budgets, "device_memory_bytes", lambda device: total)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=budgets.__name__):
+        budgets.warn_tier_budgets(1.9, None, None, llm.engine.weight_bytes + llm.engine.pool.nbytes + gib // 5)
+    assert "together more than the 2.00 GiB this process may use" in caplog.text
 
 
 def test_loading_is_chosen_only_where_it_beats_recompute():

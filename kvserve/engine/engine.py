@@ -41,7 +41,7 @@ from kvserve.heap import release_free_heap
 from kvserve.kv.prefix import HashPrefixCache
 from kvserve.kv.radix import RadixPrefixCache
 from kvserve.kv.tiers import DiskStore, HostStore
-from kvserve.kv.tiers.budgets import check_disk_budget, check_host_budget
+from kvserve.kv.tiers.budgets import check_tier_budgets, warn_tier_budgets
 from kvserve.kv.tiers.offload import KVOffloader
 from kvserve.kv.tiers.remote import RemoteStore, masked_url
 from kvserve.kv.tiers.signing import KEY_ENV, load_signer
@@ -69,6 +69,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # torch's OpenMP runtime, which the native kernels share (kernels/build.py)
+        check_tier_budgets(config.kv_offload_host_gib, config.kv_offload_disk_dir, config.kv_offload_disk_gib)
         path = resolve_model_path(config.model)
         weight_format = resolve_weight_format(path, config.weight_dtype, config.device, config.dtype)
         checkpoint = load_checkpoint(path, weight_format, resolve_gguf_activations(config.gguf_activations, weight_format))
@@ -131,11 +132,12 @@ class LLMEngine:
         """The host and disk tiers under the pool (kv/tiers/), keyed by this cache's identity."""
         stores: list = []
         if config.kv_offload_host_gib > 0:
-            check_host_budget(config.kv_offload_host_gib)
             stores.append(HostStore(int(config.kv_offload_host_gib * GIB)))
         if config.kv_offload_disk_dir is not None:
             stores.append(DiskStore(config.kv_offload_disk_dir, int(config.kv_offload_disk_gib * GIB)))
-            check_disk_budget(config.kv_offload_disk_dir, config.kv_offload_disk_gib)  # on a directory the store could write in
+        if stores:
+            pool = self.pool.nbytes if self.device.type == "cpu" else 0
+            warn_tier_budgets(config.kv_offload_host_gib, config.kv_offload_disk_dir, config.kv_offload_disk_gib, weight_bytes(self.model) + pool)
         if config.kv_remote_url is not None:
             stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:
