@@ -96,7 +96,7 @@ def test_argument_structs_match_the_c_layout():
     from kvserve.kernels.args import layout_mismatches
     from kvserve.kernels.build import load_kernels
 
-    assert len(STRUCTS) == 22
+    assert len(STRUCTS) == 23
     assert layout_mismatches(load_kernels()) == []
 
 
@@ -553,3 +553,27 @@ def test_every_kernel_source_is_in_the_builds_digest():
     here = Path(build.__file__).parent
     listed = set(build.SOURCES) | set(build.HEADERS)
     assert {p.name for p in here.glob("*.h")} | {p.name for p in here.glob("*.cpp")} <= listed
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, q_dtype, k_dtype", [(14, 2, 64, torch.bfloat16, torch.float32), (4, 1, 256, torch.bfloat16, torch.bfloat16),
+                                                                     (8, 8, 32, torch.float32, torch.float32), (12, 4, 16, torch.float16, torch.float16)])  # fmt: skip
+def test_window_scores_kernel_is_the_torch_scores_and_chunks_add_the_same_bits(heads, kv_heads, dim, q_dtype, k_dtype):
+    """SnapKV's window scores (window_scores.cpp) against attention/window_scores.py's torch version,
+    weighted rows, causal hiding and a column limit included; a window cut into chunks gives the
+    one-chunk result to the bit (the rows are added in order)."""
+    from kvserve.attention.window_scores import add_window_scores, window_attention
+
+    g = torch.Generator().manual_seed(heads + dim)
+    w, length, columns = 37, 203, 190
+    q = (torch.randn(w, heads + 2 * kv_heads, dim, generator=g) * 2).to(q_dtype)[:, :heads]  # a fused QKV row's q: token stride > heads * dim
+    keys = torch.randn(length, kv_heads, dim, generator=g).to(k_dtype)
+    first = length - w
+    expected = torch.full((kv_heads, columns), 0.5)
+    expected += window_attention(q, keys, first, dim**-0.5, 30, 0.25)[:, :columns]
+    whole = torch.full((kv_heads, length + 5), 0.5)[:, :columns]
+    add_window_scores(whole, q, keys, first, dim**-0.5, 30, 0.25)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-6)
+    cut = torch.full((kv_heads, length + 5), 0.5)[:, :columns]
+    for start, end in ((0, 11), (11, 12), (12, w)):  # the chunks' rows, each reading the keys cached up to it
+        add_window_scores(cut[:, : first + end], q[start:end], keys[: first + end], first + start, dim**-0.5, max(30 - start, 0), 0.25)
+    assert torch.equal(cut, whole)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.window_scores import window_attention
+from kvserve.attention.window_scores import add_window_scores
 
 if TYPE_CHECKING:
     from kvserve.kv.pool import PagedKVPool
@@ -66,8 +66,8 @@ class AttentionBackend(abc.ABC):
         for span in meta.window_scores:
             keys = kv.gather_keys(span.block_tables[kv.group])
             scored = span.kv_len if span.context is None else span.context
-            scores = window_attention(q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale, span.weighted_from, span.weight)
-            span.out[layer, :, :scored].add_(scores[:, :scored])
+            add_window_scores(span.out[layer, :, :scored], q[span.start : span.end], keys[: span.kv_len], span.first_slot, scale,
+                              span.weighted_from, span.weight)  # fmt: skip
 
     def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v in the pool's Hadamard basis when it stores K/V rotated (kv/rotation.py)."""

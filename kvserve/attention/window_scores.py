@@ -2,12 +2,19 @@
 
 Only the window's queries are scored (a [window, keys] matrix per head, never prompt x prompt).
 A window can span prefill chunks: each chunk adds the scores of its own window queries, read
-against every key cached up to it, so the sum is the same however the prompt was cut.
+against every key cached up to it, so the sum is the same however the prompt was cut. On a CPU with
+the native kernels (kernels/window_scores.cpp) the rows are added one after another, so it is the
+same to the bit.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+from kvserve.kernels import args
+from kvserve.kernels.library import _DTYPE_CODES, _check, _require, cpu_kernels_available
 
 
 def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale: float, weighted_from: int = 0,
@@ -30,3 +37,21 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale
     row_weights = torch.ones(w, device=q.device)
     row_weights[min(weighted_from, w) :] = weight
     return torch.matmul(row_weights.repeat_interleave(group), probs)  # the weighted sum over queries and query heads
+
+
+def add_window_scores(out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale: float, weighted_from: int = 0,
+                      weight: float = 1.0) -> None:  # fmt: skip
+    """out [KVH, columns] (float32, unit inner stride) += window_attention(q, keys, ...)[:, :columns]:
+    the native kernel on CPU tensors, torch elsewhere."""
+    columns = out.shape[1]
+    native = (out.is_cpu and q.is_cpu and keys.is_cpu and out.dtype == torch.float32 and out.stride(1) == 1 and q.dtype in _DTYPE_CODES
+              and keys.dtype in _DTYPE_CODES and q.stride(2) == 1 and q.stride(1) == q.shape[2] and keys.is_contiguous()
+              and cpu_kernels_available())  # fmt: skip
+    if not native:
+        out.add_(window_attention(q, keys, first_slot, scale, weighted_from, weight)[:, :columns])
+        return
+    w, heads, dim = q.shape
+    call = args.WindowScoresArgs(out.data_ptr(), q.data_ptr(), keys.data_ptr(), out.stride(0), q.stride(0) if w > 1 else heads * dim,
+                                 keys.shape[0], first_slot, columns, scale, weight, min(weighted_from, w), w, heads, keys.shape[1], dim,
+                                 _DTYPE_CODES[q.dtype], _DTYPE_CODES[keys.dtype])  # fmt: skip
+    _check(_require().kvserve_window_scores(ctypes.byref(call)), "window_scores")

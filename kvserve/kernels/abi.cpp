@@ -107,6 +107,13 @@ int kvserve_struct_layout(const char* name, int64_t* out, int capacity) {
     std::memcpy(out, layout, sizeof(layout));
     return n;
   }
+  if (!std::strcmp(name, "WindowScoresArgs")) {
+    const int64_t layout[] = {static_cast<int64_t>(sizeof(WindowScoresArgs)), KVSERVE_FIELD(WindowScoresArgs, out), KVSERVE_FIELD(WindowScoresArgs, q), KVSERVE_FIELD(WindowScoresArgs, keys), KVSERVE_FIELD(WindowScoresArgs, out_stride), KVSERVE_FIELD(WindowScoresArgs, q_stride), KVSERVE_FIELD(WindowScoresArgs, length), KVSERVE_FIELD(WindowScoresArgs, first_slot), KVSERVE_FIELD(WindowScoresArgs, columns), KVSERVE_FIELD(WindowScoresArgs, scale), KVSERVE_FIELD(WindowScoresArgs, weight), KVSERVE_FIELD(WindowScoresArgs, weighted_from), KVSERVE_FIELD(WindowScoresArgs, w), KVSERVE_FIELD(WindowScoresArgs, heads), KVSERVE_FIELD(WindowScoresArgs, kv_heads), KVSERVE_FIELD(WindowScoresArgs, dim), KVSERVE_FIELD(WindowScoresArgs, q_dtype), KVSERVE_FIELD(WindowScoresArgs, keys_dtype)};
+    const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));
+    if (n > capacity) return -1;
+    std::memcpy(out, layout, sizeof(layout));
+    return n;
+  }
   if (!std::strcmp(name, "GatedActivationArgs")) {
     const int64_t layout[] = {static_cast<int64_t>(sizeof(GatedActivationArgs)), KVSERVE_FIELD(GatedActivationArgs, out), KVSERVE_FIELD(GatedActivationArgs, gate_up), KVSERVE_FIELD(GatedActivationArgs, rows), KVSERVE_FIELD(GatedActivationArgs, inter), KVSERVE_FIELD(GatedActivationArgs, dtype), KVSERVE_FIELD(GatedActivationArgs, activation)};
     const int n = static_cast<int>(sizeof(layout) / sizeof(layout[0]));

@@ -258,6 +258,27 @@ struct HadamardArgs {
   int32_t inverse;        // 0: x R, 1: x R^T
 };
 
+// SnapKV's window scores (window_scores.cpp), added to out row after row
+struct WindowScoresArgs {
+  float* out;             // [kv_heads, >= columns], row stride out_stride: the running scores, added to
+  const void* q;          // [w, heads, dim], token stride q_stride (elements), heads packed
+  const void* keys;       // [length, kv_heads, dim], packed
+  int64_t out_stride;
+  int64_t q_stride;
+  int64_t length;         // keys
+  int64_t first_slot;     // query i sees keys 0 .. first_slot + i
+  int64_t columns;        // only keys below this are added (a generic question's rows: its prompt's)
+  float scale;
+  float weight;           // the weight of rows weighted_from.. (the rows before count 1)
+  int32_t weighted_from;
+  int32_t w;
+  int32_t heads;
+  int32_t kv_heads;
+  int32_t dim;
+  int32_t q_dtype;
+  int32_t keys_dtype;
+};
+
 // Sampling from full logits rows (sampler.cpp): one SamplerRow per row.
 struct SamplerRow {
   float temperature;  // 0: greedy (argmax after penalties)

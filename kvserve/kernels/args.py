@@ -114,6 +114,14 @@ class HadamardArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class WindowScoresArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", _p), ("q", _p), ("keys", _p), ("out_stride", _i64), ("q_stride", _i64), ("length", _i64), ("first_slot", _i64), ("columns", _i64),
+        ("scale", _f32), ("weight", _f32), ("weighted_from", _i32), ("w", _i32), ("heads", _i32), ("kv_heads", _i32), ("dim", _i32),
+        ("q_dtype", _i32), ("keys_dtype", _i32),
+    ]  # fmt: skip
+
+
 class GatedActivationArgs(ctypes.Structure):
     _fields_ = [("out", _p), ("gate_up", _p), ("rows", _i64), ("inter", _i64), ("dtype", _i32), ("activation", _i32)]
 
@@ -170,7 +178,7 @@ class DecodeOp(ctypes.Structure):
 
 STRUCTS = (
     KVView, DecodeAttentionArgs, PrefillAttentionArgs, FloatMatmulArgs, GgufMatmulArgs, GgufPart, PackedMatmulArgs, AmxMatmulArgs, ScreenedArgmaxArgs, RmsNormArgs,
-    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, LoraArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, BiasAddArgs, DecodeStep, DecodeOp,
+    AddRmsNormArgs, QkNormRopeArgs, HadamardArgs, WindowScoresArgs, LoraArgs, GatedActivationArgs, SamplerRow, SamplerArgs, KVStoreArgs, KVCopyArgs, BiasAddArgs, DecodeStep, DecodeOp,
 )  # fmt: skip
 
 

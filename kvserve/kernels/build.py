@@ -25,7 +25,7 @@ from kvserve.kernels.args import layout_mismatches
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp", "lora.cpp",
+    "paged_attention.cpp", "float_matmul.cpp", "gguf_matmul.cpp", "packed_matmul.cpp", "screened_argmax.cpp", "screened_sampler.cpp", "fused_ops.cpp", "hadamard.cpp", "window_scores.cpp", "lora.cpp",
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = [
@@ -136,7 +136,7 @@ def load_kernels() -> ctypes.CDLL | None:
         **{name: [_ptr] for name in (
             "kvserve_paged_decode_attention", "kvserve_paged_prefill_attention", "kvserve_float_matmul", "kvserve_gguf_matmul", "kvserve_packed_matmul",
             "kvserve_screened_argmax", "kvserve_rms_norm", "kvserve_add_rms_norm", "kvserve_qk_norm_rope", "kvserve_gated_activation",
-            "kvserve_sample", "kvserve_kv_store",
+            "kvserve_sample", "kvserve_kv_store", "kvserve_window_scores",
         )},  # fmt: skip
         **_AMX_SIGNATURES,
         # GgufMatmulArgs (x, out, rows), GgufPart[count], count
