@@ -3,18 +3,20 @@
 Only the window's queries are scored (a [window, keys] matrix per head, never prompt x prompt).
 A window can span prefill chunks: each chunk adds the scores of its own window queries, read
 against every key cached up to it, so the sum is the same however the prompt was cut. On a CPU with
-the native kernels (kernels/window_scores.cpp) the rows are added one after another, so it is the
-same to the bit.
+AVX-512 the native kernel (kernels/window_scores.cpp) adds the rows one after another, so it is
+the same to the bit.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from kvserve.kernels import args
-from kvserve.kernels.library import _DTYPE_CODES, _check, _require, cpu_kernels_available
+from kvserve.kernels.build import load_kernels
+from kvserve.kernels.library import _DTYPE_CODES, _check, _require
 
 
 def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale: float, weighted_from: int = 0,
@@ -39,14 +41,21 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale
     return torch.matmul(row_weights.repeat_interleave(group), probs)  # the weighted sum over queries and query heads
 
 
+@functools.cache
+def native_window_scores() -> bool:
+    """Whether this CPU's kernels have the window-score kernel (AVX-512)."""
+    library = load_kernels()
+    return library is not None and bool(library.kvserve_window_scores_available())
+
+
 def add_window_scores(out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, first_slot: int, scale: float, weighted_from: int = 0,
                       weight: float = 1.0) -> None:  # fmt: skip
     """out [KVH, columns] (float32, unit inner stride) += window_attention(q, keys, ...)[:, :columns]:
-    the native kernel on CPU tensors, torch elsewhere."""
+    the native kernel on CPU tensors where the CPU has AVX-512, torch elsewhere."""
     columns = out.shape[1]
     native = (out.is_cpu and q.is_cpu and keys.is_cpu and out.dtype == torch.float32 and out.stride(1) == 1 and q.dtype in _DTYPE_CODES
               and keys.dtype in _DTYPE_CODES and q.stride(2) == 1 and q.stride(1) == q.shape[2] and keys.is_contiguous()
-              and cpu_kernels_available())  # fmt: skip
+              and native_window_scores())  # fmt: skip
     if not native:
         out.add_(window_attention(q, keys, first_slot, scale, weighted_from, weight)[:, :columns])
         return

@@ -142,6 +142,7 @@ def load_kernels() -> ctypes.CDLL | None:
         # GgufMatmulArgs (x, out, rows), GgufPart[count], count
         "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
         "kvserve_gguf_screen_available": [],
+        "kvserve_window_scores_available": [],
         "kvserve_gguf_int8_available": [],
         # Q8_0 blocks, n, k, block bounds (out), tile L1 norms (out)
         "kvserve_gguf_screen_bounds": [_ptr, _c_int64, _c_int, _ptr, _ptr],

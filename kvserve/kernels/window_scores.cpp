@@ -111,6 +111,16 @@ void query_probabilities(const WindowScoresArgs& a, int h, int i, const float* k
 
 extern "C" {
 
+// AVX-512 only: on AVX2 GCC splits the 16-lane selects into 128-bit pieces and the kernel ran
+// 3-5x slower than torch's batched products (which then stay)
+int kvserve_window_scores_available() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // out[h][j] += the rows' weighted probabilities of key j (j < columns), row after row; q [w, heads,
 // dim] with token stride q_stride (heads packed), keys [length, kv_heads, dim] packed
 int kvserve_window_scores(const kvserve::WindowScoresArgs* args) {
