@@ -21,6 +21,7 @@ using namespace kvserve;
 
 constexpr int kLanes = 16;
 constexpr int kRowsAtOnce = 8;  // query rows of a KV head scored against one 16-key slice at a time
+constexpr size_t kKeptBytes = 8u << 20;
 
 template <int DT>
 inline float element(const void* base, int64_t index) {
@@ -133,9 +134,16 @@ int kvserve_window_scores(const kvserve::WindowScoresArgs* args) {
     return 2;
   const int group = a.heads / a.kv_heads, dim = a.dim;
   const int64_t padded = (a.length + kLanes - 1) / kLanes * kLanes;
-  // reused between calls (a fresh buffer of this size costs a page fault every 4 KiB); a key slot
-  // past `length` is read but never weighed. The calling thread's: OpenMP's threads get pointers.
+  // reused between calls up to kKeptBytes each (a fresh buffer costs a page fault every 4 KiB; a long
+  // prompt's are let go after it); a key slot past `length` is read but never weighed. The calling
+  // thread's: OpenMP's threads get pointers.
   static thread_local std::vector<float> keys_buffer, q_buffer, probs_buffer;
+  struct LetGo {
+    ~LetGo() {
+      for (std::vector<float>* buffer : {&keys_buffer, &q_buffer, &probs_buffer})
+        if (buffer->capacity() * sizeof(float) > kKeptBytes) std::vector<float>().swap(*buffer);
+    }
+  } let_go;
   const int64_t rows = static_cast<int64_t>(a.w) * group;
   keys_buffer.resize(std::max(keys_buffer.size(), static_cast<size_t>(a.kv_heads) * dim * padded));  // per KV head [dim][keys]
   q_buffer.resize(std::max(q_buffer.size(), static_cast<size_t>(a.w) * a.heads * dim));

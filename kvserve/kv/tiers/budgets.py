@@ -101,7 +101,9 @@ def warn_tier_budgets(host_gib: float, disk_dir: str | None, disk_gib: float | N
     and, on a CPU device, the KV pool) or what is free now; the disk's free space."""
     in_memory_disk = disk_dir is not None and disk_gib is not None and _in_memory(disk_dir)
     memory_tiers = host_gib + (disk_gib if in_memory_disk else 0.0)
-    what = "the host KV tier" + (" and the disk tier on tmpfs" if in_memory_disk and host_gib > 0 else "") if host_gib > 0 else "the disk KV tier on tmpfs"
+    what = "the host KV tier" if host_gib > 0 else "the disk KV tier on tmpfs"
+    if host_gib > 0 and in_memory_disk:
+        what += " and the disk tier on tmpfs"
     if memory_tiers > 0:
         total, free = device_memory_bytes(torch.device("cpu")), _free_memory_bytes()
         if total is not None and memory_tiers * GIB + beside_bytes > total:
