@@ -137,7 +137,7 @@ class LLMEngine:
             stores.append(DiskStore(config.kv_offload_disk_dir, int(config.kv_offload_disk_gib * GIB)))
         if stores:
             pool = self.pool.nbytes if self.device.type == "cpu" else 0
-            warn_tier_budgets(config.kv_offload_host_gib, config.kv_offload_disk_dir, config.kv_offload_disk_gib, weight_bytes(self.model) + pool)
+            warn_tier_budgets(config.kv_offload_host_gib, config.kv_offload_disk_dir, config.kv_offload_disk_gib, self.weight_bytes + pool)
         if config.kv_remote_url is not None:
             stores.append(RemoteStore(config.kv_remote_url, config.kv_remote_timeout_ms, config.kv_remote_ttl, config.kv_remote_ca_file))
         if stores:

@@ -28,8 +28,15 @@ inline float element(const void* base, int64_t index) {
   return Elem<DT>::load(static_cast<const typename Elem<DT>::type*>(base)[index]);
 }
 
-inline float element_of(int dtype, const void* base, int64_t index) {
-  return dtype == kFloat32 ? element<kFloat32>(base, index) : dtype == kBFloat16 ? element<kBFloat16>(base, index) : element<kFloat16>(base, index);
+// fn(std::integral_constant<int, DT>{}) for a run-time dtype code (one of the three)
+template <typename Fn>
+inline void with_dtype(int dtype, Fn fn) {
+  if (dtype == kFloat32)
+    fn(std::integral_constant<int, kFloat32>{});
+  else if (dtype == kBFloat16)
+    fn(std::integral_constant<int, kBFloat16>{});
+  else
+    fn(std::integral_constant<int, kFloat16>{});
 }
 
 // pr[g][j] = qr[g] . k_j for the keys j < seen (in slices of 16), R rows held in registers
@@ -151,21 +158,18 @@ int kvserve_window_scores(const kvserve::WindowScoresArgs* args) {
   float* const keys_t = keys_buffer.data();
   float* const q = q_buffer.data();
   float* const probs = probs_buffer.data();
-  for (int i = 0; i < a.w; ++i)
-    for (int64_t e = 0; e < static_cast<int64_t>(a.heads) * dim; ++e) q[i * a.heads * dim + e] = element_of(a.q_dtype, a.q, i * a.q_stride + e);
-  const auto transpose = [&](auto dt) {
-    constexpr int DT = decltype(dt)::value;
+  with_dtype(a.q_dtype, [&](auto dt) {
+    const int64_t row = static_cast<int64_t>(a.heads) * dim;
+    for (int i = 0; i < a.w; ++i)
+      for (int64_t e = 0; e < row; ++e) q[i * row + e] = element<decltype(dt)::value>(a.q, i * a.q_stride + e);
+  });
+  with_dtype(a.keys_dtype, [&](auto dt) {
 #pragma omp parallel for schedule(static) if (a.length * a.kv_heads * dim >= (1 << 15))
     for (int64_t j = 0; j < a.length; ++j)
       for (int h = 0; h < a.kv_heads; ++h)
-        for (int d = 0; d < dim; ++d) keys_t[(static_cast<size_t>(h) * dim + d) * padded + j] = element<DT>(a.keys, (j * a.kv_heads + h) * dim + d);
-  };
-  if (a.keys_dtype == kFloat32)
-    transpose(std::integral_constant<int, kFloat32>{});
-  else if (a.keys_dtype == kBFloat16)
-    transpose(std::integral_constant<int, kBFloat16>{});
-  else
-    transpose(std::integral_constant<int, kFloat16>{});
+        for (int d = 0; d < dim; ++d)
+          keys_t[(static_cast<size_t>(h) * dim + d) * padded + j] = element<decltype(dt)::value>(a.keys, (j * a.kv_heads + h) * dim + d);
+  });
 #pragma omp parallel for collapse(2) schedule(static)
   for (int h = 0; h < a.kv_heads; ++h)
     for (int i = 0; i < a.w; ++i)

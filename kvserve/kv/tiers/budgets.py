@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve.device_memory import device_memory_bytes
+from kvserve.device_memory import GIB, device_memory_bytes
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 IN_MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
 
 
