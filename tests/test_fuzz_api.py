@@ -44,9 +44,14 @@ def check_response(resp: httpx.Response, body) -> None:
         error = resp.json()["error"]
         assert isinstance(error["message"], str) and error["message"] and error["type"] and error["code"], resp.text
     elif resp.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", (resp.text[-500:], body)
-        for event in events[:-1]:
+        # SSE lines end at "\n" only (str.splitlines would also cut generated text at U+2028, U+0085...)
+        events = [line[6:] for line in resp.text.split("\n") if line.startswith("data: ")]
+        assert events, (resp.text[-500:], body)
+        if events[-1] == "[DONE]":
+            events = events[:-1]
+        else:  # the Responses API ends with its terminal event, as OpenAI's and vLLM's do, not with [DONE]
+            assert json.loads(events[-1]).get("type") in ("response.completed", "response.failed", "response.incomplete"), (resp.text[-500:], body)
+        for event in events:
             assert "error" not in json.loads(event), event
 
 
