@@ -3,8 +3,11 @@ kvserve and llama.cpp (`--openvino-model DIR`). Run it with a Python that has th
 kvserve's own environment (optimum-intel 2.2 exports Gemma 3 with transformers <= 5.0):
 
     python3 -m venv /work/ov-venv
-    /work/ov-venv/bin/pip install "optimum-intel[openvino]==2.2.0" "transformers==5.0.0" openvino-genai torch==2.13.0 gguf
-    /work/ov-venv/bin/python bench/export_openvino.py --model gemma-3-270m --out /work/ov-models --weight-format int4 int8
+    /work/ov-venv/bin/pip install torch==2.13.0      # first, so optimum-intel keeps the CPU wheel
+    /work/ov-venv/bin/pip install "optimum-intel[openvino]==2.2.0" "transformers==5.0.0" openvino-genai torch==2.13.0 gguf accelerate
+    /work/ov-venv/bin/pip uninstall -y torchvision   # pulled in for another torch: importing transformers fails with it
+    /work/ov-venv/bin/python bench/export_openvino.py --model gemma-3-270m --out /work/ov-models --weight-format int4 int8 \
+        [--gguf PATH]   # where that Python cannot import kvserve or the model's package
 
 For each --weight-format it writes OUT/<model>-<format>/ (`optimum-cli export openvino --weight-format
 F --task text-generation-with-past` of a transformers copy of the GGUF's dequantized tensors, which
@@ -39,7 +42,9 @@ def gguf_path(model: str) -> Path:
         pass
     spec = importlib.util.find_spec(PACKAGES[model])
     if spec is None or spec.origin is None:
-        sys.exit(f"{model}'s package {PACKAGES[model]} is not installed where this Python looks")
+        sys.exit(f"{model}'s package {PACKAGES[model]} is not installed where this Python looks: give --gguf PATH (kvserve's "
+                 f"Python prints it: .venv/bin/python -c \"from kvserve.model.registry import resolve_model_path; "
+                 f"print(resolve_model_path('{model}'))\")")
     files = sorted(Path(spec.origin).parent.rglob("*.gguf"))
     if not files:
         sys.exit(f"no .gguf file under {Path(spec.origin).parent}: give --gguf")
@@ -51,7 +56,19 @@ def encodes_words(tokenizer) -> bool:
     return len(tokenizer.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)) <= 12
 
 
-def transformers_copy(gguf: Path, out: Path) -> Path:
+def kvserve_tokenizer_dir(gguf: Path, kvserve_python: Path) -> Path:
+    """Where kvserve caches the tokenizer it rebuilt from this GGUF (asked of kvserve's own Python:
+    this one lacks kvserve's dependencies)."""
+    code = ("import sys; from kvserve.cache_dir import cache_root, file_digest; from kvserve.model.tokenizer import GGUF_TOKENIZER_DIR; from pathlib import Path; "
+            "print(cache_root() / 'gguf' / file_digest(Path(sys.argv[1])) / GGUF_TOKENIZER_DIR)")  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    found = subprocess.run([str(kvserve_python), "-c", code, str(gguf)], capture_output=True, text=True, cwd=root)
+    if found.returncode != 0:
+        sys.exit(f"{kvserve_python} could not say where kvserve caches {gguf.name}'s tokenizer (--kvserve-python):\n{found.stderr[-2000:]}")
+    return Path(found.stdout.strip())
+
+
+def transformers_copy(gguf: Path, out: Path, kvserve_python: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if (out / "config.json").is_file():
@@ -60,10 +77,7 @@ def transformers_copy(gguf: Path, out: Path) -> Path:
     if not encodes_words(tokenizer):
         # transformers 5.0 rebuilds Gemma 3's GGUF tokenizer without its merges; kvserve's cache holds
         # the one its own transformers rebuilt (tokenizer.json), made when kvserve first loaded the file
-        from kvserve.cache_dir import cache_root, file_digest
-        from kvserve.model.tokenizer import GGUF_TOKENIZER_DIR
-
-        cached = cache_root() / "gguf" / file_digest(gguf) / GGUF_TOKENIZER_DIR
+        cached = kvserve_tokenizer_dir(gguf, kvserve_python)
         if not (cached / "tokenizer.json").is_file():
             sys.exit(f"the tokenizer rebuilt from {gguf.name} splits words into pieces; load the model with kvserve once "
                      f"(it caches a good one in {cached}) and run this again")  # fmt: skip
@@ -82,8 +96,11 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=None, help="the model's GGUF file (default: the packaged one)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the exports")
     parser.add_argument("--weight-format", nargs="+", default=["int4", "int8"], choices=["int4", "int8", "fp16"])
+    parser.add_argument("--kvserve-python", type=Path, default=Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python",
+                        help="kvserve's own Python, asked where kvserve caches the tokenizer it rebuilt from the GGUF "
+                             "(when this Python's transformers rebuilds it into characters, as 5.0 does for Gemma 3)")  # fmt: skip
     args = parser.parse_args()
-    hf = transformers_copy(args.gguf or gguf_path(args.model), args.out / f"{args.model}-hf")
+    hf = transformers_copy(args.gguf or gguf_path(args.model), args.out / f"{args.model}-hf", args.kvserve_python)
     cli = Path(sys.executable).with_name("optimum-cli")
     for weight_format in args.weight_format:
         target = args.out / f"{args.model}-{weight_format}"

@@ -51,6 +51,7 @@ import platform
 import random
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import textwrap
@@ -426,22 +427,48 @@ def llama_cpp_row(args: argparse.Namespace, model: str, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------- reporting
+def paired_ratios(rung: list[float], below: list[float]) -> float:
+    """A rung's value over the rung below's: the median of the climbs' ratios, each climb's two runs
+    taken minutes apart (a slow spell of the machine falls on both), where both kept every climb's
+    value; else the ratio of the two values given (one each)."""
+    if len(rung) != len(below) or not rung:
+        raise ValueError(f"paired_ratios: {len(rung)} runs against {len(below)}")
+    return statistics.median(r / b for r, b in zip(rung, below))
+
+
+def climb_values(result: RungResult) -> tuple[list[float], list[float]]:
+    """Every climb's tok/s and TTFT p50 of a rung (its one run's, when it ran once)."""
+    return (result.extra.get("runs_tokens_per_second", [result.tokens_per_second]),
+            result.extra.get("runs_ttft_p50", [result.ttft_p50]))  # fmt: skip
+
+
+def step_ratios(result: RungResult, below: RungResult) -> tuple[float, float]:
+    """(tok/s, TTFT p50) of a rung over the rung below, paired climb by climb (paired_ratios)."""
+    (rate, ttft), (rate_below, ttft_below) = climb_values(result), climb_values(below)
+    if len(rate) != len(rate_below):  # climbs not kept alike (a page of older runs): the shown runs
+        rate, ttft, rate_below, ttft_below = [result.tokens_per_second], [result.ttft_p50], [below.tokens_per_second], [below.ttft_p50]
+    return paired_ratios(rate, rate_below), paired_ratios(ttft, ttft_below)
+
+
 def fmt(value, spec: str, empty: str = "–") -> str:
     return empty if value is None else format(value, spec)
 
 
 def table(results: list[RungResult], meta: dict) -> str:
     hf = results[0].tokens_per_second
-    lines = ["| rung | generated tok/s | vs transformers | vs the rung below | TTFT p50 s | TTFT p99 s | prompt tokens cached | "
-             "KV KiB / request | most running at once | perplexity Δ | mean KL | greedy agreement |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| rung | generated tok/s | vs transformers | vs the rung below | TTFT p50 s | TTFT p50 vs the rung below | TTFT p99 s | "
+             "prompt tokens cached | KV KiB / request | most running at once | perplexity Δ | mean KL | greedy agreement |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     below = None
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.rung} | skipped: {r.skipped} |||||||||||")
+            lines.append(f"| {r.rung} | skipped: {r.skipped} ||||||||||||")
             continue
         ratio = f"{r.tokens_per_second / hf:.2f}x" if hf else "–"
-        step = f"{r.tokens_per_second / below.tokens_per_second:.2f}x" if below is not None and r.rung != RUNGS[0].name else "–"
+        step = step_ttft = "–"
+        if below is not None and r.rung != RUNGS[0].name:
+            rate, ttft = step_ratios(r, below)
+            step, step_ttft = f"{rate:.2f}x", f"{ttft:.2f}x"
         if r.rung != RUNGS[0].name:
             below = r
         running = f"≈{r.max_concurrent} ({r.concurrency_note})" if r.concurrency_note else f"{r.max_concurrent}"
@@ -450,16 +477,16 @@ def table(results: list[RungResult], meta: dict) -> str:
             f"{r.perplexity_delta_pct:+.2f}%{shared}", f"{r.mean_kl:.4f}", f"{100 * r.greedy_agreement:.1f}%")
         hits = r.extra.get("prefix_hit_tokens")
         cached = f"{hits:,} ({100 * hits / r.extra['prompt_tokens']:.0f}%)" if hits is not None and r.extra.get("prompt_tokens") else "–"
-        lines.append(f"| {r.rung} | {r.tokens_per_second:.1f} | {ratio} | {step} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | {cached} | "
+        lines.append(f"| {r.rung} | {r.tokens_per_second:.1f} | {ratio} | {step} | {r.ttft_p50:.2f} | {step_ttft} | {r.ttft_p99:.2f} | {cached} | "
                      f"{r.kv_bytes_per_request / 1024:,.0f} | {running} | {' | '.join(quality)} |")  # fmt: skip
     if "llama_cpp" in meta:
         row = meta["llama_cpp"]
         if "error" in row:
-            lines.append(f"| llama.cpp `llama-batched-bench` | failed: {row['error']} |||||||||||")
+            lines.append(f"| llama.cpp `llama-batched-bench` | failed: {row['error']} ||||||||||||")
         else:
             ratio = f"{row['tokens_per_second'] / hf:.2f}x" if hf else "–"
             lines.append(f"| llama.cpp `llama-batched-bench` ({row['parallel']} x {row['prompt_len']}-token prompts, no prefix reuse) | "
-                         f"{row['tokens_per_second']:.1f} | {ratio} |  |  |  |  |  |  |  |  |  |")  # fmt: skip
+                         f"{row['tokens_per_second']:.1f} | {ratio} |  |  |  |  |  |  |  |  |  |  |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -564,6 +591,53 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--out {args.out}: exists and is not a folder")
 
 
+def write_page(out: Path, ladders: dict[str, dict[str, tuple[list[RungResult], dict]]], command: str, when: str, machine_name: str,
+               quick: bool = False) -> None:
+    """ladder.md, ladder.json and the plots in `out`, from every model's results by workload."""
+    first = next(iter(next(iter(ladders.values())).values()))[1]
+    parts = [f"<!-- written by bench/ladder.py: rerun it rather than editing -->\n# The KV cost ladder\n\n"
+             f"Measured {when} on a {machine_name} with `{command}`. Every kvserve rung gets "
+             f"{first['kv_cache_memory_gib']} GiB of KV and at most {first['max_num_seqs']} running requests; see bench/ladder.py for the "
+             "workload. Every climb runs each rung in turn; a rung shows its median climb by tok/s, and its ratios to the rung "
+             "below are the medians of the climbs' ratios (the two runs of a climb are minutes apart, so a slow spell of a shared "
+             "machine falls on both).\n"
+             + ("\n--quick: a smoke test of the script (10 requests of a few tokens each), not a measurement: a rung's rate is "
+                "a few seconds of work and swings with the engine's first calls.\n" if quick else "")]  # fmt: skip
+    for model, by_workload in ladders.items():
+        slug = Path(model).name
+        for name, (results, meta) in by_workload.items():
+            picture = slug if name == "mixed" else f"{slug}-{name}"
+            plot_model(results, meta, out / f"{picture}.png")
+            what = WORKLOAD_TEXT[name]
+            parts.append(f"## {slug} ({meta['dtype']}), {name} workload\n\n{what} {meta['requests']} requests in {meta['rounds']} rounds, "
+                         f"{meta['prompt_tokens']:,} prompt tokens, {meta['new_tokens']} greedy tokens each.\n\n{table(results, meta)}\n\n"
+                         f"![{picture}]({picture}.png)\n")  # fmt: skip
+    plot_headline({model: by_workload["mixed"] for model, by_workload in ladders.items()}, out / "headline.png")
+    (out / "ladder.md").write_text("\n".join(parts))
+    (out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine_name, "quick": quick, "ladders": {
+        model: {"meta": by_workload["mixed"][1], "rungs": [dataclasses.asdict(r) for r in by_workload["mixed"][0]],
+                **{name: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]}
+                   for name, (results, meta) in by_workload.items() if name != "mixed"}}
+        for model, by_workload in ladders.items()}}, indent=1))  # fmt: skip
+    print((out / "ladder.md").read_text())
+    print(f"wrote {out}/ladder.md, ladder.json and the plots")
+
+
+def recorded(path: Path, parser: argparse.ArgumentParser) -> tuple[dict[str, dict[str, tuple[list[RungResult], dict]]], str, str, str, bool]:
+    """A ladder.json's results by model and workload, its command, date, machine and --quick (write_page's inputs)."""
+    try:
+        page = json.loads(path.read_text())
+        ladders = {}
+        for model, entry in page["ladders"].items():
+            workloads = {"mixed": entry, **{name: entry[name] for name in WORKLOAD_TEXT if name != "mixed" and name in entry}}
+            ladders[model] = {name: ([RungResult(**r) for r in w["rungs"]], w["meta"]) for name, w in workloads.items()}
+        if not ladders:
+            raise ValueError("no ladders in it")
+        return ladders, page["command"], page["date"], page["machine"], bool(page.get("quick", False))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--from-json {path}: not a ladder.json this script wrote ({type(error).__name__}: {error})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
@@ -586,7 +660,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="climbs of the kvserve rungs, each rung shown by its median run (a shared machine's swings fall on "
                         "every rung alike) (default: 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a tiny workload and evaluation (for a tiny model: the test)")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="LADDER_JSON",
+                        help="run nothing: write the page and plots again from a ladder.json this script wrote (its runs, "
+                        "date, machine and command) into --out")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        if getattr(args, "out", None) is None:
+            args.out = Path(__file__).resolve().parent.parent / "docs" / "ladder"
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_page(args.out, *recorded(args.from_json, parser))
+        return
     check_args(parser, args)
     scale = QUICK if args.quick else Scale()
     models = args.model_list
@@ -598,30 +681,7 @@ def main(argv: list[str] | None = None) -> None:
             ladders[model] = climb(model, args, scale, bar, Path(tier_dir))
         bar.close()
     command = "python bench/ladder.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    when = time.strftime("%Y-%m-%d")
-    parts = [f"<!-- written by bench/ladder.py: rerun it rather than editing -->\n# The KV cost ladder\n\n"
-             f"Measured {when} on a {machine()} with `{command.strip()}`. Every kvserve rung gets "
-             f"{args.kv_cache_memory} GiB of KV and at most {args.max_num_seqs} running requests; see bench/ladder.py for the workload.\n"
-             + ("\n--quick: a smoke test of the script (10 requests of a few tokens each), not a measurement: a rung's rate is "
-                "a few seconds of work and swings with the engine's first calls.\n" if args.quick else "")]  # fmt: skip
-    for model, by_workload in ladders.items():
-        slug = Path(model).name
-        for name, (results, meta) in by_workload.items():
-            picture = slug if name == "mixed" else f"{slug}-{name}"
-            plot_model(results, meta, args.out / f"{picture}.png")
-            what = WORKLOAD_TEXT[name]
-            parts.append(f"## {slug} ({meta['dtype']}), {name} workload\n\n{what} {meta['requests']} requests in {meta['rounds']} rounds, "
-                         f"{meta['prompt_tokens']:,} prompt tokens, {meta['new_tokens']} greedy tokens each.\n\n{table(results, meta)}\n\n"
-                         f"![{picture}]({picture}.png)\n")  # fmt: skip
-    plot_headline({model: by_workload["mixed"] for model, by_workload in ladders.items()}, args.out / "headline.png")
-    (args.out / "ladder.md").write_text("\n".join(parts))
-    (args.out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine(), "ladders": {
-        model: {"meta": by_workload["mixed"][1], "rungs": [dataclasses.asdict(r) for r in by_workload["mixed"][0]],
-                **{name: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]}
-                   for name, (results, meta) in by_workload.items() if name != "mixed"}}
-        for model, by_workload in ladders.items()}}, indent=1))  # fmt: skip
-    print((args.out / "ladder.md").read_text())
-    print(f"wrote {args.out}/ladder.md, ladder.json and the plots")
+    write_page(args.out, ladders, command.strip(), time.strftime("%Y-%m-%d"), machine(), args.quick)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.model}, {args.workload} workload, medians of {args.repeats}:")
     for name in (below, rung):
         print(f"  {name}: {rate[name]:.1f} tok/s, TTFT p50 {ttft[name]:.3f} s")
-    print(f"  {rung} / {below}: tok/s {rate[rung] / rate[below]:.2f}x (target >= 0.97x), TTFT p50 {ttft[rung] / ttft[below]:.2f}x (target <= 1.1x)")
+    # each repeat runs the two rungs back to back: their ratio, repeat by repeat, cancels a slow spell shared by both
+    rate_ratio = ladder.paired_ratios([r.tokens_per_second for r in runs[rung]], [r.tokens_per_second for r in runs[below]])
+    ttft_ratio = ladder.paired_ratios([r.ttft_p50 for r in runs[rung]], [r.ttft_p50 for r in runs[below]])
+    print(f"  {rung} / {below}, the median of the repeats' ratios: tok/s {rate_ratio:.2f}x (target >= 0.97x), "
+          f"TTFT p50 {ttft_ratio:.2f}x (target <= 1.1x)")  # fmt: skip
 
 
 if __name__ == "__main__":
