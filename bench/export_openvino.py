@@ -6,7 +6,7 @@ kvserve's own environment (optimum-intel 2.2 exports Gemma 3 with transformers <
     /work/ov-venv/bin/pip install torch==2.13.0      # first, so optimum-intel keeps the CPU wheel
     /work/ov-venv/bin/pip install "optimum-intel[openvino]==2.2.0" "transformers==5.0.0" openvino-genai torch==2.13.0 gguf accelerate
     /work/ov-venv/bin/pip uninstall -y torchvision   # pulled in for another torch: importing transformers fails with it
-    /work/ov-venv/bin/python bench/export_openvino.py --model gemma-3-270m --out /work/ov-models --weight-format int4 int8 \
+    /work/ov-venv/bin/python bench/export_openvino.py --model gemma-3-270m --out /work/ov-models --weight-format int4 int8 \\
         [--gguf PATH]   # where that Python cannot import kvserve or the model's package
 
 For each --weight-format it writes OUT/<model>-<format>/ (`optimum-cli export openvino --weight-format
@@ -62,7 +62,11 @@ def kvserve_tokenizer_dir(gguf: Path, kvserve_python: Path) -> Path:
     code = ("import sys; from kvserve.cache_dir import cache_root, file_digest; from kvserve.model.tokenizer import GGUF_TOKENIZER_DIR; from pathlib import Path; "
             "print(cache_root() / 'gguf' / file_digest(Path(sys.argv[1])) / GGUF_TOKENIZER_DIR)")  # fmt: skip
     root = Path(__file__).resolve().parent.parent
-    found = subprocess.run([str(kvserve_python), "-c", code, str(gguf)], capture_output=True, text=True, cwd=root)
+    try:
+        found = subprocess.run([str(kvserve_python), "-c", code, str(gguf)], capture_output=True, text=True, cwd=root)
+    except OSError as error:
+        sys.exit(f"--kvserve-python {kvserve_python}: {error.strerror or error} (kvserve's own Python, asked where it caches "
+                 f"{gguf.name}'s tokenizer)")  # fmt: skip
     if found.returncode != 0:
         sys.exit(f"{kvserve_python} could not say where kvserve caches {gguf.name}'s tokenizer (--kvserve-python):\n{found.stderr[-2000:]}")
     return Path(found.stdout.strip())
@@ -90,16 +94,38 @@ def transformers_copy(gguf: Path, out: Path, kvserve_python: Path) -> Path:
     return out
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The paths the export reads and writes, checked before a minute of loading."""
+    if args.gguf is not None:
+        try:
+            with open(args.gguf, "rb") as f:
+                magic = f.read(4)
+        except OSError as error:
+            parser.error(f"--gguf {args.gguf}: {error.strerror or error}")
+        if magic != b"GGUF":
+            parser.error(f"--gguf {args.gguf}: not a GGUF file (it does not start with GGUF)")
+    if args.kvserve_python is None:  # asked only when this Python's tokenizer splits words (Gemma 3)
+        args.kvserve_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
+    elif not (args.kvserve_python.is_file() and os.access(args.kvserve_python, os.X_OK)):
+        parser.error(f"--kvserve-python {args.kvserve_python}: not an executable file")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: exists and is not a folder")
+    if not Path(sys.executable).with_name("optimum-cli").is_file():
+        parser.error(f"no optimum-cli beside {sys.executable}: install optimum-intel[openvino] into this Python (see --help)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", choices=list(PACKAGES))
     parser.add_argument("--gguf", type=Path, default=None, help="the model's GGUF file (default: the packaged one)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the exports")
     parser.add_argument("--weight-format", nargs="+", default=["int4", "int8"], choices=["int4", "int8", "fp16"])
-    parser.add_argument("--kvserve-python", type=Path, default=Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python",
+    parser.add_argument("--kvserve-python", type=Path, default=None,
                         help="kvserve's own Python, asked where kvserve caches the tokenizer it rebuilt from the GGUF "
-                             "(when this Python's transformers rebuilds it into characters, as 5.0 does for Gemma 3)")  # fmt: skip
+                             "(when this Python's transformers rebuilds it into characters, as 5.0 does for Gemma 3; default: "
+                             "this checkout's .venv/bin/python)")  # fmt: skip
     args = parser.parse_args()
+    check_args(parser, args)
     hf = transformers_copy(args.gguf or gguf_path(args.model), args.out / f"{args.model}-hf", args.kvserve_python)
     cli = Path(sys.executable).with_name("optimum-cli")
     for weight_format in args.weight_format:

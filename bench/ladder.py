@@ -37,6 +37,7 @@ figure per model (OUT/<model>.png) and OUT/headline.png (throughput per rung aga
     .venv/bin/python bench/ladder.py                       # Gemma 3 270M and Qwen2.5-Coder-0.5B (~40 min on 2 AVX2 cores)
     .venv/bin/python bench/ladder.py --models gemma-3-270m --llama-cpp PATH/llama-batched-bench
     .venv/bin/python bench/ladder.py --quick --models TINY_HF_DIR     # a minute on a tiny model, a few on a real one: the test's run (into a temporary folder)
+    .venv/bin/python bench/ladder.py --from-json docs/ladder/ladder.json   # the page and plots again from recorded runs, running nothing
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import os
 import platform
 import random
@@ -445,8 +447,6 @@ def climb_values(result: RungResult) -> tuple[list[float], list[float]]:
 def step_ratios(result: RungResult, below: RungResult) -> tuple[float, float]:
     """(tok/s, TTFT p50) of a rung over the rung below, paired climb by climb (paired_ratios)."""
     (rate, ttft), (rate_below, ttft_below) = climb_values(result), climb_values(below)
-    if len(rate) != len(rate_below):  # climbs not kept alike (a page of older runs): the shown runs
-        rate, ttft, rate_below, ttft_below = [result.tokens_per_second], [result.ttft_p50], [below.tokens_per_second], [below.ttft_p50]
     return paired_ratios(rate, rate_below), paired_ratios(ttft, ttft_below)
 
 
@@ -593,7 +593,27 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def write_page(out: Path, ladders: dict[str, dict[str, tuple[list[RungResult], dict]]], command: str, when: str, machine_name: str,
                quick: bool = False) -> None:
-    """ladder.md, ladder.json and the plots in `out`, from every model's results by workload."""
+    """ladder.md, ladder.json and the plots in `out`, from every model's results by workload. The JSON
+    (the runs) is written first; the page and plots are drawn in a temporary folder and moved in
+    together, so a failure leaves the folder's page as it was."""
+    record = {"command": command, "date": when, "machine": machine_name, "quick": quick, "ladders": {
+        model: {"meta": by_workload["mixed"][1], "rungs": [dataclasses.asdict(r) for r in by_workload["mixed"][0]],
+                **{name: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]}
+                   for name, (results, meta) in by_workload.items() if name != "mixed"}}
+        for model, by_workload in ladders.items()}}  # fmt: skip
+    (out / "ladder.json.tmp").write_text(json.dumps(record, indent=1))
+    os.replace(out / "ladder.json.tmp", out / "ladder.json")
+    with tempfile.TemporaryDirectory(dir=out, prefix=".ladder-") as drawn:
+        draw_page(Path(drawn), ladders, command, when, machine_name, quick)
+        for item in Path(drawn).iterdir():
+            os.replace(item, out / item.name)
+    print((out / "ladder.md").read_text())
+    print(f"wrote {out}/ladder.md, ladder.json and the plots")
+
+
+def draw_page(out: Path, ladders: dict[str, dict[str, tuple[list[RungResult], dict]]], command: str, when: str, machine_name: str,
+              quick: bool) -> None:
+    """ladder.md and the plots into `out`."""
     first = next(iter(next(iter(ladders.values())).values()))[1]
     parts = [f"<!-- written by bench/ladder.py: rerun it rather than editing -->\n# The KV cost ladder\n\n"
              f"Measured {when} on a {machine_name} with `{command}`. Every kvserve rung gets "
@@ -614,13 +634,6 @@ def write_page(out: Path, ladders: dict[str, dict[str, tuple[list[RungResult], d
                          f"![{picture}]({picture}.png)\n")  # fmt: skip
     plot_headline({model: by_workload["mixed"] for model, by_workload in ladders.items()}, out / "headline.png")
     (out / "ladder.md").write_text("\n".join(parts))
-    (out / "ladder.json").write_text(json.dumps({"command": command, "date": when, "machine": machine_name, "quick": quick, "ladders": {
-        model: {"meta": by_workload["mixed"][1], "rungs": [dataclasses.asdict(r) for r in by_workload["mixed"][0]],
-                **{name: {"meta": meta, "rungs": [dataclasses.asdict(r) for r in results]}
-                   for name, (results, meta) in by_workload.items() if name != "mixed"}}
-        for model, by_workload in ladders.items()}}, indent=1))  # fmt: skip
-    print((out / "ladder.md").read_text())
-    print(f"wrote {out}/ladder.md, ladder.json and the plots")
 
 
 def recorded(path: Path, parser: argparse.ArgumentParser) -> tuple[dict[str, dict[str, tuple[list[RungResult], dict]]], str, str, str, bool]:
@@ -633,9 +646,44 @@ def recorded(path: Path, parser: argparse.ArgumentParser) -> tuple[dict[str, dic
             ladders[model] = {name: ([RungResult(**r) for r in w["rungs"]], w["meta"]) for name, w in workloads.items()}
         if not ladders:
             raise ValueError("no ladders in it")
+        for by_workload in ladders.values():
+            for results, meta in by_workload.values():
+                check_recorded(results, meta)
+                table(results, meta)  # every cell computes
+        if not all(isinstance(page[k], str) for k in ("command", "date", "machine")):
+            raise TypeError("command, date and machine must be strings")
         return ladders, page["command"], page["date"], page["machine"], bool(page.get("quick", False))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as error:
         parser.error(f"--from-json {path}: not a ladder.json this script wrote ({type(error).__name__}: {error})")
+
+
+def check_recorded(results: list[RungResult], meta: dict) -> None:
+    """A recorded workload's rungs as this script writes them: every figure a finite positive number,
+    every kvserve rung's climbs as many as the others'."""
+    if not results:
+        raise ValueError(f"{meta.get('model')}: no rungs")
+    for key in ("model", "dtype", "workload", "requests", "rounds", "prompt_tokens", "new_tokens", "kv_cache_memory_gib", "max_num_seqs"):
+        if key not in meta:
+            raise KeyError(f"meta has no {key!r}")
+    climbs = set()
+    for r in results:
+        if not isinstance(r.rung, str) or not isinstance(r.extra, dict):
+            raise TypeError(f"rung {r.rung!r}: a name and an extra dict")
+        if r.skipped:
+            continue
+        values = [r.tokens_per_second, r.ttft_p50, r.ttft_p99, r.kv_bytes_per_request]
+        if r.rung != RUNGS[0].name:
+            rate, ttft = climb_values(r)
+            if not isinstance(rate, list) or not isinstance(ttft, list) or not rate or len(rate) != len(ttft):
+                raise ValueError(f"rung {r.rung!r}: its climbs' tok/s and TTFT lists differ or are empty")
+            climbs.add(len(rate))
+            values += rate + ttft
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"rung {r.rung!r}: every rate, time and size must be a finite positive number")
+        if not isinstance(r.max_concurrent, int) or r.max_concurrent < 1:
+            raise ValueError(f"rung {r.rung!r}: max_concurrent must be a positive integer")
+    if len(climbs) > 1:
+        raise ValueError(f"the rungs ran different numbers of climbs ({sorted(climbs)})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -662,13 +710,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny workload and evaluation (for a tiny model: the test)")
     parser.add_argument("--from-json", type=Path, default=None, metavar="LADDER_JSON",
                         help="run nothing: write the page and plots again from a ladder.json this script wrote (its runs, "
-                        "date, machine and command) into --out")  # fmt: skip
+                        "date, machine and command) into --out (docs/ladder of this repository unless given); the flags "
+                        "that choose what runs are ignored")  # fmt: skip
     args = parser.parse_args(argv)
     if args.from_json is not None:
         if getattr(args, "out", None) is None:
             args.out = Path(__file__).resolve().parent.parent / "docs" / "ladder"
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_page(args.out, *recorded(args.from_json, parser))
+        if args.out.exists() and not args.out.is_dir():
+            parser.error(f"--out {args.out}: exists and is not a folder")
+        page = recorded(args.from_json, parser)
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--out {args.out}: {error}")
+        write_page(args.out, *page)
         return
     check_args(parser, args)
     scale = QUICK if args.quick else Scale()

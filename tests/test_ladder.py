@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import png_pixels
 
-BENCH = Path(__file__).parent.parent / "bench"
+REPO = Path(__file__).parent.parent
+BENCH = REPO / "bench"
 
 
 def test_ladder_quick_writes_the_table_and_plots(tiny_dir, tmp_path):
@@ -79,11 +80,34 @@ def test_ladder_ratios_pair_the_climbs(tmp_path):
     assert sorted(snapkv)[1] / sorted(tiers)[1] < 0.89  # what the median runs would say
     with pytest.raises(ValueError, match="3 runs against 2"):
         ladder.paired_ratios(snapkv, tiers[:2])
-    bad = tmp_path / "ladder.json"
-    bad.write_text('{"ladders": {}}')
-    run = subprocess.run([sys.executable, str(BENCH / "ladder.py"), "--from-json", str(bad), "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 2 and "not a ladder.json this script wrote" in run.stderr, run.stderr
+    page = json.loads((REPO / "docs" / "ladder" / "ladder.json").read_text())
+    nan = json.loads(json.dumps(page))
+    rungs = nan["ladders"]["gemma-3-270m"]["rungs"]
+    rungs[2]["extra"]["runs_tokens_per_second"][0] = float("nan")
+    short = json.loads(json.dumps(page))
+    short["ladders"]["gemma-3-270m"]["rungs"][2]["extra"]["runs_ttft_p50"].pop()
+    for name, text, reason in (("empty", '{"ladders": {}}', "no ladders in it"), ("nan", json.dumps(nan), "finite positive number"),
+                               ("short", json.dumps(short), "tok/s and TTFT lists differ"), ("broken", "{", "JSONDecodeError")):  # fmt: skip
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(text)
+        out = tmp_path / f"out-{name}"
+        run = subprocess.run([sys.executable, str(BENCH / "ladder.py"), "--from-json", str(bad), "--out", str(out)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 2 and "not a ladder.json this script wrote" in run.stderr and reason in run.stderr, run.stderr
+        assert not out.exists()  # nothing written, not even the folder
+    (tmp_path / "a-file").write_text("")
+    run = subprocess.run([sys.executable, str(BENCH / "ladder.py"), "--from-json", str(REPO / "docs" / "ladder" / "ladder.json"),
+                          "--out", str(tmp_path / "a-file")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2 and "exists and is not a folder" in run.stderr, run.stderr
+
+
+def test_the_ladder_page_is_what_its_recorded_runs_say(tmp_path):
+    """docs/ladder/ladder.md is bench/ladder.py's page of docs/ladder/ladder.json, not edited by hand."""
+    sys.path.insert(0, str(BENCH))
+    import ladder
+
+    ladder.main(["--from-json", str(REPO / "docs" / "ladder" / "ladder.json"), "--out", str(tmp_path)])
+    assert (tmp_path / "ladder.md").read_text() == (REPO / "docs" / "ladder" / "ladder.md").read_text()
 
 
 # llama-batched-bench's stdout as llama.cpp 0.3.36 printed it here (Gemma 3 270M, -npp 16 -ntg 4
