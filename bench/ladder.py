@@ -21,9 +21,11 @@ SnapKV compresses what is each request's own, its last turn (for a document, the
 question), and leaves the system prompt and earlier turns whole and shared (kv_compress_from), as
 kvserve's chat endpoints do.
 The kvserve rungs climb --repeats times (3), every rung in turn, so a slow spell of a shared
-machine falls on every rung alike, and each rung shows its median run by tok/s (every run's
-rate is in ladder.json); every run of a tier starts with an empty disk tier.
-Per rung: generated tok/s over the whole workload, its ratio to the rung below, TTFT p50/p99 from
+machine falls on the neighbouring rungs alike; each rung shows its median run by tok/s, and its
+ratios to the rung below are the medians of the climbs' ratios (every run's rate and TTFT are in
+ladder.json); every run of a tier starts with an empty disk tier.
+Per rung: generated tok/s over the whole workload and its ratio to the rung below, TTFT p50 (and
+its ratio to the rung below) and p99 from
 the round's start, the prompt tokens served from the cache (pool or tiers), KV bytes
 per running request (held blocks x block bytes / running requests, averaged over engine steps;
 transformers: its cache tensors per row), the most requests running at once, and `kvserve eval`'s
