@@ -115,7 +115,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "requests that ask for compression themselves (the API's kv_compression field)")
     group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio); with --kv-compression none, as --kv-keep-ratio")
     group.add_argument("--snapkv-window", type=int, default=32,
-                       help="snapkv: the last prompt queries whose attention scores the positions, all kept (default: %(default)s)")
+                       help="snapkv: the last prompt positions, all kept, whose queries score the others: from the first block "
+                       "boundary among them when at least half of them follow it (a prefix hit reads up to it), else all of them "
+                       "(default: %(default)s)")
     group.add_argument("--snapkv-kernel", type=int, default=7,
                        help="snapkv: width of the max-pool that smooths the scores, odd (default: %(default)s)")
     group.add_argument("--snapkv-query", default="both", choices=list(SNAPKV_QUERIES),

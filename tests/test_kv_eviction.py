@@ -172,7 +172,8 @@ def _hf_window_scores(path, prompt: list[int], window: int, kv_heads: int) -> to
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [60, 59])  # the window spans two chunks; the last chunk is one token (a decode row)
+# 60, 59: the window's 8 queries span two chunks, the last chunk one token (a decode row); 69: 5 queries from the block boundary at 64
+@pytest.mark.parametrize("length", [60, 59, 69])
 def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkeypatch, backend, length):
     path = tiny_dir("llama")
     prompt = random_prompts(1, length, length, seed=length)[0]
@@ -183,7 +184,7 @@ def test_snapkv_scores_are_the_window_attention_of_transformers(tiny_dir, monkey
                snapkv_query="window")  # fmt: skip
     kept = _record_compactions(llm)
     llm.generate([prompt], GREEDY, use_tqdm=False)
-    expected = _hf_window_scores(path, prompt, 8, 2)
+    expected = _hf_window_scores(path, prompt, length - 64 if length == 69 else 8, 2)
     torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
     (keep,) = kept
     assert keep.shape == (3, 2, 20) and (keep[..., -8:] == torch.arange(length - 8, length)).all()
@@ -305,6 +306,23 @@ def test_compressing_requests_read_prefix_hits_write_no_shared_block_and_publish
     _check_free(llm)
 
 
+@pytest.mark.parametrize("query", ["window", "both"])
+def test_a_document_asked_another_question_computes_only_from_its_windows_first_block_boundary(tiny_dir, query):
+    """An 80-token document and an 8-token question: SnapKV's 32-query window begins at the block
+    boundary 64 (24 queries), so the same document asked another question reads 64 tokens from the
+    cache (the window's first 32 positions would pull it back to 48) and gives the tokens it gives uncached."""
+    path = tiny_dir("llama")
+    document = random_prompts(1, 80, 80, seed=12)[0]
+    first, second = (document + q for q in random_prompts(2, 8, 8, seed=13))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, kv_compression="snapkv", kv_keep_ratio=0.5, snapkv_query=query)
+    uncached = _llm(path, enable_prefix_caching=False).generate([second], params, use_tqdm=False)[0]
+    llm = _llm(path)
+    assert llm.generate([first], params, use_tqdm=False)[0].num_cached_tokens == 0
+    hit = llm.generate([second], params, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 64 and hit.token_ids == uncached.token_ids
+    _check_free(llm)
+
+
 def test_compressing_requests_with_hits_batched_and_chunked_decode_as_alone(tiny_dir):
     path = tiny_dir("llama")
     shared = random_prompts(1, 64, 64, seed=30)[0]
@@ -390,6 +408,15 @@ def test_a_request_with_too_little_of_its_own_to_compress_runs_as_a_plain_one(ti
     _check_free(llm)
 
 
+def test_the_snapkv_window_begins_at_a_block_boundary_when_half_of_it_follows_one():
+    window32, window8 = EvictionPolicy("snapkv", keep_ratio=0.5, window=32), EvictionPolicy("snapkv", keep_ratio=0.5, window=8)
+    # a 32-query window keeps 17 to 32 queries, from the first boundary of its last 32 positions
+    assert [window32.window_start(n, 16) for n in (785, 784, 800, 801, 769, 770)] == [768, 752, 768, 784, 752, 752]
+    # an 8-query window moves to a boundary only when 4 or more of its queries follow it
+    assert [window8.window_start(n, 16) for n in (68, 72, 67, 73, 80)] == [64, 64, 59, 65, 72]
+    assert window32.window_start(20, 16) == 0 and window8.window_start(5, 16) == 0  # a prompt shorter than the window
+
+
 def test_the_compressed_region_leaves_whole_what_its_compaction_never_writes():
     snapkv = EvictionPolicy("snapkv", keep_ratio=0.5, window=8)
     # a region no longer than two windows is kept whole (random has no window to pay for)
@@ -405,8 +432,11 @@ def test_the_compressed_region_leaves_whole_what_its_compaction_never_writes():
     # 124 tokens, the first 64 shared (70 rounds down to a block): 30 of the last 60 kept, 2 blocks of 4 in place
     assert CompressionRegion.of(snapkv, 124, 70, 16, in_place=True) == CompressionRegion(64, 96, 30, 96, True)
     assert CompressionRegion.of(snapkv, 124, 70, 16) == CompressionRegion(64, 124, 30, 112)
-    # the window's queries are computed: a budget of 8 would leave 7 of 8 blocks untouched, the window takes 1 back
-    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16, in_place=True).hit_end == 96
+    # the window's queries are computed: a budget of 8 leaves 7 of 8 blocks untouched, a hit reads up to the window's
+    # first block boundary (its last 16 queries), or the block before the window where fewer than half would follow one
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16, in_place=True).hit_end == 112
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 126, 0, 16, in_place=True).hit_end == 112
+    assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 122, 0, 16, in_place=True).hit_end == 96
     assert CompressionRegion.of(EvictionPolicy("snapkv", budget=8, window=24), 128, 0, 16).whole == 128
     # random scores no window: a hit reads everything before the compression point's block
     assert CompressionRegion.of(EvictionPolicy("random", keep_ratio=0.5), 80, 0, 16).hit_end == 80
@@ -587,7 +617,7 @@ def test_the_question_weight_is_validated():
         with pytest.raises(ValueError, match=r"snapkv_question_weight must be a number in \(0, 1e\+06\]"):
             EvictionPolicy("snapkv", 0.5, query="both", question_weight=bad)
     assert EvictionPolicy("snapkv", 0.5, query="generic").question_query_weight(32, 11) == 1.0  # only "both" mixes
-    assert EvictionPolicy("snapkv", 0.5, query="both", question_weight=2.0).question_query_weight(100, 8) == 8.0  # 2 x 32 / 8
+    assert EvictionPolicy("snapkv", 0.5, query="both", question_weight=2.0).question_query_weight(32, 8) == 8.0  # 2 x 32 / 8
 
 
 def test_a_request_preempted_while_its_generic_question_runs_computes_it_again(tiny_dir):

@@ -270,12 +270,13 @@ class ModelRunner:
         two in one span (one read of the keys) when this chunk holds both."""
         policy, evicted = seq.eviction, self.kv.num_evicted(seq.request_id)
         total = seq.probe_from if seq.probe is not None else seq.compression_point
-        first, last = max(start, total - policy.window), min(end, total)
+        window_start = policy.window_start(total, self.kv.block_size)
+        first, last = max(start, window_start), min(end, total)
         window = (policy.scores_window and not seq.eviction_started and first < last
                   and seq.compression_region(self.kv.block_size).compresses(total))  # fmt: skip
         if seq.probe is None or end <= seq.probe_from:
             return [WindowScoreSpan(row + first - start, row + last - start, first - evicted, tables, self._scores_of(seq, total))] if window else []
-        weight = policy.question_query_weight(seq.probe_from, len(seq.probe))
+        weight = policy.question_query_weight(seq.probe_from - window_start, len(seq.probe))
         asked = max(start, seq.probe_from)
         begin = first if window else asked  # a window ends where the question begins
         return [WindowScoreSpan(row + begin - start, row + end - start, begin - evicted, tables, self._scores_of(seq, seq.probe_from),

@@ -1,8 +1,9 @@
 """KV eviction policies: which of a sequence's cached tokens it keeps, and how many.
 
-snapkv scores each prompt position by the attention the last `window` prompt queries pay it and
-keeps, once at the end of prefill, the window itself and the best others within the budget, per
-layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
+snapkv scores each prompt position by the attention the last `window` prompt queries pay it (from
+the first block boundary among them, when at least half the window follows it:
+EvictionPolicy.window_start) and keeps, once at the end of prefill, the last `window` positions and
+the best others within the budget, per layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
 ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
 every layer and head (a baseline, not for production). SnapKV's queries are by default the
 prompt's own last tokens, the question when the prompt ends with one; with query "generic" they
@@ -92,13 +93,21 @@ class EvictionPolicy:
         """snapkv scored (also) by GENERIC_QUESTION, appended, computed and dropped again."""
         return self.method == "snapkv" and self.query in ("generic", "both")
 
-    def question_query_weight(self, num_compressed: int, question_len: int) -> float:
-        """What each of the generic question's queries counts when it scores num_compressed tokens, a
-        window query counting 1 (the window's own scores are plain sums): with "both", question_weight
-        times the mean of the window's min(window, num_compressed) queries."""
+    def window_start(self, point: int, block_size: int) -> int:
+        """Where SnapKV's scoring queries begin in a prompt compressed at `point`: at the first block
+        boundary of its last `window` positions when at least half the window follows it, so that the
+        same text asked another question reads every block before the queries from the prefix cache
+        and computes none of them again; else `window` positions before `point`."""
+        aligned = -(-(point - self.window) // block_size) * block_size
+        return max(aligned if 2 * (point - aligned) >= self.window else point - self.window, 0)
+
+    def question_query_weight(self, window_queries: int, question_len: int) -> float:
+        """What each of the generic question's queries counts against a window of window_queries
+        queries, a window query counting 1 (the window's own scores are plain sums): with "both",
+        question_weight times the mean of the window's queries."""
         if self.query != "both":
             return 1.0
-        return self.question_weight * min(self.window, num_compressed) / question_len
+        return self.question_weight * window_queries / question_len
 
     def tokens_kept(self, num_tokens: int) -> int:
         """How many of a num_tokens sequence's tokens the budget keeps."""
@@ -138,7 +147,7 @@ class CompressionRegion:
             whole = start + untouched * block_size
         hit_end = whole
         if policy.scores_window:  # the window's queries are computed, never served from the cache
-            hit_end = max(start, min(whole, (point - policy.window) // block_size * block_size))
+            hit_end = max(start, min(whole, policy.window_start(point, block_size) // block_size * block_size))
         return cls(start, whole, kept, hit_end, in_place)
 
     def reserve(self, point: int, block_size: int) -> int:
