@@ -107,17 +107,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="give sliding-window layers blocks for the whole sequence, as full-attention layers get "
                        "(by default they hold only their window's blocks)")
     group.add_argument("--kv-compression", default="none", choices=list(KV_COMPRESSIONS),
-                       help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions the last "
-                       "--snapkv-window queries and a generic question attend to most (per layer and KV head; see "
+                       help="evict cached tokens: snapkv keeps, at the end of prefill, the prompt positions that the queries of "
+                       "the prompt's end (--snapkv-window) and a generic question attend to most (per layer and KV head; see "
                        "--snapkv-query); streaming keeps --sink-tokens first tokens and the most recent ones, evicting as "
                        "decode proceeds; random is a baseline. Needs --kv-keep-ratio or --kv-budget. See docs/kv-eviction.md")
     group.add_argument("--kv-keep-ratio", type=float, default=None, help="share of a sequence's tokens kept, in (0, 1]; with --kv-compression none, the budget of "
                        "requests that ask for compression themselves (the API's kv_compression field)")
     group.add_argument("--kv-budget", type=int, default=None, help="tokens kept per sequence (instead of --kv-keep-ratio); with --kv-compression none, as --kv-keep-ratio")
     group.add_argument("--snapkv-window", type=int, default=32,
-                       help="snapkv: the last prompt positions, all kept, whose queries score the others: from the first block "
-                       "boundary among them when at least half of them follow it (a prefix hit reads up to it), else all of them "
-                       "(default: %(default)s)")
+                       help="snapkv: the prompt's last positions, kept (up to half the budget), whose queries score every position: "
+                       "from the first block boundary (--block-size) among them when half of them or more follow it, so a prefix "
+                       "hit reads up to it (with the defaults, the last 17 to 32 queries), else all of them (default: %(default)s)")
     group.add_argument("--snapkv-kernel", type=int, default=7,
                        help="snapkv: width of the max-pool that smooths the scores, odd (default: %(default)s)")
     group.add_argument("--snapkv-query", default="both", choices=list(SNAPKV_QUERIES),

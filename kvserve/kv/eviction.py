@@ -3,8 +3,8 @@
 snapkv scores each prompt position by the attention the last `window` prompt queries pay it (from
 the first block boundary among them, when at least half the window follows it:
 EvictionPolicy.window_start) and keeps, once at the end of prefill, the last `window` positions and
-the best others within the budget, per layer and KV head. streaming (StreamingLLM) keeps the first `sinks` tokens and the most recent
-ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
+the best others within the budget, per layer and KV head. streaming (StreamingLLM) keeps the first
+`sinks` tokens and the most recent ones, evicting as decode proceeds. random keeps the window and random other tokens, the same for
 every layer and head (a baseline, not for production). SnapKV's queries are by default the
 prompt's own last tokens, the question when the prompt ends with one; with query "generic" they
 are a generic question (GENERIC_QUESTION) the engine appends after the tokens it compresses,
