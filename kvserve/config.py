@@ -73,6 +73,7 @@ class EngineConfig:
     kv_hadamard: bool | None = None  # K/V stored in a Hadamard basis (kv/rotation.py); None: int8's default (rotates_kv)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_step_tokens: int = 1024  # a step's prompt tokens after which it takes no more prompts once one completes (0: none)
     max_model_len: int | None = None
     kv_cache_memory: float = 2.0  # GiB
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, planning)
@@ -167,6 +168,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        value = self.prefill_step_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"prefill_step_tokens must be 0 (prompts fill --max-num-batched-tokens) or a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         memory = self.kv_cache_memory

@@ -97,6 +97,32 @@ def test_scheduler_chunks_prefill_within_budget():
     assert [(s.request_id, n) for s, n in batch.entries] == [("a", 3), ("b", 3)]
 
 
+def _run(batch) -> list[tuple[str, int]]:
+    """The batch's (request, tokens), then its tokens computed and a token sampled for every completed prompt."""
+    for s, n in batch.entries:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == len(s.token_ids):
+            s.token_ids.append(1)
+    return [(s.request_id, n) for s, n in batch.entries]
+
+
+@pytest.mark.parametrize("target", [0, 8])
+def test_a_step_takes_no_more_prompts_once_one_completes_at_prefill_step_tokens(target):
+    kv = manager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40, max_model_len=64, prefill_step_tokens=target), kv)
+    p, x, q, r = _seq("p", 20), _seq("x", 20), _seq("q", 2), _seq("r", 3)
+    p.max_chunk, x.max_chunk = 12, 5  # prompts computed over several steps
+    for seq in (p, x, q):
+        sched.add(seq)
+    assert _run(sched.schedule()) == [("p", 12), ("x", 5), ("q", 2)]  # 19 prompt tokens when q completes
+    sched.add(r)
+    if target:  # p completes at 8: x's next chunk and r wait for the next step, q's decode does not
+        assert _run(sched.schedule()) == [("p", 8), ("q", 1)]
+        assert _run(sched.schedule()) == [("p", 1), ("x", 5), ("q", 1), ("r", 3)]
+    else:
+        assert _run(sched.schedule()) == [("p", 8), ("x", 5), ("q", 1), ("r", 3)]
+
+
 def test_scheduler_preempts_newest_when_blocks_run_out():
     kv = manager(num_blocks=4, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16), kv)

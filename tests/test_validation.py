@@ -50,7 +50,8 @@ def test_unknown_model_path():
 
 @pytest.mark.parametrize(
     "field,value", [("block_size", 0), ("max_num_seqs", -1), ("kv_cache_memory", 0), ("dtype", "int3"), ("max_model_len", 0),
-                    ("kv_cache_memory", "1"), ("kv_quant_residual", 70000), ("sink_tokens", 100)],
+                    ("kv_cache_memory", "1"), ("kv_quant_residual", 70000), ("sink_tokens", 100), ("prefill_step_tokens", -1),
+                    ("prefill_step_tokens", True), ("prefill_step_tokens", 1.5)],
 )
 def test_bad_engine_config(field, value):
     extra = {"kv_compression": "streaming", "kv_budget": 8} if field == "sink_tokens" else {}  # more sinks than the budget keeps

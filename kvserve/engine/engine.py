@@ -203,7 +203,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv_spec, num_blocks, blocks_for_tokens(self.max_model_len, config.block_size), prefix_cache)
         self.kv.keep_conversations(ConversationKVConfig(config.conversation_kv_share, config.conversation_kv_ttl))
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.prefill_step_tokens), self.kv
         )
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:

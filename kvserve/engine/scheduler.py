@@ -1,8 +1,11 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Running sequences go first (one decode token, or the next prefill chunk); waiting ones are
-admitted while the token budget, the sequence limit and the free blocks allow. When a running
-sequence needs a block and none is free, the newest running sequence is preempted by recompute.
+admitted while the token budget, the sequence limit and the free blocks allow. A step whose
+prompt tokens have reached prefill_step_tokens takes no more prompts once one of them is
+complete, so first tokens come out a few prompts at a time rather than a whole budget's worth at
+once. When a running sequence needs a block and none is free, the newest running sequence is
+preempted by recompute.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    prefill_step_tokens: int = 0  # 0: prompts fill the budget
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefill_step_tokens < 0:
+            raise ValueError(f"prefill_step_tokens must be 0 or more, got {self.prefill_step_tokens}")
 
 
 @dataclass
@@ -41,6 +47,28 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.entries)
+
+
+@dataclass
+class StepPrompts:
+    """The prompt tokens of the step being built, and whether it still takes prompts: it stops once its
+    prompt tokens reach `target` and a prompt completes in it (its request gets its first token)."""
+
+    target: int
+    tokens: int = 0
+    closed: bool = False
+
+    def add(self, seq: Sequence, n: int) -> None:
+        if not is_prefill(seq):
+            return
+        self.tokens += n
+        completes = seq.probe is None and seq.num_computed_tokens + n >= len(seq.token_ids)
+        self.closed = self.closed or (0 < self.target <= self.tokens and completes)
+
+
+def is_prefill(seq: Sequence) -> bool:
+    """Whether its next tokens are a prompt's (or a preempted sequence's recompute), not a decode."""
+    return len(seq.token_ids) - seq.num_computed_tokens > 1
 
 
 class Scheduler:
@@ -64,10 +92,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        prompts = StepPrompts(self.config.prefill_step_tokens)
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            if seq.held:  # a beam waiting for its group to choose
+            if seq.held or (prompts.closed and is_prefill(seq)):  # a beam waiting for its group to choose; a prompt for the next step
                 idx += 1
                 continue
             n = seq.next_chunk(budget)
@@ -88,12 +117,13 @@ class Scheduler:
             else:
                 batch.entries.append((seq, n))
                 budget -= n
+                prompts.add(seq, n)
                 idx += 1
         if batch.preempted:
             return batch
         self._finish_loads()
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or prompts.closed:
                 break
             if seq.request_id in self.loading:
                 break  # its prefix is on its way from a tier: the requests behind it wait, so none takes the blocks it needs
@@ -138,6 +168,7 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+            prompts.add(seq, n)
         if not batch.entries and self.waiting and any(s.held for s in self.running):
             # beams that have drawn hold blocks while their group waits for a beam the pool has no room for: they
             # give way (their tokens are drawn; they compute them again once their group has chosen)
