@@ -69,11 +69,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget of one step: decode tokens plus prefill chunks (default: %(default)s)")
     group.add_argument("--prefill-step-tokens", type=int, default=1024,
-                       help="once a step holds this many prompt tokens and one of its prompts is complete, it takes no more "
-                            "prompts: the requests whose prompts are done get their first token after a step of about this "
-                            "size rather than after a whole --max-num-batched-tokens of later prompts (a burst of ten "
-                            "~400-token prompts on Qwen2.5-Coder-0.5B: TTFT p50 8.5 s -> 5.6 s for ~1%% of tok/s). "
-                            "0: prompts fill the budget (default: %(default)s)")
+                       help="once a step's prompt tokens have reached this and one of its prompts is complete (the one "
+                            "that crossed it, at the latest), it takes no more prompts, decodes still: a request whose prompt "
+                            "is done gets its first token without waiting for the rest of a --max-num-batched-tokens budget "
+                            "of later prompts (bench/ladder.py's int8 rung on Qwen2.5-Coder-0.5B, rounds of ten ~400-token "
+                            "prompts: TTFT p50 1.57x -> 1.04x the 16-bit rung's; docs/benchmarks.md). No effect when it is "
+                            "at or above --max-num-batched-tokens; 0: prompts fill the budget (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output; default: the model's context, capped by the KV capacity")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default: %(default)s)")

@@ -474,6 +474,23 @@ def test_plan_refuses_the_weight_dtypes_the_engine_refuses():
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("target", [0, 50])
+def test_replay_takes_the_engines_prefill_step_tokens(tiny_dir, tmp_path, target):
+    """Found by QA: replay always ran the default --prefill-step-tokens, and its steps depend on it."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"prompt_len": 40, "output_len": 4}] * 6
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    flags = dict(block_size=8, num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", prefill_step_tokens=target, **flags)
+    requests = read_trace(trace)
+    llm.generate([trace_prompt(i, r.prompt_len, 512) for i, r in enumerate(requests)], [trace_params(r) for r in requests], use_tqdm=False)
+    cli = plan_json("--model", str(tiny_dir("llama")), "--replay", str(trace), "--kv-dtype", "float32", "--block-size", "8",
+                    "--num-kv-blocks", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "128",
+                    "--prefill-step-tokens", str(target))  # fmt: skip
+    # all six prompts in one step at 0; two a step at 50 (the second crosses it), so two more steps
+    assert cli["replay"]["num_steps"] == llm.stats()["num_steps"] == (4 if target == 0 else 6)
+
+
 def test_replay_rounds_an_int4_block_size_as_the_planner_does(tiny_dir, tmp_path):
     """int4's blocks hold whole key groups: replay rounds --block-size 16 (the default) up to 32 as
     the plan and the engine do, instead of refusing, and runs the trace."""

@@ -67,8 +67,9 @@ class StepPrompts:
 
 
 def is_prefill(seq: Sequence) -> bool:
-    """Whether its next tokens are a prompt's (or a preempted sequence's recompute), not a decode."""
-    return len(seq.token_ids) - seq.num_computed_tokens > 1
+    """Whether its next tokens are a prompt's (or a preempted sequence's recompute), not a decode: a prompt
+    with one token left (the rest cached) is a prompt too."""
+    return len(seq.token_ids) - seq.num_computed_tokens > 1 or seq.num_output_tokens == 0
 
 
 class Scheduler:

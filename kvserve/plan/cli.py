@@ -80,6 +80,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (replay)")
     rep.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget per step: the prefill chunk a sliding-window layer holds with its window (and replay's)")
+    rep.add_argument("--prefill-step-tokens", type=int, default=1024,
+                     help="replay: the engine's flag (a step whose prompt tokens reach it takes no more prompts once one "
+                          "completes; 0: none) (default: %(default)s)")
     rep.add_argument("--max-model-len", type=int, default=None, help="replay: longest sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -474,7 +477,7 @@ def _replay(args, kv_dtype: str, shape: KVShape, model_config: ModelConfig | Non
     config = EngineConfig(
         model="(replay)", dtype=pool_dtype, kv_cache_dtype=kv_dtype, block_size=block_size_for(kv_dtype, args.block_size),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, kv_cache_memory=memory, num_kv_blocks=args.num_kv_blocks,
+        prefill_step_tokens=args.prefill_step_tokens, max_model_len=args.max_model_len, kv_cache_memory=memory, num_kv_blocks=args.num_kv_blocks,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, kv_quant_residual=shape.quant_residual,
         kv_quant_sink_block=shape.sink_block,
     )
