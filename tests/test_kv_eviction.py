@@ -674,6 +674,27 @@ def test_the_prompts_last_chunk_takes_the_generic_question_on(tiny_dir, monkeypa
         assert tokens == runs[100][0] and torch.equal(keep, runs[100][2]), budget
 
 
+def test_a_prompt_whose_last_chunk_asks_the_generic_question_completes_its_step_at_prefill_step_tokens(tiny_dir):
+    """--prefill-step-tokens counts a chunk that takes the generic question on as completing its prompt (its
+    first token is drawn in that step): found on the ladder, where compressing requests never closed a step."""
+    path = tiny_dir("llama")
+    prompts = random_prompts(3, 90, 90, seed=31)
+    runs = {}
+    for target in (0, 60):
+        llm = _llm(path, kv_compression="snapkv", snapkv_query="generic", kv_keep_ratio=0.4, snapkv_window=8, max_num_batched_tokens=512,
+                   prefill_step_tokens=target)  # fmt: skip
+        engine = llm.engine
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
+        engine.step()  # three prompts and their questions fit the budget; at 60 the first closes the step
+        assert [s.num_output_tokens for s in seqs] == ([1, 1, 1] if target == 0 else [1, 0, 0])
+        assert llm.stats()["kv_probe_tokens_total"] == len(_generic(llm)) * (3 if target == 0 else 1)
+        while engine.has_unfinished_requests():
+            engine.step()
+        runs[target] = [s.output_token_ids for s in seqs]
+        _check_free(llm)
+    assert runs[60] == runs[0]
+
+
 def test_prompt_logprobs_of_a_prompt_whose_last_chunk_asks_the_generic_question(tiny_dir):
     """The question's rows score no prompt token: the prompt's logprobs are those of the uncompressed run."""
     path = tiny_dir("llama")

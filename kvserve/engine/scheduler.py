@@ -62,7 +62,8 @@ class StepPrompts:
         if not is_prefill(seq):
             return
         self.tokens += n
-        completes = seq.probe is None and seq.num_computed_tokens + n >= len(seq.token_ids)
+        # a chunk that takes SnapKV's generic question on (its rows scored, then dropped) completes a prompt that ends before it
+        completes = seq.num_computed_tokens + n >= seq.num_tokens and (seq.probe is None or seq.probe_from >= len(seq.token_ids))
         self.closed = self.closed or (0 < self.target <= self.tokens and completes)
 
 
