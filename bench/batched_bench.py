@@ -128,8 +128,8 @@ def parse_rates(out: str, new_tokens: int) -> dict[int, float]:
 
 def weight_form(value: str) -> str:
     held, _, rows = value.partition(":")
-    if held not in ("auto", "gguf", "bfloat16", "float32", "int8") or rows not in ("", "auto", "exact", "int8"):
-        raise argparse.ArgumentTypeError(f"{value!r}: a --weight-dtype, optionally :auto, :exact or :int8")
+    if held not in ("auto", "gguf", "bfloat16", "float32", "int8") or rows not in ("", "auto", "exact", "int8", "bf16"):
+        raise argparse.ArgumentTypeError(f"{value!r}: a --weight-dtype, optionally :auto, :exact, :int8 or :bf16")
     return value
 
 
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     parser.add_argument("--weight-dtypes", nargs="+", default=["auto"], type=weight_form,
                         help="kvserve's --weight-dtype (auto, gguf, bfloat16, float32, int8), optionally with its "
-                        "--gguf-activations after a colon (gguf:exact, gguf:int8): one column per value, each engine loaded in turn")
+                        "--gguf-activations after a colon (gguf:exact, gguf:int8, gguf:bf16): one column per value, each engine loaded in turn")
     parser.add_argument("--rounds", type=int, default=1, help="kvserve's engines are all loaded and take turns this many times; best kept")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], type=kv_form,
                         help="kvserve's --kv-cache-dtype (auto, bfloat16, int8, fp8_e4m3, ...): one column per value and weight form")

@@ -1,11 +1,13 @@
 """The GGUF block product against the same weights dequantized, per block type and row count.
 
-    .venv/bin/python bench/gguf_matmul.py [--n 4096] [--k 1024] [--types Q8_0 Q4_K] [--rows 1 8 64]
+    .venv/bin/python bench/gguf_matmul.py [--n 4096] [--k 1024] [--types Q8_0 Q4_K] [--rows 1 8 64] \
+        [--activations exact|int8|bf16]
 
-Random blocks of each type ([n, k]), bf16 rows (float32 with --dtype float32). For each row count:
-the GGUF kernel's rate in billions of weights x rows per second, and its speed against the kernel
-the dequantized weights take in the same dtype (bf16: the packed AVX512-BF16 GEMM where the CPU
-has it; float32: float_matmul). Calls alternate and each keeps its best of --rounds, because this
+Random blocks of each type ([n, k]), bf16 rows (float32 with --dtype float32), taken as
+--activations says (bf16: AMX tiles, on a CPU whose tiles run). For each row count: the GGUF
+kernel's rate in billions of weights x rows per second, and its speed against the kernel the
+dequantized weights take in the same dtype (bf16: the AMX GEMM where its tiles run, else the packed
+AVX512-BF16 GEMM where the CPU has it; float32: float_matmul). Calls alternate and each keeps its best of --rounds, because this
 machine's speed drifts between runs. A weight of 4096 x 1024 stays in the caches: this is the
 kernels' compute rate; a decode step over a real model also streams the weights from memory.
 """
@@ -32,21 +34,27 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"], choices=list(gguf.GGUF_BLOCKS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16, 64, 256])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the rows' dtype")
+    parser.add_argument("--activations", choices=list(gguf.GGUF_ACTIVATIONS), default="exact", help="how the GGUF products take the rows")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if not library.cpu_kernels_available():
         sys.exit("the native kernels are not built here")
     dtype = getattr(torch, args.dtype)
+    amx = dtype == torch.bfloat16 and products.amx_ready()
     packed_bf16 = dtype == torch.bfloat16 and products.bf16_dot_available()
-    other = "packed bf16" if packed_bf16 else "float_matmul"
-    print(f"{args.n} x {args.k} weight, {args.dtype} rows; G = 1e9 weights x rows per second (best of {args.rounds}); vs {other} on the dequantized weights\n")
+    other = "the AMX GEMM" if amx else "packed bf16" if packed_bf16 else "float_matmul"
+    print(f"{args.n} x {args.k} weight, {args.dtype} rows, {args.activations} activations; G = 1e9 weights x rows per second "
+          f"(best of {args.rounds}); vs {other} on the dequantized weights\n")
     print("| type | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
     print("|---|" + "---:|" * len(args.rows))
     for type_name in args.types:
         blocks = random_blocks(type_name, args.n, args.k)
-        weight = gguf.gguf_weight(torch.from_numpy(blocks), type_name, args.n, args.k)
+        weight = gguf.gguf_weight(torch.from_numpy(blocks), type_name, args.n, args.k, args.activations)
         dequantized = gguf.gguf_dequantize(weight).to(dtype)
-        if packed_bf16:
+        if amx:
+            packed = products.amx_pack_weight(dequantized)
+            theirs = lambda x: products.amx_matmul(x, packed, out_dtype=dtype)  # noqa: E731
+        elif packed_bf16:
             packed = products.pack_weight(dequantized)
             theirs = lambda x: products.packed_matmul(x, packed)  # noqa: E731
         else:

@@ -54,7 +54,7 @@ MAX_KV_QUANT_GROUP_SIZE = 256
 DEFAULT_KV_OFFLOAD_DISK_GIB = 8.0
 KV_ROLES = ("both", "producer", "consumer")  # --kv-role: disaggregated prefill through the remote tier
 WEIGHT_DTYPES = ("auto", "gguf", "int8", "int4", "bfloat16", "float32")
-GGUF_ACTIVATIONS = ("auto", "int8", "exact")
+GGUF_ACTIVATIONS = ("auto", "int8", "exact", "bf16")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     weight_dtype: str = "auto"  # auto: a GGUF file's blocks with float32 activations on the CPU, else --dtype; gguf; int8 / int4 (any checkpoint, quantized at load); bfloat16; float32
-    gguf_activations: str = "auto"  # products on GGUF / Q8_0 blocks: int8 rows (AVX512-VNNI) or exact; auto: exact
+    gguf_activations: str = "auto"  # products on GGUF / Q8_0 blocks: int8 rows (AVX512-VNNI), exact, or bf16 (AMX tiles on bf16-rounded values); auto: exact
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # 16; for int4/int2 the smallest multiple of kv_quant_group_size from 16
     kv_quant_group_size: int = 32  # int4/int2: tokens of a key channel, channels of a value, per scale

@@ -21,11 +21,15 @@ def checkpoint_digests(path: Path) -> tuple[str, str]:
     return tree_digest(weights), tree_digest(tokenizer)
 
 
+# how the blocks' products took their rows, where not exact
+ROWS_NAMES = {"int8": "/int8 rows", "bf16": "/bf16 tiles"}
+
+
 def identity_fields(config: EngineConfig, model_config: ModelConfig, backend: str, weight_format: str = "float", activations: str = "exact") -> dict:
     """CacheIdentity's fields from the configs and the attention backend (the checkpoint's digests are the rest)."""
     return {
         # GGUF blocks compute in float32 from the exact dequantized values: other K/V than --dtype weights
-        "dtype": config.dtype if weight_format == "float" else f"{config.dtype}/weights {weight_format}" + ("/int8 rows" if activations == "int8" else ""),
+        "dtype": config.dtype if weight_format == "float" else f"{config.dtype}/weights {weight_format}" + ROWS_NAMES.get(activations, ""),
         "kv_cache_dtype": config.kv_cache_dtype,
         "attention": f"{backend}/block {config.block_size}/hybrid {not config.disable_hybrid_kv_cache_manager}",
         "kv_quantization": f"group {config.kv_quant_group_size}/residual {config.kv_quant_residual}/sink {config.kv_quant_sink_block}"

@@ -72,7 +72,7 @@ class LLMEngine:
         check_tier_budgets(config.kv_offload_host_gib, config.kv_offload_disk_dir, config.kv_offload_disk_gib)
         path = resolve_model_path(config.model)
         weight_format = resolve_weight_format(path, config.weight_dtype, config.device, config.dtype)
-        checkpoint = load_checkpoint(path, weight_format, resolve_gguf_activations(config.gguf_activations, weight_format))
+        checkpoint = load_checkpoint(path, weight_format, resolve_gguf_activations(config.gguf_activations, weight_format, config.dtype))
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path, checkpoint.config.architecture)
         backend = resolve_attention_backend(config.attention_backend, torch.device(config.device), DTYPES[config.kv_cache_dtype]
                                             if config.kv_cache_dtype in DTYPES else config.torch_dtype)  # fmt: skip
@@ -107,7 +107,7 @@ class LLMEngine:
     def weights_description(self) -> str:
         """How the weights are held, for start-up lines: "GGUF blocks", "int8 (Q8_0 blocks)", "int4 (Q4_1 blocks)" or the dtype of their copies."""
         held = {"gguf": "GGUF blocks", "int8": "int8 (Q8_0 blocks)", "int4": "int4 (Q4_1 blocks; v, down and embedding Q8_0)"}.get(getattr(self, "weight_format", "float"), self.config.dtype)
-        return held + (", int8 rows" if getattr(self, "gguf_activations", "exact") == "int8" else "")
+        return held + {"int8": ", int8 rows", "bf16": ", bf16 tiles"}.get(getattr(self, "gguf_activations", "exact"), "")
 
     def _center_keys(self, vocab_size: int) -> None:
         """Calibrate the int8 / fp8 key centers (kv/centering.py) before anything is stored. They

@@ -29,12 +29,13 @@ SOURCES = [
     "sampler.cpp", "kv_store.cpp", "amx_matmul.cpp", "decode_program.cpp", "abi.cpp",
 ]  # fmt: skip
 HEADERS = [
-    "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "gguf_dot.h", "gguf_int8.h", "gguf_screen.h",
+    "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "amx_core.h", "gguf_dot.h", "gguf_int8.h", "gguf_screen.h", "gguf_amx.h",
     # paged_attention.cpp's paths, included into its one translation unit
     "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_int8.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
 ]  # fmt: skip
-# test only: the AMX kernel with its tile instructions emulated in scalar C++ (amx_tiles.h)
-AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "abi.cpp"]
+# test only: the AMX kernels (amx_matmul.cpp; gguf_matmul.cpp's bf16 tiles) with their tile
+# instructions emulated in scalar C++ (amx_tiles.h)
+AMX_EMULATION_SOURCES = ["amx_matmul.cpp", "gguf_matmul.cpp", "abi.cpp"]
 AMX_EMULATION_FLAGS = ["-DKVSERVE_AMX_EMULATE", "-ffp-contract=off"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
 
@@ -95,7 +96,8 @@ def _build(sources: list[str], flags: list[str], stem: str) -> tuple[Path | None
 
 
 _c_int, _c_int64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-# the AMX kernel's entry points, in the production library and the emulated one alike
+# the AMX kernels' entry points (amx_matmul.cpp, and gguf_matmul.cpp's whose bf16 tiles run on AMX), in the
+# production library and the emulated one alike
 _AMX_SIGNATURES = {
     "kvserve_amx_matmul": [_ptr],
     "kvserve_amx_compiled": [],
@@ -103,6 +105,9 @@ _AMX_SIGNATURES = {
     # weight, n, k, packed
     "kvserve_amx_pack_weight": [_ptr, _c_int64, _c_int, _ptr],
     "kvserve_struct_layout": [ctypes.c_char_p, _ptr, _c_int],
+    "kvserve_gguf_matmul": [_ptr],
+    # GgufMatmulArgs (x, out, rows), GgufPart[count], count
+    "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
 }
 
 
@@ -139,8 +144,6 @@ def load_kernels() -> ctypes.CDLL | None:
             "kvserve_sample", "kvserve_kv_store", "kvserve_window_scores",
         )},  # fmt: skip
         **_AMX_SIGNATURES,
-        # GgufMatmulArgs (x, out, rows), GgufPart[count], count
-        "kvserve_gguf_matmul_parts": [_ptr, _ptr, _c_int],
         "kvserve_gguf_screen_available": [],
         "kvserve_window_scores_available": [],
         "kvserve_gguf_int8_available": [],
@@ -171,10 +174,10 @@ def load_kernels() -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def build_amx_emulation() -> ctypes.CDLL:
-    """Test only: amx_matmul.cpp alone with its tile instructions emulated in scalar C++
-    (-DKVSERVE_AMX_EMULATE, see amx_tiles.h), exposing the AMX entry points of the production
-    library (kvserve_amx_available is 1), so the kernel's layouts and staging can be checked on a
-    CPU without AMX. Never loaded by the engine."""
+    """Test only: the AMX kernels (amx_matmul.cpp, gguf_matmul.cpp) with their tile instructions
+    emulated in scalar C++ (-DKVSERVE_AMX_EMULATE, see amx_tiles.h), exposing the AMX entry points
+    of the production library (kvserve_amx_available is 1) and the GGUF products, so the kernels'
+    layouts and staging can be checked on a CPU without AMX. Never loaded by the engine."""
     target, complaint = _build(AMX_EMULATION_SOURCES, [*_flags(), *AMX_EMULATION_FLAGS], "kvserve_amx_emulated")
     if target is None:
         raise RuntimeError(f"building the emulated AMX kernel failed:\n{complaint}")

@@ -5,8 +5,10 @@ int8-screened greedy argmax (gguf_screen.h).
 A weight's `activations` says how its products treat the rows: "exact" multiplies them (float32, or
 bf16 dot products on the blocks' codes) by the exact dequantized values; "int8" quantizes each row
 per block of 32 values and takes integer dot products (gguf_int8.h, AVX512-VNNI): about half the
-instructions per weight, the rows' quantization the only loss. Either way a row's result does not
-depend on the other rows."""
+instructions per weight, the rows' quantization the only loss; "bf16" multiplies bf16 rows on AMX
+tiles by the dequantized values rounded to bf16 (gguf_amx.h): a bf16 copy of the weight's products
+(amx_matmul) bit for bit, at the file's size. Either way a row's result does not depend on the other
+rows."""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ import torch
 from kvserve.kernels import args
 from kvserve.kernels.build import load_kernels
 from kvserve.kernels.library import _DTYPE_CODES, _check, _require
-from kvserve.kernels.products import FLOAT_PACK_DTYPES, check_rows
+from kvserve.kernels.products import FLOAT_PACK_DTYPES, amx_ready, check_rows
 
 # ggml's type codes the GGUF kernel reads, with (values, bytes) per block
-GGUF_ACTIVATIONS = ("exact", "int8")
+GGUF_ACTIVATIONS = ("exact", "int8", "bf16")
 GGUF_BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
                "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
 
@@ -43,6 +45,8 @@ class GgufWeight:
             raise ValueError(f"GgufWeight: activations must be one of {GGUF_ACTIVATIONS}, got {self.activations!r}")
         if self.activations == "int8" and not gguf_int8_available():
             raise ValueError("GgufWeight: int8 activations need a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI")
+        if self.activations == "bf16" and not gguf_tiles_available():
+            raise ValueError("GgufWeight: bf16 activations need a CPU whose AMX tiles run (products.amx_ready)")
 
     @property
     def activations_code(self) -> int:
@@ -72,6 +76,12 @@ def gguf_int8_available() -> bool:
     """Whether this CPU's kernels have the int8-rows products (AVX512-VNNI, BW and VBMI)."""
     library = load_kernels()
     return library is not None and bool(library.kvserve_gguf_int8_available())
+
+
+def gguf_tiles_available() -> bool:
+    """Whether bf16 rows can take the blocks on AMX tiles here (products.amx_ready: the CPU has AMX-BF16,
+    Linux grants its tiles and the kernel passed its self-check)."""
+    return amx_ready()
 
 
 def gguf_weight(data: torch.Tensor, type_name: str, n: int, k: int, activations: str = "exact") -> GgufWeight:
@@ -114,15 +124,16 @@ def gguf_matmul(
     x: torch.Tensor, weight: GgufWeight, out_dtype: torch.dtype | None = None, want_output: bool = True, want_argmax: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """x [R, k] (float32 or bf16) @ weight^T on the GGUF blocks, the rows taken as the weight's
-    `activations` says (exact: one float32 FMA chain per output in k order over the exact
-    dequantized values), so a row's result does not depend on the other rows: (output [R, n] in
-    out_dtype (x's by default), or None; row-wise argmax [R] or None).
+    """x [R, k] (float32 or bf16; bf16 for bf16 activations) @ weight^T on the GGUF blocks, the rows
+    taken as the weight's `activations` says (exact: one float32 FMA chain per output in k order over
+    the exact dequantized values), so a row's result does not depend on the other rows: (output [R, n]
+    in out_dtype (x's by default), or None; row-wise argmax [R] or None).
     `out` may be a column slice of a wider contiguous-row matrix (its row stride is kept)."""
     library = _require()
     check_rows(x, weight.k, "gguf_matmul")
     rows = x.shape[0]
     dtype = out_dtype or x.dtype
+    _check_tile_dtypes(weight.activations, x.dtype, dtype, "gguf_matmul")
     if out is not None:
         if tuple(out.shape) != (rows, weight.n) or out.dtype != dtype or out.stride(1) != 1 or (rows > 1 and out.stride(0) < weight.n):
             raise ValueError(f"gguf_matmul: out must be {dtype} [{rows}, {weight.n}] with unit inner stride")
@@ -141,6 +152,11 @@ def gguf_matmul(
     )  # fmt: skip
     _check(library.kvserve_gguf_matmul(ctypes.byref(call)), "gguf_matmul")
     return out, argmax
+
+
+def _check_tile_dtypes(activations: str, x_dtype: torch.dtype, out_dtype: torch.dtype, name: str) -> None:
+    if activations == "bf16" and (x_dtype != torch.bfloat16 or out_dtype not in FLOAT_PACK_DTYPES):
+        raise ValueError(f"{name}: bf16 activations take bf16 rows into float32 or bf16 outputs; got {x_dtype} into {out_dtype}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,7 @@ class GgufProduct:
             raise ValueError(f"GgufProduct: x must be float32 or bf16 [rows > 0, {k}] on the CPU with unit inner stride")
         rows = x.shape[0]
         dtype = out_dtype or x.dtype
+        _check_tile_dtypes(self.parts[0].activations, x.dtype, dtype, "GgufProduct")
         if out is None:
             out = torch.empty(rows, n, dtype=dtype)
         elif tuple(out.shape) != (rows, n) or out.dtype != dtype or out.stride(1) != 1 or (rows > 1 and out.stride(0) < n):

@@ -38,8 +38,11 @@
 
 #include <omp.h>
 
+#include "amx_core.h"
 #include "args.h"
 #include "float_tiles.h"
+
+extern "C" int kvserve_amx_available();  // amx_matmul.cpp
 
 namespace {
 
@@ -476,6 +479,7 @@ void run(const Weight& w, const Problem& p, int rows, int64_t* argmax) {
 #include "gguf_dot.h"
 #include "gguf_int8.h"
 #include "gguf_screen.h"
+#include "gguf_amx.h"
 
 }  // namespace
 
@@ -515,7 +519,9 @@ int kvserve_gguf_dequantize(const uint8_t* tiles, int type, int64_t n, int k, co
 
 // The arguments make a product this file computes.
 static bool valid(const kvserve::GgufMatmulArgs* a) {
-  const bool x_ok = (a->x_dtype == kFloat32 || a->x_dtype == kBFloat16) && (a->activations == 0 || a->activations == 1);
+  // activations 0 exact, 1 int8 rows, 2 bf16 tiles (bf16 rows, float32 or bf16 out)
+  const bool x_ok = a->activations == 2 ? a->x_dtype == kBFloat16 && a->out_dtype <= kBFloat16
+                                         : (a->x_dtype == kFloat32 || a->x_dtype == kBFloat16) && (a->activations == 0 || a->activations == 1);
   return kvserve_gguf_row_bytes(a->type, a->k) != 0 && a->n > 0 && a->rows > 0 && a->ldx >= a->k && x_ok && a->out_dtype >= 0 && a->out_dtype <= 2 &&
          (!a->out || a->ldo >= a->n);
 }
@@ -526,11 +532,21 @@ static Weight weight_of(const kvserve::GgufMatmulArgs& a) {
 }
 
 // x: float32 or bf16 [rows, k] (row stride ldx). out ([rows, ldo] in out_dtype, columns 0..n-1
-// written) and argmax (int64 [rows]) may each be null.
+// written) and argmax (int64 [rows]) may each be null. Returns 2 for bf16 tiles where AMX tiles
+// cannot run, 4 for int8 rows this build lacks.
 int kvserve_gguf_matmul(const kvserve::GgufMatmulArgs* a) {
   if (!valid(a)) return 1;
   const int k = a->k, rows = a->rows;
   const Weight w = weight_of(*a);
+  if (a->activations == 2) {
+#if KVSERVE_AMX_SUPPORTED
+    if (!kvserve_amx_available()) return 2;
+    tiles::run(w, a->type, static_cast<const uint16_t*>(a->x), a->ldx, rows, a->out, a->out_dtype, a->ldo, a->argmax);
+    return 0;
+#else
+    return 2;
+#endif
+  }
   Problem p{nullptr, kFloat32, a->n, k, static_cast<const float*>(a->x), a->ldx, a->out, a->out_dtype, a->ldo};
   if (a->activations == 1) {
 #if KVSERVE_HAS_GGUF_INT8
@@ -638,7 +654,7 @@ int kvserve_gguf_matmul_parts(const kvserve::GgufMatmulArgs* a, const kvserve::G
 #endif
   }
 #if KVSERVE_HAS_GGUF_DOT
-  if (a->x_dtype == kBFloat16 && a->rows <= dot::kFusedRows) {
+  if (a->activations == 0 && a->x_dtype == kBFloat16 && a->rows <= dot::kFusedRows) {
     std::vector<dot::FusedPart> fused;
     bool mins = false;
     for (const kvserve::GgufMatmulArgs& part : each) {

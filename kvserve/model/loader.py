@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvserve.kernels import library
-from kvserve.kernels.gguf import GGUF_BLOCKS, GgufWeight, gguf_dequantize, gguf_int8_available, gguf_weight
+from kvserve.kernels.gguf import GGUF_BLOCKS, GgufWeight, gguf_dequantize, gguf_int8_available, gguf_tiles_available, gguf_weight
 from kvserve.cache_dir import cache_root, file_digest, replaced_atomically
 from kvserve.model.config import ModelConfig, RopeConfig
 from kvserve.model.errors import ModelLoadError, describe
@@ -322,8 +322,8 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
 
     auto takes the blocks where the activations are float32 (CPUs without native bf16 products,
     where float32 weights took the same kernels at 4-7x the bytes). With bf16 activations (AMX or
-    AVX512-BF16 CPUs) the bf16 weights keep their AMX / bf16-dot kernels: the GGUF kernel computes
-    in float32 FMAs and does not feed AMX tiles yet (docs/models.md)."""
+    AVX512-BF16 CPUs) the bf16 weights keep their AMX / bf16-dot kernels: the blocks' products,
+    on AMX tiles too (--gguf-activations bf16), are slower there at some batch size (docs/models.md)."""
     if weight_dtype in ("bfloat16", "float32"):  # EngineConfig checked it equals --dtype
         return "float"
     is_gguf = path.is_file()
@@ -357,15 +357,20 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
     return "gguf"
 
 
-def resolve_gguf_activations(gguf_activations: str, weight_format: str) -> str:
-    """How the projections on blocks ("gguf" and "int8" weights) take their rows: "exact" or "int8";
-    "exact" for float weights, which have no blocks. auto is exact: int8 rows cost 0.10-0.22%
-    perplexity on the three packaged models (`kvserve eval`, docs/models.md), over the +0.1% a
-    default may cost."""
+def resolve_gguf_activations(gguf_activations: str, weight_format: str, dtype: str = "bfloat16") -> str:
+    """How the projections on blocks ("gguf" and "int8" weights) take their rows: "exact", "int8" or
+    "bf16" (AMX tiles); "exact" for float weights, which have no blocks. auto is exact: int8 rows
+    cost 0.10-0.22% perplexity on the three packaged models (`kvserve eval`, docs/models.md), over
+    the +0.1% a default may cost."""
     if weight_format not in ("gguf", *QUANTIZED_AT_LOAD) or gguf_activations == "auto":
         return "exact"
     if gguf_activations == "int8" and not gguf_int8_available():
         raise ValueError("--gguf-activations int8 needs a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI (use exact or auto)")
+    if gguf_activations == "bf16":
+        if dtype != "bfloat16":
+            raise ValueError(f"--gguf-activations bf16 multiplies bf16 rows: it needs --dtype bfloat16 (--dtype is {dtype})")
+        if not gguf_tiles_available():
+            raise ValueError("--gguf-activations bf16 runs on AMX tiles, which this CPU lacks or cannot use here (use exact or auto)")
     return gguf_activations
 
 
