@@ -137,6 +137,8 @@ class EngineConfig:
                 raise ValueError(f"--weight-dtype {self.weight_dtype} computes with the CPU kernels: it needs --device cpu")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}; got {self.gguf_activations!r}")
+        if self.gguf_activations == "bf16" and dtype != "bfloat16":  # checked at load too; here so that `kvserve eval` refuses a --config first
+            raise ValueError(f"--gguf-activations bf16 multiplies bf16 rows: it needs --dtype bfloat16 (--dtype is {dtype})")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {self.prefix_cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

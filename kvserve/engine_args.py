@@ -20,7 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "on other CPUs the faster of the two in a timed matmul")
     group.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                        help="how the weights are held: gguf keeps a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
-                       "Q5_K, Q6_K; one copy, the file's size) and computes on them in float32 (or on int8 rows: --gguf-activations); bfloat16 / float32 dequantize them "
+                       "Q5_K, Q6_K; one copy, the file's size) and computes on them exactly (float32 FMAs, or bf16 dot products on their codes; int8 rows or "
+                       "AMX bf16 tiles: --gguf-activations); bfloat16 / float32 dequantize them "
                        "into --dtype (which must match); int8 quantizes the projections, embedding and lm_head (of a Hugging Face "
                        "checkpoint, or a GGUF file's dequantized) to int8 with a scale per 32 weights of a row (GGUF's Q8_0 layout, 8.5 bits a weight; weight-only, the "
                        "activations stay in --dtype); int4 quantizes the q, k, o, gate and up projections to 4 bits with a scale and a minimum per 32 weights (GGUF's Q4_1, asymmetric groups of 32: 5 bits a weight) and v, down, the embedding and the lm_head to Q8_0 (as llama.cpp's Q4_K_M keeps v and down at more bits). auto: gguf for GGUF files where --dtype is float32 on the CPU (with "

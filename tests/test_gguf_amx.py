@@ -122,10 +122,10 @@ def test_the_refusals_name_what_is_missing(monkeypatch):
 
     with pytest.raises(ValueError, match="--dtype bfloat16"):
         loader.resolve_gguf_activations("bf16", "gguf", "float32")
+    monkeypatch.delenv("KVSERVE_DISABLE_AMX", raising=False)
     monkeypatch.setattr(loader, "gguf_tiles_available", lambda: False)
-    with pytest.raises(ValueError, match="AMX tiles"):
+    with pytest.raises(ValueError, match="this CPU lacks"):
         loader.resolve_gguf_activations("bf16", "gguf", "bfloat16")
-    assert loader.resolve_gguf_activations("bf16", "float", "bfloat16") == "exact"
 
 
 @REAL_AMX
@@ -152,3 +152,22 @@ def test_an_engine_on_bf16_tiles_gives_the_bf16_weights_tokens_and_logprobs(tiny
     assert runs["gguf", "exact"] != runs["gguf", "bf16"]  # the exact blocks' values are not rounded to bf16
     assert identities["gguf", "bf16"] == "bfloat16/weights gguf/bf16 tiles"
     assert len(set(identities.values())) == 3
+
+
+def test_the_config_refuses_bf16_tiles_without_bf16_activations_before_loading(caplog):
+    from kvserve.config import EngineConfig
+    from kvserve.model import loader
+
+    with pytest.raises(ValueError, match="needs --dtype bfloat16"):
+        EngineConfig(gguf_activations="bf16", dtype="float32")
+    with caplog.at_level("WARNING"):
+        assert loader.resolve_gguf_activations("bf16", "float", "bfloat16") == "exact"
+    assert "ignored" in caplog.text  # no blocks: said, not silently dropped
+
+
+def test_the_amx_switch_is_named_when_it_turns_the_tiles_off(monkeypatch):
+    from kvserve.model import loader
+
+    monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
+    with pytest.raises(ValueError, match="KVSERVE_DISABLE_AMX=1"):
+        loader.resolve_gguf_activations("bf16", "gguf", "bfloat16")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import warnings
 from dataclasses import asdict, dataclass
@@ -359,16 +360,24 @@ def resolve_weight_format(path: Path, weight_dtype: str, device: str, dtype: str
 
 def resolve_gguf_activations(gguf_activations: str, weight_format: str, dtype: str = "bfloat16") -> str:
     """How the projections on blocks ("gguf" and "int8" weights) take their rows: "exact", "int8" or
-    "bf16" (AMX tiles); "exact" for float weights, which have no blocks. auto is exact: int8 rows
-    cost 0.10-0.22% perplexity on the three packaged models (`kvserve eval`, docs/models.md), over
-    the +0.1% a default may cost."""
-    if weight_format not in ("gguf", *QUANTIZED_AT_LOAD) or gguf_activations == "auto":
+    "bf16" (AMX tiles); "exact" for float weights, which have no blocks (a value other than auto or
+    exact is then ignored, with a warning). auto is exact: int8 rows cost 0.10-0.22% perplexity on
+    the three packaged models (`kvserve eval`, docs/models.md), over the +0.1% a default may cost;
+    bf16 tiles are slower than the exact blocks for one stream (docs/models.md)."""
+    if weight_format not in ("gguf", *QUANTIZED_AT_LOAD):
+        if gguf_activations not in ("auto", "exact"):
+            log.warning("--gguf-activations %s applies to weights held in blocks (--weight-dtype gguf, int8 or int4); these weights are "
+                        "held as %s copies, so it is ignored", gguf_activations, dtype)  # fmt: skip
+        return "exact"
+    if gguf_activations == "auto":
         return "exact"
     if gguf_activations == "int8" and not gguf_int8_available():
         raise ValueError("--gguf-activations int8 needs a CPU with AVX512-VNNI, AVX512-BW and AVX512-VBMI (use exact or auto)")
     if gguf_activations == "bf16":
         if dtype != "bfloat16":
             raise ValueError(f"--gguf-activations bf16 multiplies bf16 rows: it needs --dtype bfloat16 (--dtype is {dtype})")
+        if os.environ.get("KVSERVE_DISABLE_AMX") == "1":
+            raise ValueError("--gguf-activations bf16 runs on AMX tiles, which KVSERVE_DISABLE_AMX=1 turns off (unset it, or use exact or auto)")
         if not gguf_tiles_available():
             raise ValueError("--gguf-activations bf16 runs on AMX tiles, which this CPU lacks or cannot use here (use exact or auto)")
     return gguf_activations

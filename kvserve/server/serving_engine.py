@@ -145,7 +145,7 @@ class OpenAIServing:
             log.info("LoRA adapters served: %s", ", ".join(name for name, _ in config.lora_modules))
         stats = engine.stats()
         log.info("%s: weights held as %s (%s activations), %.1f MiB; KV cache %d blocks, %.1f MiB (%s)", self.model_name,
-                 stats["weight_dtype"], stats["dtype"], stats["weight_bytes"] / 2**20, stats["num_blocks"],
+                 engine.weights_description(), stats["dtype"], stats["weight_bytes"] / 2**20, stats["num_blocks"],
                  stats["kv_cache_bytes"] / 2**20, stats["kv_cache_dtype"])  # fmt: skip
 
     # ------------------------------------------------------------------ rejections: logged and counted once each
