@@ -120,7 +120,22 @@ def planned_weight_bytes(model: str, config: ModelConfig, weight_dtype: str, dty
     # there); in bf16, where the CPU screens greedy rows, its int8 screen beside it
     screen = lm_head_screen_bytes(config) if held == "bfloat16" else 0
     saved = _embedding_saved(path, config, held) if is_gguf else 0
-    return model_weight_bytes(config, _DTYPE_BYTES[held]) + screen - saved, held
+    padding = amx_padding_bytes(config) if held == "bfloat16" else 0
+    return model_weight_bytes(config, _DTYPE_BYTES[held]) + screen + padding - saved, held
+
+
+def amx_padding_bytes(config: ModelConfig) -> int:
+    """The zeros AMX B tiles add to bf16 weights where this CPU packs them so (products.amx_ready):
+    each matrix [n, k] held as [n rounded up to 16, k rounded up to 32] (kernels/amx_matmul.cpp)."""
+    from kvserve.kernels import products
+
+    if not products.amx_ready():
+        return 0
+    h, q, kv, i = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # qkv_proj, o_proj, gate_up_proj, down_proj
+    padded = sum((-(-n // 16) * 16) * (-(-k // 32) * 32) - n * k for n, k in layer) * config.num_layers
+    padded += (-(-config.vocab_size // 16) * 16) * (-(-h // 32) * 32) - config.vocab_size * h  # the lm_head, once
+    return padded * 2
 
 
 def _embedding_saved(path: Path, config: ModelConfig, held: str) -> int:
