@@ -191,6 +191,29 @@ inline void dispatch(int mt, int nt, const StagedRows& staged, int rb, int rows,
   else block<1, 1>(staged, rb, rows, b, cb, steps, o);
 }
 
+// This thread's column-block pairs [pair_begin, pair_end) of a weight with `blocks` column blocks
+// against every row block, a chunk of rows (up to chunk_bytes of x, kept in L2) at a time:
+// b_tiles(cb, nt) gives the B tiles of column blocks cb .. cb + nt - 1 (called once per chunk and pair).
+template <typename BTiles>
+KVSERVE_AMX_TARGET void walk_pairs(const StagedRows& staged, int rows, int k, int64_t blocks, int64_t pair_begin, int64_t pair_end,
+                                   int64_t chunk_bytes, const Outputs& o, BTiles&& b_tiles) {
+  const int steps = static_cast<int>(ceil_div(k, kStep));
+  const TileConfig config = full_tiles();
+  KVSERVE_TILE_LOADCONFIG(&config);
+  const int row_blocks = static_cast<int>(staged.blocks.size());
+  const int chunk = std::max(2, static_cast<int>(chunk_bytes / (static_cast<int64_t>(k) * 2 * kBlock)) / 2 * 2);
+  for (int r0 = 0; r0 < row_blocks; r0 += chunk) {
+    const int r1 = std::min(row_blocks, r0 + chunk);
+    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+      const int64_t cb = 2 * pair;
+      const int nt = static_cast<int>(std::min<int64_t>(2, blocks - cb));
+      const uint16_t* b = b_tiles(cb, nt);
+      for (int rb = r0; rb < r1; rb += 2) dispatch(std::min(2, r1 - rb), nt, staged, rb, rows, b, cb, steps, o);
+    }
+  }
+  KVSERVE_TILE_RELEASE();
+}
+
 // Splits `pairs` column-block pairs over the threads: each runs part(begin, end, outputs) on its
 // share with its own running argmax, merged into argmax (int64 [rows], nullable; ties to the
 // lowest index) at the end.

@@ -87,26 +87,6 @@ bool amx_ready() { return KVSERVE_AMX_SUPPORTED; }
 
 using namespace amx_core;
 
-// this thread's column-block pairs [pair_begin, pair_end) against every row block; rows go in
-// chunks that stay in L2 while the chunk's B tiles stream past
-KVSERVE_AMX_TARGET void thread_part(const StagedRows& staged, int rows, int k, const uint16_t* packed, int64_t blocks, int steps,
-                                    int64_t pair_begin, int64_t pair_end, const Outputs& o) {
-  const TileConfig config = full_tiles();
-  KVSERVE_TILE_LOADCONFIG(&config);
-  const int row_blocks = static_cast<int>(staged.blocks.size());
-  const int chunk = std::max(2, static_cast<int>((256 << 10) / (static_cast<int64_t>(k) * 2 * kBlock)) / 2 * 2);
-  for (int r0 = 0; r0 < row_blocks; r0 += chunk) {
-    const int r1 = std::min(row_blocks, r0 + chunk);
-    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-      const int64_t cb = 2 * pair;
-      const int nt = static_cast<int>(std::min<int64_t>(2, blocks - cb));
-      const uint16_t* b = packed + cb * steps * kBTileElems;
-      for (int rb = r0; rb < r1; rb += 2) dispatch(std::min(2, r1 - rb), nt, staged, rb, rows, b, cb, steps, o);
-    }
-  }
-  KVSERVE_TILE_RELEASE();
-}
-
 #endif  // KVSERVE_AMX_SUPPORTED
 
 }  // namespace
@@ -152,7 +132,9 @@ int kvserve_amx_matmul(const kvserve::AmxMatmulArgs* a) {
   StagedRows staged;
   stage_rows(a->x, a->ldx, rows, k, steps, staged);
   run_pairs(pairs, rows, a->out, a->out_dtype, n, n, a->argmax, [&](int64_t begin, int64_t end, const Outputs& o) {
-    thread_part(staged, rows, k, a->packed, blocks, steps, begin, end, o);
+    // rows in chunks of 256 KiB of x while the chunk's B tiles stream past
+    walk_pairs(staged, rows, k, blocks, begin, end, 256 << 10, o,
+               [&](int64_t cb, int) { return a->packed + cb * steps * kBTileElems; });
   });
   return 0;
 #else

@@ -11,7 +11,6 @@ namespace tiles {
 #if KVSERVE_AMX_SUPPORTED
 
 using amx_core::kBlock;
-using amx_core::kStep;
 
 // one B tile row: 16 columns' values at k = 2p (low half of each 32-bit lane) and 2p + 1 (high),
 // rounded to bf16 to nearest even. VCVTNE2PS2BF16 flushes a denormal to zero where the integer
@@ -61,38 +60,19 @@ inline BTileDecoder b_tile_decoder(int type) {
   return for_type(type, BTileDecoder{}, [](auto t) -> BTileDecoder { return decode_b_tiles<decltype(t)::value>; });
 }
 
-// this thread's column-block pairs [pair_begin, pair_end) against every row block, a chunk of rows
-// (up to 1 MiB of x, which stays in L2) at a time, each pair decoded once per chunk
-KVSERVE_AMX_TARGET void thread_part(const Weight& w, BTileDecoder decode, const amx_core::StagedRows& staged, int rows, int64_t pair_begin,
-                                    int64_t pair_end, const amx_core::Outputs& o) {
-  const int k = w.k, steps = k / kStep;
-  const int64_t blocks = (w.n + kBlock - 1) / kBlock;
-  std::vector<uint16_t> panel(static_cast<size_t>(2) * k * kTile);
-  const amx::TileConfig config = amx::full_tiles();
-  KVSERVE_TILE_LOADCONFIG(&config);
-  const int row_blocks = static_cast<int>(staged.blocks.size());
-  const int chunk = std::max(2, static_cast<int>((1 << 20) / (static_cast<int64_t>(k) * 2 * kBlock)) / 2 * 2);
-  for (int r0 = 0; r0 < row_blocks; r0 += chunk) {
-    const int r1 = std::min(row_blocks, r0 + chunk);
-    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-      const int64_t cb = 2 * pair;
-      const int nt = static_cast<int>(std::min<int64_t>(2, blocks - cb));
-      for (int t = 0; t < nt; ++t) decode(w.tiles + (cb + t) * w.tile_bytes, k, panel.data() + static_cast<int64_t>(t) * k * kTile);
-      for (int rb = r0; rb < r1; rb += 2) amx_core::dispatch(std::min(2, r1 - rb), nt, staged, rb, rows, panel.data(), cb, steps, o);
-    }
-  }
-  KVSERVE_TILE_RELEASE();
-}
-
 // x: bf16 [rows, k] (row stride ldx); out ([rows, ldo] float32 or bf16) and argmax may be null
 inline void run(const Weight& w, int type, const uint16_t* x, int64_t ldx, int rows, void* out, int out_dtype, int64_t ldo, int64_t* argmax) {
-  const int steps = w.k / kStep;
   amx_core::StagedRows staged;
-  amx_core::stage_rows(x, ldx, rows, w.k, steps, staged);
+  amx_core::stage_rows(x, ldx, rows, w.k, w.k / amx_core::kStep, staged);
   const BTileDecoder decode = b_tile_decoder(type);
   const int64_t pairs = ((w.n + kBlock - 1) / kBlock + 1) / 2;
   amx_core::run_pairs(pairs, rows, out, out_dtype, w.n, ldo, argmax, [&](int64_t begin, int64_t end, const amx_core::Outputs& o) {
-    thread_part(w, decode, staged, rows, begin, end, o);
+    // each pair decoded once per chunk of rows (1 MiB of x)
+    std::vector<uint16_t> panel(static_cast<size_t>(2) * w.k * kTile);
+    amx_core::walk_pairs(staged, rows, w.k, (w.n + kBlock - 1) / kBlock, begin, end, 1 << 20, o, [&](int64_t cb, int nt) {
+      for (int t = 0; t < nt; ++t) decode(w.tiles + (cb + t) * w.tile_bytes, w.k, panel.data() + static_cast<int64_t>(t) * w.k * kTile);
+      return static_cast<const uint16_t*>(panel.data());
+    });
   });
 }
 
