@@ -726,3 +726,56 @@ def test_each_prefill_row_has_the_bits_of_its_decode(kv_dtype, query_dtype, wind
                 scores = keys[lo:context, kv_head] @ q[row, head].double() * dim**-0.5
                 expected = torch.softmax(scores, 0) @ values[lo:context, kv_head]
                 torch.testing.assert_close(decoded[row, head].double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def int8_amx_tiles_available() -> bool:
+    library = load_kernels()
+    on = library is not None and bool(library.kvserve_set_attention_amx(1)) and bool(library.kvserve_attention_amx_int8())
+    if library is not None:
+        library.kvserve_set_attention_amx(int(products.amx_ready()))
+    return on
+
+
+@pytest.mark.skipif(not int8_amx_tiles_available(), reason="int8 K/V take AMX tiles only on a CPU with AMX-INT8")
+@pytest.mark.parametrize("kv_heads, heads, dim, block_size, context, window", [
+    (1, 4, 256, 16, 45, None), (2, 14, 64, 16, 300, None), (2, 14, 64, 16, 1300, None), (2, 2, 128, 32, 700, 100),
+    (1, 17, 64, 64, 1100, 333), (1, 8, 192, 256, 600, None), (2, 6, 64, 16, 9, None)])  # fmt: skip
+def test_int8_attention_on_amx_tiles_has_the_vector_paths_bits(kv_heads, heads, dim, block_size, context, window):
+    """int8 K/V on AMX (attention_amx_int8.h) give attention_int8.h's bits, decoded and prefilled:
+    the same exact integer sums, windows of value sums and float steps. Blocks scattered, windows,
+    split contexts (1,024+ slots), groups of 1-17 heads (a prefill tile of 64 rows or fewer, a
+    query block of 16 split over tiles), head dims of 1-4 tile steps."""
+    spec = KVCacheSpec(1, kv_heads, dim, "int8", block_size, residual_dtype="bfloat16")
+    blocks = -(-context // block_size)
+    pool = PagedKVPool(spec, blocks + 3, torch.device("cpu"))
+    g = torch.Generator().manual_seed(context + heads)
+    k, v = torch.randn(blocks * block_size, kv_heads, dim, generator=g) * 2, torch.randn(blocks * block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]
+    pool.layers[0].store((table[:, None] * block_size + torch.arange(block_size)).reshape(-1), k.bfloat16(), v.bfloat16())
+    view = pool.layers[0].view
+    rows = min(context, 37)
+    q = (torch.randn(rows, heads, dim, generator=g) * 3).bfloat16()
+    library = load_kernels()
+    outputs = {}
+    try:
+        for amx in (1, 0):
+            assert library.kvserve_set_attention_amx(amx) == amx and library.kvserve_attention_amx_int8() == amx
+            decoded = attention.paged_decode_attention(q, view, table[None].repeat(rows, 1), torch.arange(context - rows + 1, context + 1),
+                                                       dim**-0.5, window)
+            prefilled = attention.paged_prefill_attention(q, view, table, context - rows, dim**-0.5, window)
+            assert torch.equal(prefilled, decoded)
+            outputs[amx] = decoded
+    finally:
+        library.kvserve_set_attention_amx(int(products.amx_ready()))
+    assert torch.equal(outputs[1], outputs[0])
+    # and close to float64 attention over the dequantized blocks
+    stored = k.bfloat16().float().view(blocks, block_size, kv_heads, dim), v.bfloat16().float().view(blocks, block_size, kv_heads, dim)
+    keys, values = (quant.decode(spec, quant.encode(spec, x, which), which).reshape(-1, kv_heads, dim).double()
+                    for x, which in zip(stored, ("key", "value")))  # fmt: skip
+    for row in (0, rows - 1):
+        end = context - rows + 1 + row
+        first = 0 if window is None else max(0, end - window)
+        for head in range(heads):
+            kv_head = head // (heads // kv_heads)
+            weights = torch.softmax(keys[first:end, kv_head] @ q[row, head].double() * dim**-0.5, 0)
+            torch.testing.assert_close(outputs[1][row, head].double(), weights @ values[first:end, kv_head], atol=2e-2, rtol=2e-2)

@@ -132,7 +132,7 @@ inline void tile_release() {}
 #include <immintrin.h>
 
 #define KVSERVE_AMX_SUPPORTED 1
-#define KVSERVE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define KVSERVE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 namespace kvserve::amx {
 
@@ -152,6 +152,11 @@ KVSERVE_AMX_TARGET inline void tile_loadconfig(const TileConfig* config) { __asm
     _tile_loadd(t, base, stride);           \
   } while (0)
 #define KVSERVE_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+// AMX-INT8's byte products, int32 sums: A and B signed (SSD), A signed and B unsigned (SUD), A
+// unsigned and B signed (USD); real tiles only (attention_amx_int8.h, not built for the emulation)
+#define KVSERVE_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define KVSERVE_TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#define KVSERVE_TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 #define KVSERVE_TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
 #define KVSERVE_TILE_RELEASE() _tile_release()
 

@@ -234,9 +234,15 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
       const __m512 by = _mm512_load_ps(factor);
       for (int r = 0; r < count; ++r) {
-        __m512 scores = _mm512_mul_ps(reduce16(partial + r * 16), by);
-        if (int16) scores = _mm512_mul_ps(scores, _mm512_set1_ps(query_scales[r]));
-        _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, scores);
+#if KVSERVE_INT8_ATTENTION
+        if (int16) {
+          const __m512 scores = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(reduce16_int32(partial + r * 16)), by),
+                                              _mm512_set1_ps(query_scales[r]));
+          _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, scores);
+          continue;
+        }
+#endif
+        _mm512_mask_storeu_ps(s + r * span + start + j0 - base, keep, _mm512_mul_ps(reduce16(partial + r * 16), by));
       }
     }
   });
@@ -265,6 +271,13 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
   // a block, a slot outside [lo, hi) read as zeros
   scratch.acc.assign(static_cast<size_t>(count) * chunks * 32, 0.f);
   float* acc = scratch.acc.data();
+  [[maybe_unused]] int32_t* window_sums = nullptr;
+#if KVSERVE_INT8_ATTENTION
+  if (int16) {
+    scratch.window_sums.assign(static_cast<size_t>(count) * chunks * 32, 0);
+    window_sums = scratch.window_sums.data();
+  }
+#endif
   const __m512i zero = _mm512_setzero_si512();
   const int max_pairs = (kv.block_size + 1) / 2;
   __m512bh* pairs_lo = scratch.aligned<__m512bh>(2 * static_cast<size_t>(max_pairs));
@@ -293,10 +306,10 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
       for_each_row_block(count, [&](auto size, int r0) {
 #if KVSERVE_INT8_ATTENTION
         if (int16) {
-          int16_values_block<decltype(size)::value>(acc + static_cast<size_t>(r0) * chunks * 32,
+          int16_values_block<decltype(size)::value>(window_sums + static_cast<size_t>(r0) * chunks * 32,
                                                     reinterpret_cast<const int16_t*>(scratch.probs.data()) + r0 * pitch, pitch, chunks, c,
                                                     reinterpret_cast<const __m512i*>(pairs_lo), reinterpret_cast<const __m512i*>(pairs_hi),
-                                                    pair_count, start + from - base, weight_scales.data() + r0);
+                                                    pair_count, start + from - base);
           return;
         }
 #endif
@@ -304,6 +317,9 @@ void attend_tile_bf16(float* out_rows, float* lse, const uint16_t* queries, cons
                                                  c, pairs_lo, pairs_hi, pair_count, start + from - base);
       });
     }
+#if KVSERVE_INT8_ATTENTION
+    if (int16 && (next < 0 || int8_window_ends(start, kv.block_size))) add_window_sums(acc, window_sums, count, chunks * 32, weight_scales.data());
+#endif
   });
   write_unpacked(out_rows, acc, count, chunks, inv_sum.data());
 }

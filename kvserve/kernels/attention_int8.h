@@ -1,22 +1,25 @@
 // Tiles of bf16 queries over int8 K/V on a CPU with AVX512-VNNI (paged_attention.cpp includes this
 // inside its anonymous namespace, after attention_tiles.h; attend_tile_bf16<kInt8> calls it): both
 // products in 16-bit integers on vpdpwssd, so the codes are widened by one instruction per 32 (to
-// bf16 it took five) and the sums are exact.
+// bf16 it took five) and the sums are exact. attention_amx_int8.h computes the same integers on AMX
+// tiles, so the two paths give the same bits.
 //
 // Scores: each query row is rounded to int16 codes (scale max|q| / 32767, to nearest); a key's 32
 // codes widened to int16; sums in int32 (|q| <= 32767, |k| <= 128 over at most 512 dims stay under
-// 2^31). A bf16 query already carries 8 significant bits; its 16-bit codes add an error below a
-// bf16 rounding of its largest element.
+// 2^31), a key's 16 lanes added in int32 too, so the score is its exact integer dot product
+// converted to float once. A bf16 query already carries 8 significant bits; its 16-bit codes add an
+// error below a bf16 rounding of its largest element.
 //
 // Values: each row's weights (probability times the value row's scale) rounded to int16 codes
 // against the row's largest weight; value rows i and i + 1 interleaved as int16 pairs, so one
-// instruction adds w_i v_i + w_{i+1} v_{i+1} for 16 dims; each block's int32 sums (at most
-// kMaxBlockSlots slots of |w| <= 32767, |v| <= 128: under 2^31) are added in float to the output.
+// instruction adds w_i v_i + w_{i+1} v_{i+1} for 16 dims. The int32 sums run over a window of
+// kInt8ValueWindow positions (at most 511 slots of |w| <= 32767, |v| <= 128: under 2^31; see
+// int8_window_ends) and each window's sums are added in float to the output, in position order.
 // The codes' error, 2^-16 of the row's largest weight, is below bf16 probabilities' 2^-9 of each
 // weight until the weights spread evenly over ~2^14 slots.
 //
-// Both roundings depend on the row's own query and context alone, so a row's bits are the same
-// alone and batched.
+// Both roundings depend on the row's own query and context alone, and the windows on positions
+// alone, so a row's bits are the same alone and batched, on these vectors and on AMX tiles.
 
 #pragma once
 
@@ -24,6 +27,35 @@
 #define KVSERVE_INT8_ATTENTION 1
 
 constexpr int64_t kInt8MaxBlockSlots = 512;
+constexpr int64_t kInt8ValueWindow = 256;
+
+// whether the value sums of a window end with the block of block_size slots from `start` (the
+// last block of a tile ends one too): it reaches a multiple of kInt8ValueWindow, or is itself
+// larger than one, so no window sums more than 2 * kInt8ValueWindow - 1 slots
+inline bool int8_window_ends(int64_t start, int64_t block_size) {
+  return block_size > kInt8ValueWindow || (start + block_size) / kInt8ValueWindow != start / kInt8ValueWindow;
+}
+
+// a key's 16 lanes of int32 partial sums (v[j] its vector, as float bits) -> the 16 keys' totals,
+// in int32 (exact): reduce16's tree on integers
+inline __m512i reduce16_int32(const __m512* v) {
+  auto sum_pairs = [](__m512i a, __m512i b, const __m512i& lo, const __m512i& hi) {
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, lo, b), _mm512_permutex2var_epi32(a, hi, b));
+  };
+  const __m512i lo1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i hi1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+  const __m512i lo2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i hi2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i lo3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i hi3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+  const __m512i lo4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i hi4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  __m512i w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) w[i] = sum_pairs(_mm512_castps_si512(v[2 * i]), _mm512_castps_si512(v[2 * i + 1]), lo1, hi1);
+  for (int i = 0; i < 4; ++i) x[i] = sum_pairs(w[2 * i], w[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) y[i] = sum_pairs(x[2 * i], x[2 * i + 1], lo3, hi3);
+  return sum_pairs(y[0], y[1], lo4, hi4);
+}
 
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -64,7 +96,8 @@ inline void int16_query_rows(int16_t* codes, float* scales, const uint16_t* quer
   }
 }
 
-// one key's 16-lane partial sums for RB query rows (as bf16_partials_block)
+// one key's 16-lane int32 partial sums (as float bits, for reduce16_int32) for RB query rows (as
+// bf16_partials_block)
 template <int RB>
 inline void int8_key_partials_block(__m512* partial, const int16_t* queries, int head_dim, const uint8_t* key, int j) {
   const int chunks = head_dim / 32;
@@ -83,7 +116,7 @@ inline void int8_key_partials_block(__m512* partial, const int16_t* queries, int
     const __m512i k0 = widen(c);
     for (int r = 0; r < RB; ++r) a[r] = _mm512_dpwssd_epi32(a[r], _mm512_loadu_si512(queries + r * head_dim + c * 32), k0);
   }
-  for (int r = 0; r < RB; ++r) partial[r * 16 + j] = _mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r]));
+  for (int r = 0; r < RB; ++r) partial[r * 16 + j] = _mm512_castsi512_ps(_mm512_add_epi32(a[r], b[r]));
 }
 
 // Softmax in float over each row's range of scores s [rows][span] (slot base + i at column i), as
@@ -132,12 +165,16 @@ inline void int16_probabilities(float* s, int64_t span, int64_t base, const Tile
   }
 }
 
-// one block's value pairs [pair_count] (16 dims each, lo and hi) into acc [rows][chunks][2][16]
+// one block's value pairs [pair_count] (16 dims each, lo and hi) added to the window's int32 sums
+// sums [rows][chunks][2][16]
 template <int RB>
-inline void int16_values_block(float* acc, const int16_t* codes, int64_t pitch, int chunks, int c, const __m512i* pairs_lo,
-                               const __m512i* pairs_hi, int pair_count, int64_t at, const float* weight_scales) {
+inline void int16_values_block(int32_t* sums, const int16_t* codes, int64_t pitch, int chunks, int c, const __m512i* pairs_lo,
+                               const __m512i* pairs_hi, int pair_count, int64_t at) {
   __m512i lo[RB], hi[RB];
-  for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  for (int r = 0; r < RB; ++r) {
+    lo[r] = _mm512_loadu_si512(sums + (r * chunks + c) * 32);
+    hi[r] = _mm512_loadu_si512(sums + (r * chunks + c) * 32 + 16);
+  }
   for (int i = 0; i < pair_count; ++i)
     for (int r = 0; r < RB; ++r) {
       int32_t both;
@@ -147,11 +184,20 @@ inline void int16_values_block(float* acc, const int16_t* codes, int64_t pitch, 
       hi[r] = _mm512_dpwssd_epi32(hi[r], pairs_hi[i], weight);
     }
   for (int r = 0; r < RB; ++r) {
-    float* out = acc + (r * chunks + c) * 32;
-    const __m512 by = _mm512_set1_ps(weight_scales[r]);
-    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), by, _mm512_loadu_ps(out)));
-    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), by, _mm512_loadu_ps(out + 16)));
+    _mm512_storeu_si512(sums + (r * chunks + c) * 32, lo[r]);
+    _mm512_storeu_si512(sums + (r * chunks + c) * 32 + 16, hi[r]);
   }
+}
+
+// a window's int32 sums [count][width] into acc [count][width] (width a multiple of 16), each row's
+// times its weight scale, fused; the sums zeroed for the next window
+inline void add_window_sums(float* acc, int32_t* sums, int count, int64_t width, const float* weight_scales) {
+  for (int r = 0; r < count; ++r) {
+    const __m512 by = _mm512_set1_ps(weight_scales[r]);
+    for (int64_t i = r * width; i < (r + 1) * width; i += 16)
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + i)), by, _mm512_loadu_ps(acc + i)));
+  }
+  std::memset(sums, 0, sizeof(int32_t) * count * width);
 }
 
 // 32 int8 codes of a K/V row from dim c * 32 on, as int16

@@ -31,6 +31,8 @@ struct TileScratch {
   std::vector<uint16_t> staged_values;   // the AMX path's B tiles of value pairs
   std::vector<int16_t> int16_queries;    // [rows][head_dim]: the int8 keys' path (attention_bf16.h)
   std::vector<float> query_scales;       // [rows]
+  std::vector<int32_t> window_sums;      // [rows][head_dim]: the int8 values' int32 sums of a window (attention_int8.h)
+  std::vector<uint8_t> amx_bytes;        // attention_amx_int8.h's codes split in bytes and its B tiles
 
   // n zeroed 64-byte vectors of type V, aligned
   template <typename V>

@@ -31,7 +31,7 @@ SOURCES = [
 HEADERS = [
     "simd.h", "float_tiles.h", "args.h", "kv_formats.h", "gumbel.h", "int8_screen.h", "amx_tiles.h", "amx_core.h", "gguf_dot.h", "gguf_int8.h", "gguf_screen.h", "gguf_amx.h",
     # paged_attention.cpp's paths, included into its one translation unit
-    "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_int8.h", "attention_bf16.h", "attention_amx.h", "attention_kivi_bf16.h",
+    "attention_common.h", "attention_rows.h", "attention_tiles.h", "attention_int8.h", "attention_bf16.h", "attention_amx.h", "attention_amx_int8.h", "attention_kivi_bf16.h",
 ]  # fmt: skip
 # test only: the AMX kernels (amx_matmul.cpp; gguf_matmul.cpp's bf16 tiles) with their tile
 # instructions emulated in scalar C++ (amx_tiles.h)
@@ -156,6 +156,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "kvserve_has_bf16_dot": [],
         "kvserve_has_int8_screen": [],
         "kvserve_set_attention_amx": [_c_int],
+        "kvserve_attention_amx_int8": [],
         # weight, n, k, packed
         "kvserve_pack_bf16_weight": [_ptr, _c_int64, _c_int, _ptr],
         # blocks, type, n, k, row ids (or null), count, out

@@ -13,7 +13,8 @@
 // gguf_dot.h), so the compiler sees them as before: attention_common.h (what they share),
 // attention_rows.h (a row at a time in float: any layout, KIVI records), attention_tiles.h (a tile
 // of query rows; float queries), attention_bf16.h (bf16 tiles on AVX512-BF16), attention_amx.h
-// (bf16 tiles on AMX), attention_kivi_bf16.h (KIVI records, bf16 queries). Here: which path each
+// (bf16 tiles on AMX), attention_amx_int8.h (int8 K/V on AMX, attention_int8.h's bits),
+// attention_kivi_bf16.h (KIVI records, bf16 queries). Here: which path each
 // row takes, long contexts split and merged, and the entry points for decode and prefill.
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 
 #if KVSERVE_DECODE_BF16_DOT && KVSERVE_AMX_SUPPORTED && !defined(KVSERVE_AMX_EMULATE)
 #define KVSERVE_ATTENTION_AMX 1
+#include <cpuid.h>
 #else
 #define KVSERVE_ATTENTION_AMX 0
 #endif
@@ -54,6 +56,7 @@ using namespace kvserve;
 #include "attention_int8.h"
 #include "attention_bf16.h"
 #include "attention_amx.h"
+#include "attention_amx_int8.h"
 #include "attention_kivi_bf16.h"
 
 inline bool plain_float_view(const KVView& kv) { return is_float_format(kv.dtype) && kv.first_residual >= (int64_t{1} << 62); }
@@ -99,6 +102,11 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
 #if KVSERVE_ATTENTION_AMX
   amx_tiles = bf16_tiles && kv_dtype == kBFloat16 && kv.block_size % 16 == 0 && group <= kAmxTileRowsMax && attention_amx_enabled();
   if (amx_tiles) tile_tokens = std::min(tile_tokens, kAmxTileRowsMax / group);
+#endif
+  bool amx_int8_tiles = false;
+#if KVSERVE_ATTENTION_AMX_INT8
+  amx_int8_tiles = bf16_tiles && kv_dtype == kInt8 && amx_int8_layout(kv) && group <= kAmxTileRowsMax && attention_amx_int8_enabled();
+  if (amx_int8_tiles) tile_tokens = std::min(tile_tokens, kAmxTileRowsMax / group);
 #endif
 
   // each token's visible slots [first, context); one of at least 2 * kSplitTokens is split at the
@@ -177,6 +185,12 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
 #if KVSERVE_ATTENTION_AMX
         if (amx_tiles) {
           attend_tile_amx(result.data(), lse.data(), queries_bf16.data(), tile, kv, table, w.kv_head, scale, scratch);
+          return;
+        }
+#endif
+#if KVSERVE_ATTENTION_AMX_INT8
+        if (amx_int8_tiles) {
+          attend_tile_amx_int8(result.data(), lse.data(), queries_bf16.data(), tile, kv, table, w.kv_head, scale, scratch);
           return;
         }
 #endif
@@ -264,8 +278,8 @@ int attend_rows(const QueryRows& rows, const KVView& kv, void* out, const void* 
 
 extern "C" {
 
-// 0: bf16 attention leaves AMX tiles for the AVX512-BF16 path (the engine's AMX self-check failed);
-// 1: back to the default. Returns whether AMX attention is on now.
+// 0: bf16 and int8 attention leave AMX tiles for the AVX512 paths (the engine's AMX self-check
+// failed); 1: back to the default. Returns whether AMX attention is on now.
 int kvserve_set_attention_amx(int on) {
 #if KVSERVE_ATTENTION_AMX
   g_attention_amx = -1;
@@ -273,6 +287,16 @@ int kvserve_set_attention_amx(int on) {
   return attention_amx_enabled() ? 1 : 0;
 #else
   (void)on;
+  return 0;
+#endif
+}
+
+// 1 where int8 K/V take AMX tiles now (attention_amx_int8.h: the build has them, the CPU has
+// AMX-INT8 and AMX attention is on), for the layouts amx_int8_layout accepts
+int kvserve_attention_amx_int8() {
+#if KVSERVE_ATTENTION_AMX_INT8
+  return attention_amx_int8_enabled() ? 1 : 0;
+#else
   return 0;
 #endif
 }
