@@ -51,17 +51,34 @@ def timed(library, call, repeats: int) -> dict[str, tuple[float, torch.Tensor]]:
     return results
 
 
+MAX_CONTEXT = 131072  # slots: a pool of this many fits in a few GiB at these shapes
+
+
+def context_list(text: str) -> list[int]:
+    """--contexts: comma-separated slot counts, 1 .. MAX_CONTEXT"""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated positive integers, got {text!r}") from None
+    if not all(1 <= v <= MAX_CONTEXT for v in values):
+        raise argparse.ArgumentTypeError(f"each context must be 1 to {MAX_CONTEXT:,} slots, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
-    parser.add_argument("--contexts", default="400,2048", help="slots each query row sees, comma-separated")
-    parser.add_argument("--decode-batch", type=int, default=64, help="sequences in the decode batch")
-    parser.add_argument("--chunk", type=int, default=512, help="rows of the prefill chunk (the context's last rows)")
-    parser.add_argument("--repeats", type=int, default=20, help="calls per round (3 rounds per path; the best round's mean is kept)")
+    parser.add_argument("--contexts", type=context_list, default=[400, 2048],
+                        help=f"slots each query row sees, comma-separated, 1 to {MAX_CONTEXT:,} (default: 400,2048)")
+    parser.add_argument("--decode-batch", type=int, default=64, help="sequences in the decode batch, 1 to 1,024 (default: 64)")
+    parser.add_argument("--chunk", type=int, default=512,
+                        help="rows of the prefill chunk, the context's last rows; at most the context (default: 512)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="calls per round, 1 to 1,000 (3 rounds per path; the best round's mean is kept) (default: 20)")
     args = parser.parse_args(argv)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    if min(contexts) < 1 or args.decode_batch < 1 or args.chunk < 1 or args.repeats < 1:
-        parser.error("--contexts, --decode-batch, --chunk and --repeats take positive integers")
+    contexts = args.contexts
+    if not 1 <= args.decode_batch <= 1024 or args.chunk < 1 or not 1 <= args.repeats <= 1000:
+        parser.error("--decode-batch takes 1 to 1,024, --chunk a positive integer, --repeats 1 to 1,000")
     library = load_kernels()
     if library is None or not library.kvserve_set_attention_amx(1) or not library.kvserve_attention_amx_int8():
         sys.exit("int8 K/V take AMX tiles only on a CPU with AMX-INT8 (and the native kernels built): nothing to compare here")
@@ -70,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---|---:|---:|---:|---:|")
     for heads, kv_heads, dim, name in SHAPES:
         for context in contexts:
-            chunk = min(args.chunk, context)
+            chunk = min(args.chunk, context)  # a context shorter than --chunk is prefilled whole (the table says how many rows)
             g = torch.Generator().manual_seed(1)
             decode_q = torch.randn(args.decode_batch, heads, dim, generator=g).bfloat16()
             prefill_q = torch.randn(chunk, heads, dim, generator=g).bfloat16()
