@@ -14,12 +14,10 @@
 // sum of the rounded values, in float.
 #if KVSERVE_DECODE_BF16_DOT
 
-inline __m512 sum_pairs(__m512 a, __m512 b, const __m512i& lo, const __m512i& hi) {
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
-}
-
-// v[0..15], one 16-lane partial-sum vector per key -> one vector of the 16 keys' totals
-inline __m512 reduce16(__m512* v) {
+// v[0..15], one 16-lane partial-sum vector per key -> one vector of the 16 keys' totals, by a
+// transposing tree of permutes; add(a, b) adds two vectors' lanes (float, or int32 in float bits)
+template <typename Add>
+inline __m512 reduce16_tree(const __m512* v, Add add) {
   const __m512i lo1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i hi1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
   const __m512i lo2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
@@ -28,11 +26,23 @@ inline __m512 reduce16(__m512* v) {
   const __m512i hi3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
   const __m512i lo4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i hi4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  auto sum_pairs = [&](__m512 a, __m512 b, const __m512i& lo, const __m512i& hi) {
+    return add(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+  };
   __m512 w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i) w[i] = sum_pairs(v[2 * i], v[2 * i + 1], lo1, hi1);
   for (int i = 0; i < 4; ++i) x[i] = sum_pairs(w[2 * i], w[2 * i + 1], lo2, hi2);
   for (int i = 0; i < 2; ++i) y[i] = sum_pairs(x[2 * i], x[2 * i + 1], lo3, hi3);
   return sum_pairs(y[0], y[1], lo4, hi4);
+}
+
+inline __m512 reduce16(const __m512* v) { return reduce16_tree(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }); }
+
+// the same tree on int32 lanes held as float bits (attention_int8.h's partial sums): exact totals
+inline __m512i reduce16_int32(const __m512* v) {
+  return _mm512_castps_si512(reduce16_tree(v, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
 }
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p)); }

@@ -36,27 +36,6 @@ inline bool int8_window_ends(int64_t start, int64_t block_size) {
   return block_size > kInt8ValueWindow || (start + block_size) / kInt8ValueWindow != start / kInt8ValueWindow;
 }
 
-// a key's 16 lanes of int32 partial sums (v[j] its vector, as float bits) -> the 16 keys' totals,
-// in int32 (exact): reduce16's tree on integers
-inline __m512i reduce16_int32(const __m512* v) {
-  auto sum_pairs = [](__m512i a, __m512i b, const __m512i& lo, const __m512i& hi) {
-    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, lo, b), _mm512_permutex2var_epi32(a, hi, b));
-  };
-  const __m512i lo1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i hi1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
-  const __m512i lo2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
-  const __m512i hi2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
-  const __m512i lo3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
-  const __m512i hi3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
-  const __m512i lo4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i hi4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  __m512i w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) w[i] = sum_pairs(_mm512_castps_si512(v[2 * i]), _mm512_castps_si512(v[2 * i + 1]), lo1, hi1);
-  for (int i = 0; i < 4; ++i) x[i] = sum_pairs(w[2 * i], w[2 * i + 1], lo2, hi2);
-  for (int i = 0; i < 2; ++i) y[i] = sum_pairs(x[2 * i], x[2 * i + 1], lo3, hi3);
-  return sum_pairs(y[0], y[1], lo4, hi4);
-}
-
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -96,8 +75,8 @@ inline void int16_query_rows(int16_t* codes, float* scales, const uint16_t* quer
   }
 }
 
-// one key's 16-lane int32 partial sums (as float bits, for reduce16_int32) for RB query rows (as
-// bf16_partials_block)
+// one key's 16-lane int32 partial sums (as float bits, for attention_bf16.h's reduce16_int32) for RB
+// query rows (as bf16_partials_block)
 template <int RB>
 inline void int8_key_partials_block(__m512* partial, const int16_t* queries, int head_dim, const uint8_t* key, int j) {
   const int chunks = head_dim / 32;
